@@ -1,0 +1,193 @@
+"""Core's typed configuration sections. Plugins add theirs through the
+``posttrain_config_sections`` hook; see :mod:`posttrain.config.loader` for how YAML becomes
+these classes.
+
+Every field has a default except where the user must decide. Units are in the names
+(``_s`` seconds, ``_bytes``, ``_tokens``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+
+@attrs.define
+class ClusterConfig:
+    """Where workers run. ``ray_address`` (or the ``RAY_ADDRESS`` variable) joins a running
+    cluster; otherwise a local one is started with ``num_cpus`` logical CPUs (detected when
+    None; may exceed the physical cores)."""
+
+    ray_address: str | None = None
+    num_nodes: int = 1
+    num_cpus: int | None = None
+    num_gpus: int | None = None
+    use_gpus: bool = False
+
+
+@attrs.define
+class OptimizerConfig:
+    name: str = "adamw"  # adamw | adam | sgd
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = attrs.field(factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+
+
+@attrs.define
+class SchedulerConfig:
+    name: str = "constant"  # constant | linear | cosine
+    warmup_steps: int = 0
+    total_steps: int | None = None  # decay horizon for linear/cosine; defaults to the run's steps
+    min_lr_ratio: float = 0.0
+
+
+@attrs.define
+class SequencePackingConfig:
+    """Lay several sequences end to end in one row (attention kept within each)."""
+
+    enabled: bool = False
+    max_tokens_per_row: int | None = None  # None: policy.max_total_sequence_length
+    round_to: int = 1  # row width multiple (tensor-parallel alignment)
+
+
+@attrs.define
+class DynamicBatchingConfig:
+    """Group samples into microbatches by a padded-token budget instead of a fixed count."""
+
+    enabled: bool = False
+    max_tokens_per_microbatch: int = 4096
+    round_to: int = 1
+
+
+@attrs.define
+class WorkerResources:
+    """What each worker actor of a group asks Ray for, and its process environment."""
+
+    cpus: float = 1.0
+    gpus: float = 0.0
+    env_vars: dict[str, str] = attrs.field(factory=dict)
+    runtime_env: dict[str, Any] = attrs.field(factory=dict)  # Ray runtime_env (py_executable, pip, ...)
+
+
+@attrs.define
+class PolicyConfig:
+    """The model being trained and how it is trained."""
+
+    backend: str = "dtensor"
+    model: str = ""  # a local Hugging Face folder
+    tokenizer: str | None = None  # None: the model folder
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    num_workers: int = 1  # ranks in the training worker group
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
+    train_global_batch_size: int = 32  # samples per optimizer step
+    train_micro_batch_size: int = 4  # samples per forward/backward per rank
+    logprob_micro_batch_size: int = 8
+    max_total_sequence_length: int = 1024
+    max_grad_norm: float | None = 1.0
+    logprob_chunk_size: int = 1024  # vocabulary chunk when computing logprobs
+    optimizer: OptimizerConfig = attrs.field(factory=OptimizerConfig)
+    scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
+    sequence_packing: SequencePackingConfig = attrs.field(factory=SequencePackingConfig)
+    dynamic_batching: DynamicBatchingConfig = attrs.field(factory=DynamicBatchingConfig)
+    resources: WorkerResources = attrs.field(factory=WorkerResources)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.num_workers // (self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size)
+
+
+@attrs.define
+class GenerationConfig:
+    """How rollouts are sampled."""
+
+    backend: str = "hf"
+    model: str | None = None  # None: policy.model
+    dtype: str = "float32"
+    num_workers: int = 1  # data-parallel engines
+    tensor_parallel_size: int = 1
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    stop_token_ids: list[int] = attrs.field(factory=list)
+    stop_strings: list[str] = attrs.field(factory=list)
+    colocated: bool = True  # share devices with the policy and take turns
+    refit_bucket_bytes: int = 256 * 1024 * 1024
+    resources: WorkerResources = attrs.field(factory=WorkerResources)
+
+
+@attrs.define
+class DataConfig:
+    """Datasets the run reads (local JSONL, JSON or parquet files)."""
+
+    train: str | None = None
+    validation: str | None = None
+    format: str = "auto"  # auto | prompt | messages | prompt_response | preference
+    shuffle: bool = True
+    seed: int | None = None  # None: the run's seed
+    max_length: int | None = None  # None: policy.max_total_sequence_length
+    chat_template: str | None = None  # a template file; None: the tokenizer's
+    skip_malformed: bool = False  # skip and count malformed rows instead of failing
+    num_workers: int = 0
+
+
+@attrs.define
+class DataPlaneConfig:
+    backend: str = "memory"
+
+
+@attrs.define
+class LoggerConfig:
+    level: str = "info"
+    jsonl: bool = True  # <run_dir>/metrics.jsonl, always on by default
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "posttrain"
+    mlflow: bool = False
+    mlflow_experiment: str = "posttrain"
+    progress_bar: bool = True
+
+
+@attrs.define
+class CheckpointConfig:
+    enabled: bool = True
+    dir: str | None = None  # None: <run_dir>/checkpoints
+    save_period: int = 10  # steps
+    keep_top_k: int | None = 3  # None keeps every checkpoint
+    metric: str | None = None  # e.g. "validation/accuracy"; None ranks by step (newest kept)
+    higher_is_better: bool = True
+    resume: bool = True  # resume from the latest checkpoint in dir
+
+
+@attrs.define
+class RunConfig:
+    """The whole run. Plugin sections are read with :meth:`section`."""
+
+    seed: int = 42
+    run_dir: str = "runs/default"
+    algorithm: str | None = None
+    deterministic: bool = False
+    cluster: ClusterConfig = attrs.field(factory=ClusterConfig)
+    policy: PolicyConfig = attrs.field(factory=PolicyConfig)
+    generation: GenerationConfig = attrs.field(factory=GenerationConfig)
+    data: DataConfig = attrs.field(factory=DataConfig)
+    data_plane: DataPlaneConfig = attrs.field(factory=DataPlaneConfig)
+    logger: LoggerConfig = attrs.field(factory=LoggerConfig)
+    checkpointing: CheckpointConfig = attrs.field(factory=CheckpointConfig)
+    environments: dict[str, dict[str, Any]] = attrs.field(factory=dict)  # per environment name
+    sections: dict[str, Any] = attrs.field(factory=dict)  # plugin sections by dotted path
+    raw: dict[str, Any] = attrs.field(factory=dict, repr=False)  # the resolved YAML, for checkpoints
+
+    def section(self, path: str) -> Any:
+        """A plugin's typed section, e.g. ``config.section("grpo")``."""
+        try:
+            return self.sections[path]
+        except KeyError:
+            raise KeyError(
+                f"config section '{path}' is not registered; registered: {sorted(self.sections)}. "
+                "Is the plugin that declares it installed?"
+            ) from None

@@ -1,0 +1,21 @@
+"""The abstract interfaces plugins implement. Algorithms talk only to these."""
+
+from posttrain.interfaces.algorithm import Algorithm
+from posttrain.interfaces.data_plane import DataPlane
+from posttrain.interfaces.environment import Environment, EnvironmentReturn, Message
+from posttrain.interfaces.generation import Generation, RefitStats
+from posttrain.interfaces.loss import LossFunction, LossType
+from posttrain.interfaces.policy import Policy
+
+__all__ = [
+    "Algorithm",
+    "DataPlane",
+    "Environment",
+    "EnvironmentReturn",
+    "Generation",
+    "LossFunction",
+    "LossType",
+    "Message",
+    "Policy",
+    "RefitStats",
+]

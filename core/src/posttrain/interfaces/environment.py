@@ -1,0 +1,46 @@
+"""Environments: score model outputs, and for multi-turn tasks answer them.
+
+A message log is a list of messages ``{"role": str, "content": str}`` (the rollout adds
+``"token_ids"`` to each). Environments see whole logs and return one result per log.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Sequence, TypedDict
+
+import attrs
+import torch
+
+
+class Message(TypedDict, total=False):
+    role: str
+    content: str
+    token_ids: torch.Tensor
+
+
+@attrs.frozen
+class EnvironmentReturn:
+    """One environment step over a batch of B message logs."""
+
+    observations: list[Message]  # the message to append to each log (content may be "")
+    metadata: list[Any]  # per-sample state passed back on the next turn
+    next_stop_strings: list[list[str] | None]  # stop strings for the next generation
+    rewards: torch.Tensor  # float32 [B]
+    terminateds: torch.Tensor  # bool [B]: the episode is over
+    answers: list[str | None] = attrs.field(factory=list)  # extracted answers, for logs
+
+
+class Environment(abc.ABC):
+    """A batched, stateless-between-calls scorer; state travels in ``metadata``."""
+
+    @abc.abstractmethod
+    def step(self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Any]) -> EnvironmentReturn:
+        """Score (and for multi-turn tasks, answer) each log. Must return exactly B results."""
+
+    def metrics(self, rewards: torch.Tensor, metadata: Sequence[Any]) -> dict[str, float]:
+        """Environment-specific metrics over a finished batch (e.g. accuracy)."""
+        return {}
+
+    def shutdown(self) -> None:
+        """Free resources (worker pools, sandboxes)."""

@@ -1,0 +1,87 @@
+"""The policy: the model being trained, usually sharded over a worker group.
+
+Batch fields a policy reads (all on CPU, first dimension = samples):
+
+- ``input_ids`` int64 [B, S], right-padded; ``input_lengths`` int64 [B].
+- ``token_mask`` float32 [B, S]: 1 where a token carries loss (generated/assistant tokens).
+- ``sample_mask`` float32 [B]: 0 drops a whole sample from the loss.
+- whatever the loss function needs (advantages, prev_logprobs, ...).
+
+Logprob convention: ``logprobs[:, t] = log p(x_t | x_<t)`` for ``1 <= t < length``; position 0,
+padding, and (when ``token_mask`` is present) masked positions hold 0.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Iterator
+
+import torch
+
+from posttrain.batch import Batch
+from posttrain.interfaces.loss import LossFunction
+
+
+class Policy(abc.ABC):
+    """What every policy backend provides to algorithms."""
+
+    @abc.abstractmethod
+    def get_logprobs(self, batch: Batch) -> Batch:
+        """Per-token logprobs of ``batch['input_ids']`` under the current weights.
+
+        Returns a batch with ``logprobs`` float32 [B, S] in the convention above. Must not
+        materialise a full [B, S, vocab] float32 tensor (chunk over the vocabulary).
+        """
+
+    @abc.abstractmethod
+    def get_reference_policy_logprobs(self, batch: Batch) -> Batch:
+        """Like :meth:`get_logprobs`, under the frozen initial weights; returns
+        ``reference_logprobs``. The reference weights live on CPU and are swapped in for the
+        pass, not kept as a second resident model."""
+
+    @abc.abstractmethod
+    def get_topk_logits(self, batch: Batch, k: int) -> Batch:
+        """Top-``k`` logits per next-token position: ``topk_logits`` float32 [B, S-1, k] and
+        ``topk_indices`` int64 [B, S-1, k] (global vocabulary ids)."""
+
+    @abc.abstractmethod
+    def train(self, batch: Batch, loss_fn: LossFunction, *, eval_mode: bool = False) -> dict[str, float]:
+        """One optimizer step over the global batch ``batch`` (no step when ``eval_mode``).
+
+        The loss is normalised by the global count of valid tokens or sequences, so
+        gradient accumulation over microbatches equals one full-batch step. Returns scalar
+        metrics: ``loss``, ``grad_norm``, ``lr``, ``num_tokens``, ``step_time_s`` and the
+        loss function's own metrics (each summed over microbatches and ranks).
+        """
+
+    @abc.abstractmethod
+    def save_checkpoint(self, path: str) -> None:
+        """Write weights, optimizer and scheduler state under folder ``path`` (created)."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote, so training continues exactly."""
+
+    @abc.abstractmethod
+    def export_hf(self, path: str) -> None:
+        """Write a consolidated Hugging Face folder (safetensors, config, tokenizer)."""
+
+    @abc.abstractmethod
+    def export_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Yield the full (unsharded) weights under Hugging Face names, in buckets of at
+        most ``bucket_bytes`` bytes each (a single tensor larger than that is its own
+        bucket). Used to refit generation backends."""
+
+    def prepare_for_training(self) -> None:
+        """Bring weights and optimizer state back onto the training device (colocated mode)."""
+
+    def offload(self) -> None:
+        """Move weights and optimizer state off the training device (colocated mode)."""
+
+    def info(self) -> dict[str, Any]:
+        """Static facts for logs: parameter count, world size, parallel layout."""
+        return {}
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers and free their resources. Safe to call twice."""
