@@ -108,7 +108,9 @@ def posttrain_validate_config(config: RunConfig) -> None:
 
     Raise :class:`posttrain.errors.ConfigError` naming the key, what was expected and what
     was found (with the numbers, for batch-size arithmetic). Called once per run, after
-    every section is typed; return nothing when the config is acceptable.
+    every section is typed; return nothing when the config is acceptable. Every installed
+    plugin is asked: a backend checks its section only when ``config.policy.backend`` (or
+    ``generation.backend``) names it, an algorithm only when ``config.algorithm`` does.
     """
 
 

@@ -1,0 +1,124 @@
+"""Checkpoint folders: atomic writes, retention, and finding the latest for resume.
+
+Layout under the checkpoint directory::
+
+    step_12/               a complete checkpoint (renamed into place only when complete)
+        config.yaml        the resolved run config
+        training_info.json {"step": 12, "metrics": {...}}
+        ...                whatever the algorithm writes (policy/, dataloader.pt, rng.pt)
+    tmp_step_13/           a save in progress (or one killed midway); never loaded
+
+A save writes everything into ``tmp_step_N``, flushes it to disk, then renames it to
+``step_N`` in one ``os.rename``. A crash at any point leaves every earlier ``step_*``
+untouched, and the next manager removes the stale ``tmp_*`` folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from posttrain.errors import CheckpointError
+from posttrain.log import get_logger
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointManager:
+    """Saves ``step_N`` folders atomically and keeps the best ``keep_top_k``.
+
+    Ranking uses ``metric`` from each checkpoint's metrics (higher is better unless
+    ``higher_is_better`` is false); with no metric, newer is better. The newest checkpoint
+    is always kept as well, so a run can resume even when it is not among the best.
+    """
+
+    def __init__(self, directory: str | Path, keep_top_k: int | None = 3, metric: str | None = None, higher_is_better: bool = True):
+        if keep_top_k is not None and keep_top_k < 1:
+            raise CheckpointError(f"checkpointing.keep_top_k must be at least 1 or null, found {keep_top_k}")
+        self.directory = Path(directory)
+        self.keep_top_k = keep_top_k
+        self.metric = metric
+        self.higher_is_better = higher_is_better
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._remove_incomplete()
+
+    def save(self, step: int, write: Callable[[Path], None], metrics: Mapping[str, float] | None = None, config_yaml: str | None = None) -> Path:
+        """Write checkpoint ``step``: ``write(folder)`` fills the temporary folder, then it is
+        renamed into place. Returns the final folder."""
+        final = self.directory / f"step_{step}"
+        tmp = self.directory / f"tmp_step_{step}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        write(tmp)
+        if config_yaml is not None:
+            (tmp / "config.yaml").write_text(config_yaml)
+        info = {"step": step, "metrics": {k: float(v) for k, v in (metrics or {}).items()}}
+        (tmp / "training_info.json").write_text(json.dumps(info, indent=2))
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving a step (e.g. after resume): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.directory)
+        get_logger().info("checkpoint saved", step=step, path=str(final))
+        self._prune()
+        return final
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints, ascending."""
+        found = (_STEP_DIR.match(p.name) for p in self.directory.iterdir() if p.is_dir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        steps = self.steps()
+        return self.directory / f"step_{steps[-1]}" if steps else None
+
+    def info(self, path: str | Path) -> dict[str, Any]:
+        """The ``training_info.json`` of a checkpoint folder."""
+        file = Path(path) / "training_info.json"
+        if not file.exists():
+            raise CheckpointError(f"{path} is not a complete checkpoint: {file.name} is missing")
+        return json.loads(file.read_text())
+
+    def _remove_incomplete(self) -> None:
+        for p in self.directory.glob("tmp_step_*"):
+            get_logger().warning("removing incomplete checkpoint", path=str(p))
+            shutil.rmtree(p, ignore_errors=True)
+
+    def _prune(self) -> None:
+        steps = self.steps()
+        if self.keep_top_k is None or len(steps) <= self.keep_top_k:
+            return
+        keep = set(sorted(steps, key=self._rank_key, reverse=True)[: self.keep_top_k]) | {steps[-1]}
+        for step in steps:
+            if step not in keep:
+                shutil.rmtree(self.directory / f"step_{step}", ignore_errors=True)
+
+    def _rank_key(self, step: int) -> tuple[float, int]:
+        if self.metric is None:
+            return (0.0, step)
+        value = self.info(self.directory / f"step_{step}")["metrics"].get(self.metric)
+        if value is None:  # checkpoints without the metric rank below every scored one
+            return (float("-inf"), step)
+        return (value if self.higher_is_better else -value, step)
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*"), reverse=True):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

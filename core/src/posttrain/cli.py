@@ -1,0 +1,90 @@
+"""The ``posttrain`` command.
+
+    posttrain run ALGORITHM --config FILE [key=value ...]
+    posttrain plugins
+    posttrain quickstart [--run-dir DIR]
+
+Errors posttrain raises on purpose print as one ``error:`` paragraph and exit with status 2.
+Heavy modules (torch, ray) are imported only by the commands that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Sequence
+
+from posttrain.errors import PosttrainError
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from posttrain.plugins import plugin_host
+
+    for info in plugin_host().plugins():
+        print(f"{info.distribution} (plugin '{info.plugin_name}')")
+        if not info.registrations:
+            print("  (registers nothing)")
+        kinds: dict[str, list[str]] = {}
+        for reg in info.registrations:
+            kinds.setdefault(reg.kind, []).append(reg.name)
+        for kind, names in kinds.items():
+            print(f"  {kind}: {', '.join(sorted(names))}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from posttrain.config import load_config
+    from posttrain.run import run_algorithm
+
+    config = load_config(args.config, [*args.overrides, f"algorithm={args.algorithm}"])
+    run_algorithm(config)
+    return 0
+
+
+def _cmd_quickstart(args: argparse.Namespace) -> int:
+    from posttrain.quickstart import run_quickstart
+
+    run_quickstart(args.run_dir, list(args.overrides))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="posttrain", description="Post-train language models: SFT, DPO, GRPO.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run an algorithm from a YAML config")
+    run.add_argument("algorithm", help="algorithm name, e.g. grpo, sft, dpo (see `posttrain plugins`)")
+    run.add_argument("--config", "-c", required=True, help="YAML config file")
+    run.add_argument("overrides", nargs="*", help="config overrides, e.g. policy.optimizer.lr=1e-5")
+    run.set_defaults(func=_cmd_run)
+
+    plugins = sub.add_parser("plugins", help="list installed plugins and what they register")
+    plugins.set_defaults(func=_cmd_plugins)
+
+    quick = sub.add_parser("quickstart", help="SFT then GRPO on a tiny built-in model and task, on CPU")
+    quick.add_argument("--run-dir", default="runs/quickstart", help="where outputs go (default: runs/quickstart)")
+    quick.add_argument("overrides", nargs="*", help="config overrides for both stages")
+    quick.set_defaults(func=_cmd_quickstart)
+    return parser
+
+
+def _terminate_as_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    try:
+        return args.func(args)
+    except PosttrainError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""What an algorithm receives: the typed config, the plugin host, and builders for backends,
+plus the run's metric logger, checkpoint manager and progress bar."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Mapping
+
+from posttrain.checkpoint import CheckpointManager
+from posttrain.config.schema import RunConfig
+from posttrain.log import configure_logging, get_logger
+from posttrain.metrics import MetricLogger, ProgressBar
+from posttrain.plugins import PluginHost, plugin_host
+
+
+class RunContext:
+    """One run's services. Backends are built on request; the algorithm owns and shuts
+    down what it builds. The Ray cluster starts on first use."""
+
+    def __init__(self, config: RunConfig, host: PluginHost | None = None):
+        self.config = config
+        self.host = host or plugin_host()
+        self.run_dir = Path(config.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log = get_logger()
+        self.metrics = MetricLogger(config.logger, self.run_dir, config.raw)
+        ckpt = config.checkpointing
+        self.checkpoints: CheckpointManager | None = (
+            CheckpointManager(ckpt.dir or self.run_dir / "checkpoints", ckpt.keep_top_k, ckpt.metric, ckpt.higher_is_better)
+            if ckpt.enabled
+            else None
+        )
+        self._cluster: Any = None
+
+    @property
+    def cluster(self) -> Any:
+        """The :class:`~posttrain.distributed.cluster.VirtualCluster`, starting Ray if needed."""
+        if self._cluster is None:
+            from posttrain.distributed.cluster import VirtualCluster, init_ray
+
+            init_ray(self.config.cluster)
+            self._cluster = VirtualCluster(self.config.cluster)
+        return self._cluster
+
+    def build_policy(self) -> Any:
+        return self.host.policy_backends[self.config.policy.backend](self.config, self.cluster)
+
+    def build_generation(self) -> Any:
+        return self.host.generation_backends[self.config.generation.backend](self.config, self.cluster)
+
+    def build_data_plane(self) -> Any:
+        return self.host.data_planes[self.config.data_plane.backend](self.config)
+
+    def build_loss(self, name: str, options: Any) -> Any:
+        return self.host.losses[name](options)
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float], phase: str = "train") -> None:
+        """Write ``metrics`` to every sink and tell ``posttrain_step_end`` observers."""
+        self.metrics.log(step, metrics, phase)
+        self.host.hook.posttrain_step_end(step=step, metrics=dict(metrics), phase=phase)
+
+    def progress(self, total: int, description: str, initial: int = 0) -> ProgressBar:
+        return ProgressBar(total, description, enabled=self.config.logger.progress_bar, initial=initial)
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self._cluster is not None:
+            self._cluster.shutdown()
+            self._cluster = None
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed Python, NumPy (if present) and torch; optionally force deterministic kernels."""
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+
+
+def run_algorithm(config: RunConfig, host: PluginHost | None = None) -> dict[str, Any]:
+    """Run ``config.algorithm`` to completion and return its final metrics.
+
+    Calls the ``posttrain_run_start`` / ``posttrain_run_end`` hooks around the run; the end
+    hook learns whether the run completed, was interrupted or failed.
+    """
+    host = host or plugin_host()
+    algorithm = host.algorithms[config.algorithm or ""]()
+    configure_logging(config.logger.level, Path(config.run_dir) / "events.jsonl")
+    seed_everything(config.seed, config.deterministic)
+    context = RunContext(config, host)
+    host.hook.posttrain_run_start(config=config, run_dir=str(context.run_dir))
+    status = "failed"
+    try:
+        result = algorithm.run(context)
+        status = "completed"
+        return result
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        host.hook.posttrain_run_end(config=config, run_dir=str(context.run_dir), status=status)
+        context.close()

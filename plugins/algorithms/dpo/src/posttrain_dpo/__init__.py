@@ -1,0 +1,1 @@
+"""posttrain algorithm 'dpo': direct preference optimisation (sigmoid, IPO, reference-free)."""

@@ -1,0 +1,1 @@
+"""posttrain algorithm 'grpo': group relative policy optimisation and its relatives."""

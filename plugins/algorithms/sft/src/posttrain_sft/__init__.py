@@ -1,0 +1,1 @@
+"""posttrain algorithm 'sft': supervised fine-tuning."""

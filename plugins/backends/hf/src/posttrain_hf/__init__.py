@@ -1,0 +1,1 @@
+"""posttrain generation backend 'hf': transformers generate, for machines without vLLM."""

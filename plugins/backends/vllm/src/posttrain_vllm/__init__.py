@@ -1,0 +1,1 @@
+"""posttrain generation backend 'vllm': vLLM engines in Ray actors with weight refit."""

@@ -1,0 +1,1 @@
+"""posttrain environments: math answers verified with math-verify, and a multi-turn puzzle."""
