@@ -34,7 +34,11 @@ class WorkerError(PosttrainError):
     """A Ray worker died or failed; the message names its group and rank."""
 
 
-def did_you_mean(word: str, candidates: Iterable[str]) -> str:
-    """Return ``" Did you mean 'x'?"`` for the closest candidate, or ``""`` if none is close."""
+def did_you_mean(word: str, candidates: Iterable[str], prefix: str = "") -> str:
+    """Return ``" Did you mean 'x'?"`` for the closest candidate, or ``""`` if none is close.
+
+    ``prefix`` is put before the suggestion only (e.g. the dotted path of a config level), so
+    closeness is judged on the words themselves.
+    """
     matches = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f" Did you mean '{matches[0]}'?" if matches else ""
+    return f" Did you mean '{prefix}{matches[0]}'?" if matches else ""

@@ -61,6 +61,9 @@ class Registry(Mapping[str, Any]):
             raise PluginError(self.unknown_message(name))
         return self._entries[name].value
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._entries))
 

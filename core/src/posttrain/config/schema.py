@@ -180,7 +180,10 @@ class RunConfig:
     checkpointing: CheckpointConfig = attrs.field(factory=CheckpointConfig)
     environments: dict[str, dict[str, Any]] = attrs.field(factory=dict)  # per environment name
     sections: dict[str, Any] = attrs.field(factory=dict)  # plugin sections by dotted path
-    raw: dict[str, Any] = attrs.field(factory=dict, repr=False)  # the resolved YAML, for checkpoints
+    # Filled by the loader, ignored by ==: the resolved YAML, and where each key path was set
+    # ("exp.yaml:12" or "command line override 'a.b=1'"), for error messages.
+    raw: dict[str, Any] = attrs.field(factory=dict, repr=False, eq=False)
+    sources: dict[str, str] = attrs.field(factory=dict, repr=False, eq=False)
 
     def section(self, path: str) -> Any:
         """A plugin's typed section, e.g. ``config.section("grpo")``."""
