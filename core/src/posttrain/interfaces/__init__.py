@@ -4,7 +4,7 @@ from posttrain.interfaces.algorithm import Algorithm
 from posttrain.interfaces.data_plane import DataPlane
 from posttrain.interfaces.environment import Environment, EnvironmentReturn, Message
 from posttrain.interfaces.generation import Generation, RefitStats
-from posttrain.interfaces.loss import LossFunction, LossType
+from posttrain.interfaces.loss import LossFunction, LossType, combine_metrics
 from posttrain.interfaces.policy import Policy
 
 __all__ = [
@@ -18,4 +18,5 @@ __all__ = [
     "Message",
     "Policy",
     "RefitStats",
+    "combine_metrics",
 ]

@@ -4,12 +4,18 @@ Global normalisation: the policy counts valid tokens (``token_mask * sample_mask
 valid sequences over the *whole global batch* before training, and passes those counts to
 every microbatch call. Each call divides by the global counts, and the policy sums the
 microbatch losses, so gradient accumulation equals one full-batch step exactly.
+
+Metrics are combined the same way (summed over microbatches and ranks), except those a loss
+names in ``metric_reductions`` (extremes such as ``ratio_max``); :func:`combine_metrics`
+does both.
 """
 
 from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Mapping, Sequence
+from typing import ClassVar, Literal
 
 import torch
 
@@ -26,6 +32,10 @@ class LossFunction(abc.ABC):
 
     loss_type: LossType = LossType.TOKEN
 
+    #: Metrics combined by ``max`` or ``min`` instead of summed, e.g. ``{"ratio_max": "max"}``.
+    #: A microbatch without valid tokens reports -inf for a max and +inf for a min.
+    metric_reductions: ClassVar[Mapping[str, Literal["max", "min"]]] = {}
+
     @abc.abstractmethod
     def __call__(
         self,
@@ -40,5 +50,18 @@ class LossFunction(abc.ABC):
         policy's convention, with gradient. ``batch`` is the microbatch (same rows).
         ``global_valid_seqs`` and ``global_valid_toks`` are scalar tensors over the global
         batch. Each metric is a contribution that sums to its global value over all
-        microbatches and ranks (normalise metrics the same way as the loss).
+        microbatches and ranks (normalise metrics the same way as the loss), except those
+        named in :attr:`metric_reductions`.
         """
+
+
+def combine_metrics(parts: Sequence[Mapping[str, float]], reductions: Mapping[str, str]) -> dict[str, float]:
+    """Combine per-microbatch (or per-rank) metrics: ``max``/``min`` for the names in
+    ``reductions`` (a loss's ``metric_reductions``), a sum for every other name."""
+    reducers = {"max": max, "min": min, "sum": sum}
+    names = dict.fromkeys(name for part in parts for name in part)
+    out = {}
+    for name in names:
+        values = [part[name] for part in parts if name in part]
+        out[name] = float(reducers[reductions.get(name, "sum")](values))
+    return out

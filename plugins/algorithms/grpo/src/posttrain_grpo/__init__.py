@@ -1,1 +1,7 @@
-"""posttrain algorithm 'grpo': group relative policy optimisation and its relatives."""
+"""posttrain algorithm 'grpo': group relative policy optimisation and its relatives.
+
+Modules: :mod:`.config` (the ``grpo`` section), :mod:`.validation` (refused combinations),
+:mod:`.rewards` (scaling, overlong shaping and filtering), :mod:`.advantages` (group
+baselines), :mod:`.dynamic_sampling` (DAPO's filter and accumulator), :mod:`.loss`
+(``clipped_pg``).
+"""

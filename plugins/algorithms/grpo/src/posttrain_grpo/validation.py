@@ -1,0 +1,231 @@
+"""Refuse GRPO configurations that cannot work, before any worker starts.
+
+Every message names the key, what was found, and the fix. :func:`check_loss_config` also
+runs when a :class:`~posttrain_grpo.loss.ClippedPGLoss` is built directly.
+"""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from posttrain.config import RunConfig, require_registered, where_set
+from posttrain.errors import ConfigError
+from posttrain.plugins import PluginHost
+
+from posttrain_grpo.config import Baseline, ClippedPGConfig, GRPOConfig, ISCorrection, KLEstimator
+
+
+def validate_run_config(config: RunConfig, host: PluginHost) -> None:
+    """Check the ``grpo`` section of a run whose algorithm is ``grpo``; other runs pass."""
+    if config.algorithm != "grpo":
+        return
+    grpo: GRPOConfig = config.section("grpo")
+    check_loss_config(grpo.loss, "grpo.loss", config)
+    check_grpo_config(grpo, config)
+    require_registered(host.policy_backends, config.policy.backend, "policy.backend", config=config)
+    require_registered(host.generation_backends, config.generation.backend, "generation.backend", config=config)
+
+
+def check_loss_config(loss: ClippedPGConfig, key: str, config: RunConfig | None = None) -> None:
+    """Raise :class:`ConfigError` for an invalid ``clipped_pg`` option set under ``key``
+    (``config``, when given, tells where each key was set)."""
+    _require_choice(loss.kl_estimator, KLEstimator, f"{key}.kl_estimator", config)
+    if loss.importance_sampling_correction is not None:
+        _require_choice(
+            loss.importance_sampling_correction, ISCorrection, f"{key}.importance_sampling_correction", config
+        )
+    for name in ("ratio_clip_low", "ratio_clip_high", "kl_penalty"):
+        if getattr(loss, name) < 0:
+            raise _error(config, f"{key}.{name}: must be >= 0, got {getattr(loss, name)}.", f"{key}.{name}")
+    for name in ("kl_input_clamp", "kl_output_clamp"):
+        value = getattr(loss, name)
+        if value is not None and value <= 0:
+            raise _error(config, f"{key}.{name}: must be > 0 or null (no clamp), got {value}.", f"{key}.{name}")
+    if loss.dual_clip_c is not None and loss.dual_clip_c <= 1:
+        raise _error(
+            config,
+            f"{key}.dual_clip_c: must be > 1 (the bound c*|A| on negative-advantage losses), got "
+            f"{loss.dual_clip_c}; use e.g. 3, or null to turn dual clipping off.",
+            f"{key}.dual_clip_c",
+        )
+    if loss.sequence_level_ratio and loss.token_level_loss:
+        raise _error(
+            config,
+            f"{key}.sequence_level_ratio: GSPO's sequence-level ratio needs sequence-level "
+            f"normalisation, but {key}.token_level_loss is true; set {key}.token_level_loss=false.",
+            f"{key}.sequence_level_ratio",
+            f"{key}.token_level_loss",
+        )
+    if loss.disable_ppo_ratio and loss.sequence_level_ratio:
+        raise _error(
+            config,
+            f"{key}.disable_ppo_ratio: REINFORCE (no ratio) cannot be combined with "
+            f"{key}.sequence_level_ratio (GSPO's ratio); turn one of them off.",
+            f"{key}.disable_ppo_ratio",
+            f"{key}.sequence_level_ratio",
+        )
+    if loss.disable_ppo_ratio and loss.dual_clip_c is not None:
+        raise _error(
+            config,
+            f"{key}.dual_clip_c: dual clipping bounds the PPO ratio, which "
+            f"{key}.disable_ppo_ratio=true removes; set {key}.dual_clip_c=null.",
+            f"{key}.dual_clip_c",
+            f"{key}.disable_ppo_ratio",
+        )
+    _check_importance_sampling(loss, key, config)
+
+
+def _check_importance_sampling(loss: ClippedPGConfig, key: str, config: RunConfig | None) -> None:
+    kind = loss.importance_sampling_correction
+    kind_key = f"{key}.importance_sampling_correction"
+    if kind is None:
+        for name in ("is_min", "is_max"):
+            if getattr(loss, name) is not None:
+                raise _error(
+                    config,
+                    f"{key}.{name} is set but {kind_key} is null, so it would be ignored; set "
+                    f"{kind_key} to tis, icepop or seq_mask_tis, or remove {key}.{name}.",
+                    f"{key}.{name}",
+                )
+        return
+    required = ("is_max",) if kind == "tis" else ("is_min", "is_max")
+    for name in required:
+        if getattr(loss, name) is None:
+            raise _error(
+                config,
+                f"{key}.{name}: importance_sampling_correction={kind} needs bounds "
+                f"{' and '.join(required)}; {name} is missing (e.g. is_min=0.5, is_max=2.0).",
+                kind_key,
+            )
+    if loss.is_min is not None and loss.is_min < 0:
+        raise _error(
+            config,
+            f"{key}.is_min: importance weights are positive; must be >= 0, got {loss.is_min}.",
+            f"{key}.is_min",
+        )
+    if loss.is_max is not None and loss.is_max <= 0:
+        raise _error(config, f"{key}.is_max: must be > 0, got {loss.is_max}.", f"{key}.is_max")
+    if loss.is_min is not None and loss.is_max is not None and loss.is_min > loss.is_max:
+        raise _error(
+            config,
+            f"{key}.is_min: {loss.is_min} is greater than {key}.is_max={loss.is_max}; swap them.",
+            f"{key}.is_min",
+            f"{key}.is_max",
+        )
+
+
+def check_grpo_config(grpo: GRPOConfig, config: RunConfig) -> None:
+    """Raise :class:`ConfigError` for an invalid ``grpo`` section (loss options aside)."""
+    for name in (
+        "num_prompts_per_step",
+        "num_generations_per_prompt",
+        "max_num_steps",
+        "max_num_epochs",
+        "max_rollout_turns",
+    ):
+        if getattr(grpo, name) < 1:
+            raise _error(config, f"grpo.{name}: must be >= 1, got {getattr(grpo, name)}.", f"grpo.{name}")
+    if grpo.val_period < 0:
+        raise _error(
+            config,
+            f"grpo.val_period: must be >= 0 (0 turns validation off), got {grpo.val_period}.",
+            "grpo.val_period",
+        )
+    _require_choice(grpo.baseline, Baseline, "grpo.baseline", config)
+    n = grpo.num_generations_per_prompt
+    if grpo.baseline == "leave_one_out" and n < 2:
+        raise _error(
+            config,
+            f"grpo.baseline: leave_one_out needs grpo.num_generations_per_prompt >= 2 (the baseline "
+            f"is the mean of the other samples of the prompt), got {n}.",
+            "grpo.baseline",
+            "grpo.num_generations_per_prompt",
+        )
+    low, high = grpo.advantage_clip_low, grpo.advantage_clip_high
+    if low is not None and high is not None and low > high:
+        raise _error(
+            config,
+            f"grpo.advantage_clip_low: {low} is greater than grpo.advantage_clip_high={high}.",
+            "grpo.advantage_clip_low",
+            "grpo.advantage_clip_high",
+        )
+    scaling = grpo.reward_scaling
+    if scaling.enabled and scaling.source_max <= scaling.source_min:
+        raise _error(
+            config,
+            f"grpo.reward_scaling.source_max: must be greater than source_min, got "
+            f"source_min={scaling.source_min}, source_max={scaling.source_max}.",
+            "grpo.reward_scaling.source_min",
+            "grpo.reward_scaling.source_max",
+        )
+    _check_dynamic_sampling(grpo, config)
+    _check_overlong_shaping(grpo, config)
+    gbs = config.policy.train_global_batch_size
+    if gbs < 1 or grpo.samples_per_step % gbs:
+        raise _error(
+            config,
+            f"policy.train_global_batch_size: grpo.num_prompts_per_step * grpo.num_generations_per_prompt "
+            f"= {grpo.num_prompts_per_step} * {n} = {grpo.samples_per_step} samples per step is not a "
+            f"multiple of policy.train_global_batch_size = {gbs}; choose a train_global_batch_size that "
+            f"divides {grpo.samples_per_step}, or change num_prompts_per_step.",
+            "grpo.num_prompts_per_step",
+            "grpo.num_generations_per_prompt",
+            "policy.train_global_batch_size",
+        )
+
+
+def _check_dynamic_sampling(grpo: GRPOConfig, config: RunConfig) -> None:
+    sampling = grpo.dynamic_sampling
+    if not sampling.enabled:
+        return
+    if sampling.max_gen_batches < 1:
+        raise _error(
+            config,
+            f"grpo.dynamic_sampling.max_gen_batches: must be >= 1, got {sampling.max_gen_batches}.",
+            "grpo.dynamic_sampling.max_gen_batches",
+        )
+    if grpo.num_generations_per_prompt < 2:
+        raise _error(
+            config,
+            f"grpo.dynamic_sampling.enabled: keeps only prompts whose generations got different "
+            f"rewards, which needs grpo.num_generations_per_prompt >= 2, got {grpo.num_generations_per_prompt}.",
+            "grpo.dynamic_sampling.enabled",
+            "grpo.num_generations_per_prompt",
+        )
+
+
+def _check_overlong_shaping(grpo: GRPOConfig, config: RunConfig) -> None:
+    shaping = grpo.overlong_reward_shaping
+    if not shaping.enabled:
+        return
+    key = "grpo.overlong_reward_shaping"
+    if shaping.penalty < 0:
+        raise _error(
+            config,
+            f"{key}.penalty: must be >= 0 (the largest reward deduction), got {shaping.penalty}.",
+            f"{key}.penalty",
+        )
+    max_len = shaping.max_response_length
+    if max_len is None:
+        max_len = config.generation.max_new_tokens
+    if not 1 <= shaping.buffer_length <= max_len:
+        raise _error(
+            config,
+            f"{key}.buffer_length: must be between 1 and the maximum response length {max_len} "
+            f"({key}.max_response_length, or generation.max_new_tokens when unset), got "
+            f"{shaping.buffer_length}.",
+            f"{key}.buffer_length",
+            f"{key}.max_response_length",
+            "generation.max_new_tokens",
+        )
+
+
+def _require_choice(value: object, choices: object, key: str, config: RunConfig | None) -> None:
+    allowed = get_args(choices)
+    if value not in allowed:
+        raise _error(config, f"{key}: expected one of {', '.join(allowed)}, got {value!r}.", key)
+
+
+def _error(config: RunConfig | None, message: str, *keys: str) -> ConfigError:
+    """``message`` plus where the named keys were set (when the loader recorded it)."""
+    return ConfigError(message + where_set(config, *keys))

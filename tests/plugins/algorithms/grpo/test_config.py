@@ -1,0 +1,246 @@
+"""The grpo section and clipped_pg loss are registered, and invalid combinations are refused
+through the real plugin host with a message naming the key and the fix."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from posttrain import hookimpl
+from posttrain.config import GenerationConfig, PolicyConfig, RunConfig, load_config
+from posttrain.errors import ConfigError
+from posttrain.plugins import new_plugin_host, set_plugin_host
+from posttrain_grpo.config import (
+    ClippedPGConfig,
+    DynamicSamplingConfig,
+    GRPOConfig,
+    OverlongRewardShapingConfig,
+    RewardScalingConfig,
+)
+from posttrain_grpo.loss import ClippedPGLoss
+
+
+class BackendNames:
+    """Registers backend names so validation can find them (the factories are never called)."""
+
+    @hookimpl
+    def posttrain_policy_backends(self):
+        return {"grpo-test-policy": object}
+
+    @hookimpl
+    def posttrain_generation_backends(self):
+        return {"grpo-test-generation": object}
+
+
+@pytest.fixture
+def host():
+    host = new_plugin_host()  # loads every installed plugin, posttrain-grpo among them
+    host.register(BackendNames(), name="grpo-test-backends")
+    set_plugin_host(host)
+    yield host
+    set_plugin_host(None)
+
+
+def run_config(grpo: GRPOConfig | None = None, **policy) -> RunConfig:
+    return RunConfig(
+        algorithm="grpo",
+        policy=PolicyConfig(backend="grpo-test-policy", **{"train_global_batch_size": 16, **policy}),
+        generation=GenerationConfig(backend="grpo-test-generation", max_new_tokens=64),
+        sections={"grpo": grpo or GRPOConfig(num_prompts_per_step=4, num_generations_per_prompt=8)},
+    )
+
+
+def validate(host, config: RunConfig) -> None:
+    host.hook.posttrain_validate_config(config=config)
+
+
+def test_registrations(host):
+    assert host.config_sections["grpo"] is GRPOConfig
+    assert host.losses["clipped_pg"] is ClippedPGLoss
+    assert host.losses.distribution_of("clipped_pg").startswith("posttrain-grpo ")
+    loss = host.losses["clipped_pg"](ClippedPGConfig(kl_penalty=0.01))
+    assert loss.config.kl_penalty == 0.01
+
+
+def test_valid_config_passes(host):
+    validate(host, run_config())
+    validate(
+        host,
+        run_config(
+            GRPOConfig(
+                num_prompts_per_step=4,
+                num_generations_per_prompt=8,
+                loss=ClippedPGConfig(
+                    token_level_loss=False,
+                    sequence_level_ratio=True,
+                    importance_sampling_correction="seq_mask_tis",
+                    is_min=0.99,
+                    is_max=1.01,
+                ),
+            )
+        ),
+    )
+
+
+def test_other_algorithms_are_not_checked(host):
+    config = run_config(GRPOConfig(baseline="median"))
+    validate(host, attrs.evolve(config, algorithm="sft"))
+
+
+def loss(**options) -> GRPOConfig:
+    return GRPOConfig(num_prompts_per_step=4, num_generations_per_prompt=8, loss=ClippedPGConfig(**options))
+
+
+def grpo(**options) -> GRPOConfig:
+    return GRPOConfig(**{"num_prompts_per_step": 4, "num_generations_per_prompt": 8, **options})
+
+
+INVALID = {
+    "gspo_token_level": (
+        loss(sequence_level_ratio=True),
+        "grpo.loss.sequence_level_ratio: GSPO's sequence-level ratio needs sequence-level normalisation, but "
+        "grpo.loss.token_level_loss is true; set grpo.loss.token_level_loss=false.",
+    ),
+    "reinforce_gspo": (
+        loss(disable_ppo_ratio=True, sequence_level_ratio=True, token_level_loss=False),
+        "grpo.loss.disable_ppo_ratio: REINFORCE (no ratio) cannot be combined with grpo.loss.sequence_level_ratio",
+    ),
+    "reinforce_dual_clip": (loss(disable_ppo_ratio=True, dual_clip_c=3.0), "set grpo.loss.dual_clip_c=null"),
+    "dual_clip_le_1": (
+        loss(dual_clip_c=1.0),
+        "grpo.loss.dual_clip_c: must be > 1 (the bound c*|A| on negative-advantage losses), got 1.0",
+    ),
+    "negative_clip_low": (loss(ratio_clip_low=-0.1), "grpo.loss.ratio_clip_low: must be >= 0, got -0.1."),
+    "negative_clip_high": (loss(ratio_clip_high=-0.2), "grpo.loss.ratio_clip_high: must be >= 0, got -0.2."),
+    "negative_kl": (loss(kl_penalty=-0.01), "grpo.loss.kl_penalty: must be >= 0, got -0.01."),
+    "kl_clamp_zero": (loss(kl_input_clamp=0.0), "grpo.loss.kl_input_clamp: must be > 0 or null (no clamp), got 0.0."),
+    "bad_estimator": (loss(kl_estimator="k4"), "grpo.loss.kl_estimator: expected one of k1, k2, k3, got 'k4'."),
+    "bad_is_kind": (
+        loss(importance_sampling_correction="tiss", is_max=2.0),
+        "grpo.loss.importance_sampling_correction: expected one of tis, icepop, seq_mask_tis, got 'tiss'.",
+    ),
+    "tis_without_max": (
+        loss(importance_sampling_correction="tis", is_min=0.5),
+        "grpo.loss.is_max: importance_sampling_correction=tis needs bounds is_max; is_max is missing",
+    ),
+    "icepop_without_min": (
+        loss(importance_sampling_correction="icepop", is_max=2.0),
+        "grpo.loss.is_min: importance_sampling_correction=icepop needs bounds is_min and is_max; is_min is missing",
+    ),
+    "seq_mask_without_max": (
+        loss(importance_sampling_correction="seq_mask_tis", is_min=0.99),
+        "grpo.loss.is_max: importance_sampling_correction=seq_mask_tis needs bounds is_min and is_max",
+    ),
+    "is_min_gt_max": (
+        loss(importance_sampling_correction="icepop", is_min=2.0, is_max=0.5),
+        "grpo.loss.is_min: 2.0 is greater than grpo.loss.is_max=0.5; swap them.",
+    ),
+    "negative_is_min": (
+        loss(importance_sampling_correction="tis", is_min=-1.0, is_max=2.0),
+        "grpo.loss.is_min: importance weights are positive",
+    ),
+    "bounds_without_correction": (
+        loss(is_max=2.0),
+        "grpo.loss.is_max is set but grpo.loss.importance_sampling_correction is null",
+    ),
+    "loo_single_generation": (
+        GRPOConfig(num_prompts_per_step=16, num_generations_per_prompt=1),
+        "grpo.baseline: leave_one_out needs grpo.num_generations_per_prompt >= 2 (the baseline is the mean of the "
+        "other samples of the prompt), got 1.",
+    ),
+    "bad_baseline": (grpo(baseline="median"), "grpo.baseline: expected one of mean, leave_one_out, got 'median'."),
+    "zero_prompts": (grpo(num_prompts_per_step=0), "grpo.num_prompts_per_step: must be >= 1, got 0."),
+    "negative_val_period": (grpo(val_period=-1), "grpo.val_period: must be >= 0"),
+    "advantage_clip_order": (
+        grpo(advantage_clip_low=1.0, advantage_clip_high=-1.0),
+        "grpo.advantage_clip_low: 1.0 is greater than grpo.advantage_clip_high=-1.0.",
+    ),
+    "reward_scaling_range": (
+        grpo(reward_scaling=RewardScalingConfig(enabled=True, source_min=1.0, source_max=1.0)),
+        "grpo.reward_scaling.source_max: must be greater than source_min, got source_min=1.0, source_max=1.0.",
+    ),
+    "dynamic_sampling_single_generation": (
+        GRPOConfig(
+            num_prompts_per_step=16,
+            num_generations_per_prompt=1,
+            baseline="mean",
+            dynamic_sampling=DynamicSamplingConfig(enabled=True),
+        ),
+        "grpo.dynamic_sampling.enabled: keeps only prompts whose generations got different rewards, which needs "
+        "grpo.num_generations_per_prompt >= 2, got 1.",
+    ),
+    "dynamic_sampling_zero_batches": (
+        grpo(dynamic_sampling=DynamicSamplingConfig(enabled=True, max_gen_batches=0)),
+        "grpo.dynamic_sampling.max_gen_batches: must be >= 1, got 0.",
+    ),
+    "overlong_buffer_too_long": (
+        grpo(overlong_reward_shaping=OverlongRewardShapingConfig(enabled=True, buffer_length=100)),
+        "grpo.overlong_reward_shaping.buffer_length: must be between 1 and the maximum response length 64 "
+        "(grpo.overlong_reward_shaping.max_response_length, or generation.max_new_tokens when unset), got 100.",
+    ),
+    "overlong_negative_penalty": (
+        grpo(overlong_reward_shaping=OverlongRewardShapingConfig(enabled=True, buffer_length=16, penalty=-1.0)),
+        "grpo.overlong_reward_shaping.penalty: must be >= 0",
+    ),
+    "batch_arithmetic": (
+        GRPOConfig(num_prompts_per_step=3, num_generations_per_prompt=4),
+        "policy.train_global_batch_size: grpo.num_prompts_per_step * grpo.num_generations_per_prompt = 3 * 4 = 12 "
+        "samples per step is not a multiple of policy.train_global_batch_size = 16; choose a "
+        "train_global_batch_size that divides 12, or change num_prompts_per_step.",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(INVALID))
+def test_invalid_combination_refused(host, name):
+    config, message = INVALID[name]
+    with pytest.raises(ConfigError) as info:
+        validate(host, run_config(config))
+    assert message in str(info.value)
+
+
+def test_unknown_backends_refused_with_suggestion(host):
+    config = attrs.evolve(run_config(), policy=PolicyConfig(backend="grpo-test-polcy", train_global_batch_size=16))
+    with pytest.raises(ConfigError) as info:
+        validate(host, config)
+    assert str(info.value).startswith("policy.backend: unknown policy backend 'grpo-test-polcy'; installed: ")
+    assert "Did you mean 'grpo-test-policy'?" in str(info.value)
+    config = attrs.evolve(run_config(), generation=GenerationConfig(backend="nope"))
+    with pytest.raises(ConfigError, match="generation.backend: unknown generation backend 'nope'"):
+        validate(host, config)
+
+
+def yaml_run(tmp_path, body: str):
+    path = tmp_path / "grpo.yaml"
+    path.write_text(
+        "algorithm: grpo\n"
+        "policy: {backend: grpo-test-policy, train_global_batch_size: 16}\n"
+        "generation: {backend: grpo-test-generation}\n" + body
+    )
+    return path
+
+
+def test_yaml_structures_into_the_section(host, tmp_path):
+    path = yaml_run(
+        tmp_path,
+        "grpo:\n"
+        "  num_prompts_per_step: 2\n"
+        "  num_generations_per_prompt: 8\n"
+        "  dynamic_sampling: {enabled: true, max_gen_batches: 4}\n"
+        "  loss: {kl_penalty: 0.01, kl_estimator: k2, importance_sampling_correction: tis, is_max: 2}\n",
+    )
+    config = load_config(path, host=host)
+    grpo = config.section("grpo")
+    assert isinstance(grpo, GRPOConfig) and isinstance(grpo.loss, ClippedPGConfig)
+    assert grpo.dynamic_sampling == DynamicSamplingConfig(enabled=True, max_gen_batches=4)
+    assert (grpo.loss.kl_estimator, grpo.loss.is_max) == ("k2", 2.0)
+
+
+def test_yaml_error_says_where_the_keys_were_set(host, tmp_path):
+    path = yaml_run(tmp_path, "grpo:\n  num_prompts_per_step: 3\n  num_generations_per_prompt: 4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, host=host)
+    message = str(info.value)
+    assert "= 3 * 4 = 12 samples per step is not a multiple of policy.train_global_batch_size = 16" in message
+    assert f"Where set: grpo.num_prompts_per_step at {path}:5" in message
+    with pytest.raises(ConfigError, match=r"grpo.loss.kl_estimator.*'k4'"):
+        load_config(yaml_run(tmp_path, "grpo: {loss: {kl_estimator: k4}}\n"), host=host)
