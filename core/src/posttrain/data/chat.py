@@ -1,0 +1,162 @@
+"""Turn conversations into token ids and a loss mask with the tokenizer's chat template.
+
+The loss mask marks the tokens the model is trained to produce: the tokens of assistant
+turns (their content and the end-of-turn tokens the template writes after it), never the
+role header that opens a turn, which is part of the prompt the model is given.
+
+Two ways to find those tokens:
+
+- Templates that wrap assistant output in ``{% generation %}...{% endgeneration %}`` get
+  the mask from ``apply_chat_template(..., return_assistant_tokens_mask=True)``.
+- Other templates: each assistant turn spans from the end of the conversation before it,
+  rendered with the generation prompt, to the end of the conversation including it. This
+  needs a template that renders a conversation's prefixes as prefixes of the whole; one
+  that does not (e.g. one that drops earlier reasoning) fails with a :class:`ConfigError`
+  asking for a ``{% generation %}`` template.
+
+Truncation keeps the first ``max_length`` tokens (the end is cut). The mask is cut with the
+tokens, so the loss covers only the assistant tokens that remain; an example left with no
+loss tokens is kept but marked, and the dataset gives it ``sample_mask`` 0.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from posttrain.data.formats import Message, RowError
+from posttrain.errors import ConfigError
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@attrs.frozen
+class Encoded:
+    """Token ids and a same-length 0/1 loss mask."""
+
+    input_ids: list[int]
+    token_mask: list[int]
+    truncated: bool = False
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.token_mask)
+
+
+def load_tokenizer(path: str) -> Any:
+    """A Hugging Face tokenizer from a local folder."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot load a tokenizer from '{path}' (policy.tokenizer / policy.model): {exc}") from None
+
+
+def read_chat_template(value: str) -> str:
+    """``data.chat_template``: a path to a Jinja file, or the template text itself."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError(f"data.chat_template: no file '{value}'; give a Jinja template file or the template text")
+
+
+class ChatEncoder:
+    """Encode conversations with one tokenizer and chat template."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None):
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ConfigError(
+                "the tokenizer has no chat template; set data.chat_template to a Jinja template file"
+            )
+        self.tokenizer = tokenizer
+        self.template = template
+        self.marks_generation = bool(_GENERATION_TAG.search(template))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is None:
+            raise ConfigError("the tokenizer has neither a pad token nor an EOS token to pad batches with")
+        self.pad_token_id: int = int(pad)
+
+    def encode(self, messages: Sequence[Message], *, loss_from: int = 0, max_length: int | None = None) -> Encoded:
+        """Tokenise a whole conversation; mask the assistant turns at index ``loss_from`` and after.
+
+        ``loss_from`` > 0 leaves earlier assistant turns (part of a preference prompt) unmasked.
+        """
+        if self.marks_generation:
+            ids, mask = self._render(messages, assistant_mask=True)
+        else:
+            ids = self._render(messages)[0]
+            mask = self._prefix_mask(messages, ids)
+        if loss_from > 0:
+            prompt_ids = self._render(messages[:loss_from], add_generation_prompt=True)[0]
+            boundary = _common_prefix_length(prompt_ids, ids)
+            mask[:boundary] = [0] * boundary
+        return _truncate(ids, mask, max_length)
+
+    def encode_prompt(self, messages: Sequence[Message], *, max_length: int | None = None) -> Encoded:
+        """Tokenise a prompt followed by the generation prompt (the assistant turn header); no loss tokens."""
+        ids = self._render(messages, add_generation_prompt=True)[0]
+        return _truncate(ids, [0] * len(ids), max_length)
+
+    def _prefix_mask(self, messages: Sequence[Message], ids: list[int]) -> list[int]:
+        """Assistant turn ``i`` spans from the end of ``messages[:i]`` rendered with the
+        generation prompt to the end of ``messages[:i + 1]``. That holds only if ``messages[:i]``
+        and ``messages[:i + 1]`` render as prefixes of the whole conversation's tokens and the
+        generation prompt extends ``messages[:i]``; otherwise this raises :class:`ConfigError`."""
+        mask = [0] * len(ids)
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self._render(messages[:i])[0] if i else []
+            through = self._render(messages[: i + 1])[0]
+            start = _common_prefix_length(self._render(messages[:i], add_generation_prompt=True)[0], through)
+            if ids[: len(before)] != before or ids[: len(through)] != through or start < len(before):
+                raise ConfigError(
+                    f"the chat template renders the conversation before or through assistant turn {i} "
+                    "differently from the same turns inside the whole conversation, so assistant tokens "
+                    "cannot be located; set data.chat_template to a template that wraps assistant output "
+                    "in {% generation %}...{% endgeneration %}"
+                )
+            mask[start: len(through)] = [1] * (len(through) - start)
+        return mask
+
+    def _render(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = False, assistant_mask: bool = False
+    ) -> tuple[list[int], list[int]]:
+        from jinja2 import TemplateError
+
+        try:
+            out = self.tokenizer.apply_chat_template(
+                list(messages),
+                chat_template=self.template,
+                tokenize=True,
+                return_dict=True,
+                add_generation_prompt=add_generation_prompt,
+                return_assistant_tokens_mask=assistant_mask,
+            )
+        except TemplateError as exc:  # a syntax error, or the template's own raise_exception()
+            raise RowError(f"the chat template failed on this conversation: {type(exc).__name__}: {exc}") from None
+        ids = [int(t) for t in out["input_ids"]]
+        return ids, [int(m) for m in out["assistant_masks"]] if assistant_mask else []
+
+
+def _truncate(ids: list[int], mask: list[int], max_length: int | None) -> Encoded:
+    if max_length is not None and len(ids) > max_length:
+        return Encoded(ids[:max_length], mask[:max_length], truncated=True)
+    return Encoded(ids, mask)
+
+
+def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,273 @@
+"""Tokenised datasets: read a file, check and encode every row, collate batches.
+
+Three kinds, by what an algorithm consumes (see :data:`~posttrain.data.formats.KIND_FORMATS`):
+
+- ``sft``: one sequence per example.
+- ``preference``: a chosen and a rejected sequence per example. Batches interleave them,
+  chosen at even rows and rejected at odd rows, so any split into microbatches of even
+  size keeps each pair together.
+- ``prompt``: the prompt tokens (ending with the generation prompt) plus the per-sample
+  ``messages``, ``answer``, ``metadata`` and ``task`` lists an RL loop and its
+  environments need.
+
+Collated batches (:class:`posttrain.batch.Batch`) hold ``input_ids`` int64 [B, S]
+right-padded with the tokenizer's pad id, ``input_lengths`` int64 [B], ``token_mask``
+float32 [B, S] (1 on loss tokens, aligned with the token it scores) and ``sample_mask``
+float32 [B]. ``sample_mask`` is 0 for an example that truncation left with no loss
+tokens (for a pair: when either side has none) and for a truncated prompt.
+
+Examples are stored tokenised in a Hugging Face ``datasets.Dataset`` (Arrow, in memory),
+so a large dataset costs a few bytes per token rather than a Python object per token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from posttrain.batch import Batch
+from posttrain.data.chat import ChatEncoder, Encoded
+from posttrain.data.files import Unparsable, read_rows
+from posttrain.data.formats import (
+    FORMATS,
+    KIND_FORMATS,
+    PreferenceExample,
+    PromptExample,
+    RowError,
+    SFTExample,
+    detect_format,
+    parse_row,
+)
+from posttrain.errors import ConfigError, DataError, did_you_mean
+from posttrain.log import get_logger
+
+#: What each kind needs, for messages about a file of the wrong kind.
+KIND_NEEDS = {
+    "sft": "conversations ('messages' ending with an assistant turn) or 'prompt' + 'response' rows",
+    "preference": "preference rows ('prompt', 'chosen', 'rejected')",
+    "prompt": "prompt rows ('messages' or 'prompt', with optional 'answer', 'task', 'metadata')",
+}
+_CHUNK_ROWS = 4096  # examples per Arrow chunk while building
+_REPORTED_SKIPS = 5  # skipped rows quoted in the load report
+
+
+@attrs.frozen
+class LoadReport:
+    """What loading a file did. ``skipped`` quotes the first few skipped rows' errors."""
+
+    source: str
+    format: str
+    num_rows: int
+    num_examples: int
+    num_skipped: int
+    skipped: tuple[str, ...]
+    num_truncated: int
+    num_without_loss: int  # examples with sample_mask 0
+
+
+class TokenizedDataset:
+    """Encoded examples of one kind; :meth:`collate` makes a :class:`Batch` of any of them."""
+
+    def __init__(self, table: Any, kind: str, pad_token_id: int, report: LoadReport):
+        self.table = table  # datasets.Dataset
+        self.kind = kind
+        self.pad_token_id = pad_token_id
+        self.report = report
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        """One example's stored columns (ids and masks as lists; JSON columns decoded)."""
+        return _decode(self.kind, self.table[int(index)])
+
+    def collate(self, indices: Sequence[int]) -> Batch:
+        """The examples at ``indices`` as a batch (preference: 2 rows per example)."""
+        cols = self.table[[int(i) for i in indices]]
+        if self.kind == "preference":
+            chosen = zip(cols["chosen_input_ids"], cols["chosen_token_mask"], strict=True)
+            rejected = zip(cols["rejected_input_ids"], cols["rejected_token_mask"], strict=True)
+            seqs = [seq for pair in zip(chosen, rejected, strict=True) for seq in pair]  # c0, r0, c1, r1, ...
+            sample_mask = [m for m in cols["sample_mask"] for _ in range(2)]
+        else:
+            seqs = list(zip(cols["input_ids"], cols["token_mask"], strict=True))
+            sample_mask = cols["sample_mask"]
+        batch = _pad(seqs, sample_mask, self.pad_token_id)
+        if self.kind == "prompt":
+            for name in ("messages", "answer", "metadata"):
+                batch[name] = [json.loads(v) for v in cols[name]]
+            batch["task"] = list(cols["task"])
+        return batch
+
+
+def build_dataset(
+    source: str | Path,
+    kind: str,
+    encoder: ChatEncoder,
+    *,
+    fmt: str = "auto",
+    max_length: int | None = None,
+    skip_malformed: bool = False,
+) -> TokenizedDataset:
+    """Read ``source`` (.jsonl, .json or .parquet), check every row and encode it.
+
+    ``fmt`` is ``auto`` (the first row whose keys show a format fixes it for the file) or
+    one of :data:`FORMATS`. A malformed row raises :class:`DataError` naming the file, the
+    row (1-based; the line for JSON Lines) and the problem, unless ``skip_malformed``: then
+    it is skipped, counted in the report and logged.
+    """
+    if kind not in KIND_FORMATS:
+        raise ValueError(f"unknown dataset kind '{kind}'; kinds: {', '.join(KIND_FORMATS)}")
+    if fmt != "auto" and fmt not in KIND_FORMATS[kind]:
+        hint = did_you_mean(fmt, FORMATS) if fmt not in FORMATS else ""
+        raise ConfigError(
+            f"data.format: '{fmt}' does not fit {kind} data; use auto or one of {', '.join(KIND_FORMATS[kind])}.{hint}"
+        )
+    builder = _TableBuilder(kind)
+    skipped: list[str] = []
+    num_rows = num_truncated = num_without_loss = 0
+    for number, row in read_rows(source):
+        num_rows += 1
+        try:
+            if isinstance(row, Unparsable):
+                raise RowError(row.reason)
+            if fmt == "auto":
+                fmt = _detect(source, kind, number, row)
+            example = parse_row(row, fmt)
+            columns, truncated = _encode(example, encoder, max_length)
+        except RowError as exc:
+            message = f"{source} row {number}: {exc}"
+            if not skip_malformed:
+                raise DataError(message) from None
+            skipped.append(message)
+            continue
+        except ConfigError as exc:
+            raise ConfigError(f"{source} row {number}: {exc}") from None
+        num_truncated += truncated
+        num_without_loss += not columns["sample_mask"]
+        builder.add(columns, number)
+    report = LoadReport(
+        str(source), fmt, num_rows, builder.size, len(skipped), tuple(skipped[:_REPORTED_SKIPS]),
+        num_truncated, num_without_loss,
+    )
+    if builder.size == 0:
+        raise DataError(f"{source}: no usable rows ({num_rows} read, {len(skipped)} skipped as malformed)")
+    _log_report(report)
+    return TokenizedDataset(builder.finish(), kind, encoder.pad_token_id, report)
+
+
+def _detect(source: str | Path, kind: str, number: int, row: Any) -> str:
+    """The file's format from this row's keys ("auto"), or a row error when they show none."""
+    keys = sorted(row) if isinstance(row, dict) else []
+    fmt = detect_format(row) if isinstance(row, dict) else None
+    if fmt is None:
+        raise RowError(
+            f"cannot tell the row format from its keys {keys}; {kind} data needs {KIND_NEEDS[kind]} "
+            "(or set data.format)"
+        )
+    if fmt not in KIND_FORMATS[kind]:
+        raise DataError(
+            f"{source}: rows look like {fmt} data (row {number} has keys {keys}), but {kind} data needs "
+            f"{KIND_NEEDS[kind]}"
+        )
+    return fmt
+
+
+def _encode(example: Any, encoder: ChatEncoder, max_length: int | None) -> tuple[dict[str, Any], bool]:
+    """The stored columns of one example, and whether truncation cut it."""
+    if isinstance(example, SFTExample):
+        enc = encoder.encode(example.messages, max_length=max_length)
+        return {"input_ids": enc.input_ids, "token_mask": enc.token_mask,
+                "sample_mask": int(enc.num_loss_tokens > 0)}, enc.truncated
+    if isinstance(example, PreferenceExample):
+        pair: list[Encoded] = [
+            encoder.encode([*example.prompt, *completion], loss_from=len(example.prompt), max_length=max_length)
+            for completion in (example.chosen, example.rejected)
+        ]
+        c, r = pair
+        columns = {"chosen_input_ids": c.input_ids, "chosen_token_mask": c.token_mask,
+                   "rejected_input_ids": r.input_ids, "rejected_token_mask": r.token_mask,
+                   "sample_mask": int(c.num_loss_tokens > 0 and r.num_loss_tokens > 0)}
+        return columns, c.truncated or r.truncated
+    assert isinstance(example, PromptExample)
+    enc = encoder.encode_prompt(example.messages, max_length=max_length)
+    return {"input_ids": enc.input_ids, "token_mask": enc.token_mask, "sample_mask": int(not enc.truncated),
+            "messages": json.dumps(example.messages), "answer": json.dumps(example.answer, default=str),
+            "metadata": json.dumps(example.metadata, default=str), "task": example.task}, enc.truncated
+
+
+class _TableBuilder:
+    """Accumulate encoded columns and build the Arrow-backed dataset in chunks."""
+
+    def __init__(self, kind: str):
+        import datasets
+
+        seq = getattr(datasets, "List", None) or datasets.Sequence
+        ids, mask, text = seq(datasets.Value("int32")), seq(datasets.Value("int8")), datasets.Value("string")
+        common = {"sample_mask": datasets.Value("int8"), "row": datasets.Value("int64")}
+        per_kind = {
+            "sft": {"input_ids": ids, "token_mask": mask},
+            "preference": {"chosen_input_ids": ids, "chosen_token_mask": mask,
+                           "rejected_input_ids": ids, "rejected_token_mask": mask},
+            "prompt": {"input_ids": ids, "token_mask": mask, "messages": text, "answer": text, "metadata": text,
+                       "task": text},
+        }[kind]
+        self.features = datasets.Features({**per_kind, **common})
+        self.columns: dict[str, list[Any]] = {name: [] for name in self.features}
+        self.parts: list[Any] = []
+        self.size = 0
+
+    def add(self, columns: dict[str, Any], row: int) -> None:
+        for name, value in {**columns, "row": row}.items():
+            self.columns[name].append(value)
+        self.size += 1
+        if len(self.columns["row"]) >= _CHUNK_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        import datasets
+
+        if self.columns["row"]:
+            self.parts.append(datasets.Dataset.from_dict(self.columns, features=self.features))
+            self.columns = {name: [] for name in self.features}
+
+    def finish(self) -> Any:
+        import datasets
+
+        self._flush()
+        return self.parts[0] if len(self.parts) == 1 else datasets.concatenate_datasets(self.parts)
+
+
+def _pad(seqs: Sequence[tuple[list[int], list[int]]], sample_mask: Sequence[int], pad_token_id: int) -> Batch:
+    width = max(len(ids) for ids, _ in seqs)
+    input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    token_mask = torch.zeros((len(seqs), width), dtype=torch.float32)
+    for i, (ids, mask) in enumerate(seqs):
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        token_mask[i, : len(mask)] = torch.tensor(mask, dtype=torch.float32)
+    return Batch(
+        input_ids=input_ids,
+        input_lengths=torch.tensor([len(ids) for ids, _ in seqs], dtype=torch.long),
+        token_mask=token_mask,
+        sample_mask=torch.tensor(list(sample_mask), dtype=torch.float32),
+    )
+
+
+def _decode(kind: str, row: dict[str, Any]) -> dict[str, Any]:
+    if kind == "prompt":
+        row = {**row, **{k: json.loads(row[k]) for k in ("messages", "answer", "metadata")}}
+    return row
+
+
+def _log_report(report: LoadReport) -> None:
+    log = get_logger()
+    log.info("data loaded", source=report.source, format=report.format, examples=report.num_examples,
+             truncated=report.num_truncated, without_loss=report.num_without_loss)
+    if report.num_skipped:
+        log.warning("skipped malformed rows", source=report.source, skipped=report.num_skipped,
+                    first=list(report.skipped))

@@ -1,0 +1,57 @@
+"""Build the data pieces of a run from its config (``data`` and ``policy`` sections)."""
+
+from __future__ import annotations
+
+from posttrain.config.schema import RunConfig
+from posttrain.data.chat import ChatEncoder, load_tokenizer, read_chat_template
+from posttrain.data.dataset import TokenizedDataset, build_dataset
+from posttrain.data.loader import StatefulDataLoader
+from posttrain.errors import ConfigError
+
+
+def encoder_from_config(config: RunConfig) -> ChatEncoder:
+    """The chat encoder of the policy's tokenizer, with ``data.chat_template`` when set."""
+    tokenizer = load_tokenizer(config.policy.tokenizer or config.policy.model)
+    template = read_chat_template(config.data.chat_template) if config.data.chat_template else None
+    return ChatEncoder(tokenizer, template)
+
+
+def dataset_from_config(
+    config: RunConfig, split: str, kind: str, encoder: ChatEncoder, *, max_length: int | None = None
+) -> TokenizedDataset | None:
+    """The ``data.train`` or ``data.validation`` file as a dataset of ``kind``; None when unset.
+
+    ``max_length`` defaults to ``data.max_length``, then ``policy.max_total_sequence_length``.
+    """
+    if split not in ("train", "validation"):
+        raise ValueError(f"split must be 'train' or 'validation', got '{split}'")
+    data = config.data
+    path = getattr(data, split)
+    if path is None:
+        return None
+    limit = max_length or data.max_length or config.policy.max_total_sequence_length
+    return build_dataset(path, kind, encoder, fmt=data.format, max_length=limit, skip_malformed=data.skip_malformed)
+
+
+def require_dataset(
+    config: RunConfig, split: str, kind: str, encoder: ChatEncoder, *, max_length: int | None = None
+) -> TokenizedDataset:
+    """Like :func:`dataset_from_config`, but a missing file is a config error naming the key."""
+    dataset = dataset_from_config(config, split, kind, encoder, max_length=max_length)
+    if dataset is None:
+        raise ConfigError(
+            f"data.{split} is not set; {config.algorithm or 'this algorithm'} needs a file of {kind} data "
+            "(.jsonl, .json or .parquet)"
+        )
+    return dataset
+
+
+def dataloader_from_config(
+    config: RunConfig, dataset: TokenizedDataset, batch_size: int, *, train: bool = True
+) -> StatefulDataLoader:
+    """Training loaders shuffle (``data.shuffle``, seeded by ``data.seed`` or the run's seed)
+    and drop the last partial batch; validation loaders keep file order and every sample."""
+    seed = config.data.seed if config.data.seed is not None else config.seed
+    return StatefulDataLoader(
+        dataset, batch_size, shuffle=train and config.data.shuffle, seed=seed, drop_last=train
+    )

@@ -1,0 +1,137 @@
+"""Direct preference optimisation losses (sigmoid DPO, IPO, reference-free), sequence-level.
+
+Rows come in pairs: chosen at even rows, rejected at odd rows (as the ``preference``
+dataset collates them). With ``m = token_mask * sample_mask`` per row:
+
+- sequence logprob ``s = sum_t m_t * logprobs_t``, and ``s_ref`` the same over the batch's
+  ``reference_logprobs`` (0 when ``reference_free``); with ``average_log_probs`` both are
+  divided by the row's loss-token count ``n = sum_t m_t``;
+- log-ratio ``r = s - s_ref``; margin ``h = r_chosen - r_rejected``;
+- ``sigmoid``: ``-(1 - eps) * log sigmoid(beta * h) - eps * log sigmoid(-beta * h)`` (``eps`` is
+  ``label_smoothing``; 0 gives standard DPO, and ``h = 0`` gives ``ln 2``);
+  ``ipo``: ``(h - 1 / (2 * beta))**2``;
+- with ``sft_weight`` w > 0, ``w * (-s_chosen_policy / n_chosen)`` is added: the mean NLL per
+  token of the chosen response (always length-normalised, so w means the same at any length).
+
+A microbatch returns ``sum_pairs pair_mask * loss_pair / P`` where ``P`` = global valid
+sequences / 2 (the global number of pairs) and ``pair_mask`` is 1 when both rows have
+``sample_mask`` 1, so the microbatch losses sum to the mean over all pairs. Metrics are
+contributions on the same scale: rewards are ``beta * r``, accuracy is the share of pairs
+with ``r_chosen > r_rejected``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from posttrain.batch import Batch
+from posttrain.interfaces.loss import LossFunction, LossType
+
+from posttrain_dpo.config import LOSS_TYPES
+
+
+class DPOLoss(LossFunction):
+    """Sequence-level preference loss over interleaved chosen/rejected rows (module docstring)."""
+
+    loss_type = LossType.SEQUENCE
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        loss_type: str = "sigmoid",
+        *,
+        reference_free: bool = False,
+        average_log_probs: bool = False,
+        sft_weight: float = 0.0,
+        label_smoothing: float = 0.0,
+    ):
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got '{loss_type}'")
+        self.beta = beta
+        self.kind = loss_type
+        self.reference_free = reference_free
+        self.average_log_probs = average_log_probs
+        self.sft_weight = sft_weight
+        self.label_smoothing = label_smoothing
+
+    @classmethod
+    def from_options(cls, options: Any) -> DPOLoss:
+        """The registry factory: ``options`` is the ``dpo`` section (:class:`DPOConfig`)."""
+        return cls(
+            options.beta,
+            options.loss_type,
+            reference_free=options.reference_free,
+            average_log_probs=options.average_log_probs,
+            sft_weight=options.sft_weight,
+            label_smoothing=options.label_smoothing,
+        )
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        batch: Batch,
+        global_valid_seqs: torch.Tensor,
+        global_valid_toks: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        rows = logprobs.shape[0]
+        if rows % 2:
+            raise ValueError(
+                f"DPO needs chosen/rejected pairs (chosen at even rows, rejected at odd rows); got a microbatch "
+                f"of {rows} rows. Use an even micro batch size."
+            )
+        if not self.reference_free and "reference_logprobs" not in batch:
+            raise ValueError(
+                "DPO needs the batch's 'reference_logprobs' (from policy.get_reference_policy_logprobs) "
+                "unless dpo.reference_free is true"
+            )
+        sample_mask = batch["sample_mask"].to(logprobs)
+        mask = batch["token_mask"].to(logprobs) * sample_mask[:, None]
+        num_tokens = mask.sum(-1)
+        policy_logp = _masked_sum(logprobs, mask)
+        reference_logp = (
+            torch.zeros_like(policy_logp) if self.reference_free
+            else _masked_sum(batch["reference_logprobs"].to(logprobs), mask)
+        )
+        if self.average_log_probs:
+            policy_logp = policy_logp / num_tokens.clamp(min=1)
+            reference_logp = reference_logp / num_tokens.clamp(min=1)
+        logratio = policy_logp - reference_logp
+        chosen, rejected = logratio[0::2], logratio[1::2]
+        pair_mask = sample_mask[0::2] * sample_mask[1::2]
+        num_pairs = (global_valid_seqs.to(logprobs) / 2).clamp(min=1)
+
+        def mean(per_pair: torch.Tensor) -> torch.Tensor:  # contribution to the mean over all pairs
+            return (per_pair * pair_mask).sum() / num_pairs
+
+        margin = chosen - rejected
+        if self.kind == "sigmoid":
+            eps = self.label_smoothing
+            per_pair = -(1 - eps) * F.logsigmoid(self.beta * margin) - eps * F.logsigmoid(-self.beta * margin)
+        else:  # ipo
+            per_pair = (margin - 1 / (2 * self.beta)) ** 2
+        preference_loss = mean(per_pair)
+        loss = preference_loss
+        metrics: dict[str, float] = {"preference_loss": preference_loss.item()}
+        if self.sft_weight:
+            chosen_nll = -_masked_sum(logprobs, mask)[0::2] / num_tokens[0::2].clamp(min=1)
+            sft_loss = mean(chosen_nll)
+            loss = loss + self.sft_weight * sft_loss
+            metrics["sft_loss"] = sft_loss.item()
+        with torch.no_grad():
+            metrics.update(
+                loss=loss.item(),
+                accuracy=mean((chosen > rejected).to(logprobs)).item(),
+                rewards_chosen=mean(self.beta * chosen).item(),
+                rewards_rejected=mean(self.beta * rejected).item(),
+                reward_margin=mean(self.beta * margin).item(),
+                logps_chosen=mean(policy_logp[0::2]).item(),
+                logps_rejected=mean(policy_logp[1::2]).item(),
+            )
+        return loss, metrics
+
+
+def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-row ``sum_t mask * values``, with masked positions exactly 0 even where values are -inf."""
+    return (torch.where(mask != 0, values, torch.zeros_like(values)) * mask).sum(-1)
