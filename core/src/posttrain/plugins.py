@@ -8,7 +8,8 @@ environment is usable everywhere by name.
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import attrs
 import pluggy
@@ -79,11 +80,9 @@ class Registry(Mapping[str, Any]):
             installed = "none (install a plugin that provides one)"
         else:
             by_dist: dict[str, list[str]] = {}
-            for reg in self._entries.values():
+            for reg in self._entries.values():  # names in the order their plugin registers them
                 by_dist.setdefault(reg.distribution, []).append(reg.name)
-            installed = "; ".join(
-                f"{', '.join(sorted(names))} (from {dist})" for dist, names in sorted(by_dist.items())
-            )
+            installed = "; ".join(f"{', '.join(names)} (from {dist})" for dist, names in sorted(by_dist.items()))
         return f"unknown {self.kind} '{name}'; installed: {installed}.{did_you_mean(name, self._entries)}"
 
 
@@ -92,7 +91,7 @@ class PluginHost:
 
     def __init__(self, pm: pluggy.PluginManager):
         self.pm = pm
-        self._registries: dict[str, Registry] | None = None
+        self._registries: dict[str, Registry] = {}  # merged on first use, per kind
 
     @property
     def hook(self) -> Any:
@@ -100,8 +99,8 @@ class PluginHost:
 
     def registry(self, hook_name: str) -> Registry:
         """The merged registry of one registration hook, e.g. ``"posttrain_environments"``."""
-        if self._registries is None:
-            self._registries = self._merge_all()
+        if hook_name not in self._registries:
+            self._registries[hook_name] = self._merge(hook_name)
         return self._registries[hook_name]
 
     @property
@@ -135,21 +134,30 @@ class PluginHost:
     def register(self, plugin: object, name: str | None = None) -> None:
         """Register a plugin object by hand (tests, notebooks); registries are rebuilt."""
         self.pm.register(plugin, name=name)
-        self._registries = None
+        self._registries = {}
+        try:
+            check_hook_names(self.pm)
+        except PluginError:
+            self.pm.unregister(plugin)
+            raise
 
     def unregister(self, plugin: object) -> None:
         self.pm.unregister(plugin)
-        self._registries = None
+        self._registries = {}
 
     def plugins(self) -> list[PluginInfo]:
         """Every registered plugin with its distribution and registrations, in load order."""
         infos = []
-        for plugin in self.pm.get_plugins():
+        for plugin in self._loaded():
             regs = tuple(reg for kind in KINDS for reg in self._registrations(kind, plugin))
             infos.append(PluginInfo(self._plugin_name(plugin), self._distribution(plugin), regs))
         return sorted(infos, key=lambda info: info.distribution)
 
     # ------------------------------------------------------------------ internals
+
+    def _loaded(self) -> list[object]:
+        """Registered plugins in registration order (``pm.get_plugins()`` is an unordered set)."""
+        return [plugin for _, plugin in self.pm.list_name_plugin() if plugin is not None]
 
     def _plugin_name(self, plugin: object) -> str:
         return self.pm.get_name(plugin) or repr(plugin)
@@ -178,21 +186,21 @@ class PluginHost:
             out.extend(Registration(KINDS[hook_name], str(n), v, dist) for n, v in answer.items())
         return out
 
-    def _merge_all(self) -> dict[str, Registry]:
-        merged: dict[str, Registry] = {}
-        for hook_name, kind in KINDS.items():
-            entries: dict[str, Registration] = {}
-            for plugin in self.pm.get_plugins():
-                for reg in self._registrations(hook_name, plugin):
-                    if reg.name in entries:
-                        first = entries[reg.name]
-                        raise PluginError(
-                            f"{kind} '{reg.name}' is registered twice: by {first.distribution} "
-                            f"and by {reg.distribution}. Uninstall one of them."
-                        )
-                    entries[reg.name] = reg
-            merged[hook_name] = Registry(kind, entries)
-        return merged
+    def _merge(self, hook_name: str) -> Registry:
+        """One kind's registry; only that kind's hooks are called (a plugin's other hooks
+        may import heavy modules)."""
+        kind = KINDS[hook_name]
+        entries: dict[str, Registration] = {}
+        for plugin in self._loaded():
+            for reg in self._registrations(hook_name, plugin):
+                if reg.name in entries:
+                    first = entries[reg.name]
+                    raise PluginError(
+                        f"{kind} '{reg.name}' is registered twice: by {first.distribution} "
+                        f"and by {reg.distribution}. Uninstall one of them."
+                    )
+                entries[reg.name] = reg
+        return Registry(kind, entries)
 
 
 def new_plugin_host(load_entry_points: bool = True) -> PluginHost:
@@ -207,7 +215,23 @@ def new_plugin_host(load_entry_points: bool = True) -> PluginHost:
                 f"loading the '{ENTRY_POINT_GROUP}' entry points failed: {type(exc).__name__}: {exc}. "
                 f"Installed distributions with posttrain entry points: {', '.join(_entry_point_dists())}"
             ) from exc
+        check_hook_names(pm)
     return PluginHost(pm)
+
+
+def check_hook_names(pm: pluggy.PluginManager) -> None:
+    """Refuse hook implementations that match no hookspec (a misspelt hook is otherwise
+    silently never called)."""
+    known = [name for name in vars(hookspecs) if name.startswith("posttrain_")]
+    for name, caller in vars(pm.hook).items():
+        if name.startswith("_") or caller.has_spec():
+            continue
+        for impl in caller.get_hookimpls():
+            if not impl.optionalhook:
+                raise PluginError(
+                    f"plugin '{impl.plugin_name}' implements '{name}', which is not a posttrain hook."
+                    f"{did_you_mean(name, known)} The hooks are listed in posttrain.hookspecs."
+                )
 
 
 def _entry_point_dists() -> list[str]:

@@ -1,0 +1,122 @@
+"""Starting or joining Ray, and reserving resources for worker groups.
+
+:func:`init_ray` connects this process to Ray once. :class:`VirtualCluster` reserves one
+placement group per worker group: one bundle ``{"CPU": cpus, "GPU": gpus}`` per worker,
+packed onto as few nodes as possible. Two groups that should share devices ("colocated")
+each ask for a fraction (e.g. ``gpus=0.5``); logical CPUs may exceed physical cores.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from posttrain.config.schema import ClusterConfig, WorkerResources
+from posttrain.errors import ConfigError, WorkerError
+
+
+def init_ray(config: ClusterConfig) -> None:
+    """Connect to Ray unless already connected.
+
+    Joins ``config.ray_address`` or ``$RAY_ADDRESS`` when either is set; otherwise starts
+    a local cluster with ``config.num_cpus`` logical CPUs (all cores when None) and no
+    dashboard. ``RAY_AUTH_MODE`` defaults to ``disabled`` (no token file is written).
+    """
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    address = config.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+        return
+    ray.init(
+        address="local",
+        num_cpus=config.num_cpus if config.num_cpus is not None else os.cpu_count(),
+        num_gpus=config.num_gpus,
+        include_dashboard=False,
+    )
+
+
+def bundle_of(resources: WorkerResources) -> dict[str, float]:
+    """The placement-group bundle one worker with these resources needs."""
+    bundle = {"CPU": float(resources.cpus), "GPU": float(resources.gpus)}
+    bundle = {key: value for key, value in bundle.items() if value > 0}
+    if not bundle:
+        raise ConfigError(
+            f"worker resources {{cpus: {resources.cpus}, gpus: {resources.gpus}}} ask for nothing; "
+            "set resources.cpus or resources.gpus above 0"
+        )
+    return bundle
+
+
+class VirtualCluster:
+    """The resources of a run, handed out to worker groups as placement groups.
+
+    Creating it connects to Ray (:func:`init_ray`). ``placement_timeout_s`` bounds the
+    wait for a placement group: past it, :meth:`reserve` raises instead of hanging.
+    """
+
+    def __init__(self, config: ClusterConfig, *, placement_timeout_s: float = 120.0):
+        self.config = config
+        self.placement_timeout_s = placement_timeout_s
+        init_ray(config)
+        self._groups: dict[str, PlacementGroup] = {}
+
+    def reserve(self, name: str, num_workers: int, resources: WorkerResources) -> PlacementGroup:
+        """Reserve ``num_workers`` bundles for the worker group ``name`` and wait for them.
+
+        Raises :class:`ConfigError` when the cluster can never hold the request and
+        :class:`WorkerError` when it is not placed within the timeout (resources held by
+        other groups or tasks).
+        """
+        if name in self._groups:
+            raise WorkerError(f"worker group '{name}' already holds a placement group; shut it down first")
+        if num_workers < 1:
+            raise ConfigError(f"worker group '{name}': num_workers must be at least 1, got {num_workers}")
+        bundle = bundle_of(resources)
+        asked = f"worker group '{name}' asked for {num_workers} x {bundle}"
+        total = ray.cluster_resources()
+        for key, value in bundle.items():
+            if value * num_workers > total.get(key, 0.0) + 1e-9:
+                raise ConfigError(
+                    f"{asked} = {value * num_workers:g} {key} in all, but the whole Ray cluster has "
+                    f"{total.get(key, 0.0):g} {key}. Lower num_workers or resources.{_field(key)}, or start "
+                    f"Ray with more (cluster.num_{_field(key)})."
+                )
+        group = placement_group([dict(bundle) for _ in range(num_workers)], strategy="PACK", name=f"posttrain-{name}")
+        ready, _ = ray.wait([group.ready()], timeout=self.placement_timeout_s)
+        if not ready:
+            remove_placement_group(group)
+            raise WorkerError(
+                f"{asked} and was not placed within {self.placement_timeout_s:g} s. Cluster total: "
+                f"{_brief(total)}; available now: {_brief(ray.available_resources())}. Other worker groups or "
+                "tasks hold the rest: shut them down, lower the request, or give Ray more logical CPUs."
+            )
+        self._groups[name] = group
+        return group
+
+    def release(self, name: str) -> None:
+        """Remove the placement group of worker group ``name`` (no-op if it holds none)."""
+        group = self._groups.pop(name, None)
+        if group is not None:
+            remove_placement_group(group)
+
+    def placement_groups(self) -> dict[str, PlacementGroup]:
+        """The placement groups currently held, by worker group name."""
+        return dict(self._groups)
+
+    def shutdown(self) -> None:
+        """Remove every placement group this cluster reserved. Ray itself keeps running."""
+        for name in list(self._groups):
+            self.release(name)
+
+
+def _field(resource: str) -> str:
+    return {"CPU": "cpus", "GPU": "gpus"}.get(resource, resource)
+
+
+def _brief(resources: dict[str, Any]) -> dict[str, float]:
+    return {key: value for key, value in sorted(resources.items()) if key in ("CPU", "GPU")}

@@ -1,0 +1,334 @@
+"""Worker groups: N Ray actors of one class that act as the ranks of one job.
+
+Each actor runs in its own process, on one bundle of the group's placement group, with
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
+``MASTER_PORT`` in ``os.environ`` before the worker's ``__init__`` body runs, so
+``torch.distributed.init_process_group(backend)`` with the default env init forms the
+group. ``MASTER_ADDR`` is 127.0.0.1 when every rank is on one node, else rank 0's node
+address; ``MASTER_PORT`` is a port that was free on rank 0's node when the group started.
+
+Calls go to every rank (:meth:`WorkerGroup.run_all`), to each rank with its own shard
+(:meth:`WorkerGroup.run_sharded`) or to rank 0 only (:meth:`WorkerGroup.run_rank0`).
+Results are gathered with :meth:`WorkerGroup.get`, which surfaces the first failure as a
+:class:`~posttrain.errors.WorkerError` naming the group, the rank and the method, instead
+of waiting on the ranks that are still running (they may be blocked in a collective
+with the dead one).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group_table
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from posttrain.config.schema import WorkerResources
+from posttrain.distributed.cluster import VirtualCluster
+from posttrain.errors import WorkerError
+from posttrain.plugins import plugin_host
+
+
+class Worker:
+    """Base class of every actor class in a worker group.
+
+    ``__init__`` loads the ``posttrain`` entry-point plugins in the worker process, so
+    registries (environments, losses, ...) hold every installed plugin there too.
+    Subclasses call ``super().__init__()``. Outside a worker group (a plain object in a
+    test) the rank is 0 of 1.
+    """
+
+    def __init__(self) -> None:
+        plugin_host()
+
+    @property
+    def rank(self) -> int:
+        return int(os.environ.get("RANK", "0"))
+
+    @property
+    def world_size(self) -> int:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+class WorkerGroup:
+    """``num_workers`` actors of ``worker_cls``, rank r on bundle r of a placement group
+    reserved from ``cluster`` under ``name``.
+
+    ``resources.env_vars`` and ``resources.runtime_env`` become the actors' Ray
+    ``runtime_env`` (``env_vars`` merged into ``runtime_env["env_vars"]``), so a worker
+    type can run in its own Python environment (``py_executable``, ``pip``, ...).
+    ``worker_cls(*args, **kwargs)`` is constructed in every actor; the constructor
+    returns once all ranks are ready, or raises :class:`WorkerError` naming the rank whose
+    ``__init__`` failed (the group is shut down then).
+    """
+
+    def __init__(
+        self,
+        cluster: VirtualCluster,
+        worker_cls: type[Worker],
+        *,
+        name: str,
+        num_workers: int,
+        resources: WorkerResources,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ):
+        self.name = name
+        self.cluster = cluster
+        self.worker_cls = worker_cls
+        self.world_size = num_workers
+        self.actors: list[ray.actor.ActorHandle] = []
+        self._calls: dict[str, tuple[int, str]] = {}  # ObjectRef hex -> (rank, method)
+        self._closed = False
+        group = cluster.reserve(name, num_workers, resources)
+        try:
+            self.actors = self._start_actors(group, resources, tuple(args), dict(kwargs or {}))
+            self.get(
+                [self._track(actor.__ray_ready__.remote(), rank, "__init__") for rank, actor in enumerate(self.actors)]
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ calls
+
+    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method(*args, **kwargs)`` on every rank; results in rank order."""
+        return self.get(self.run_all_async(method, *args, **kwargs))
+
+    def run_sharded(
+        self,
+        method: str,
+        shards: Sequence[Any],
+        *args: Any,
+        shard_of_rank: Callable[[int], int] | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Call ``method(shards[shard_of_rank(r)], *args, **kwargs)`` on each rank r.
+
+        Without ``shard_of_rank`` rank r gets ``shards[r]`` and there must be exactly one
+        shard per rank. With it, several ranks may share a shard (e.g. the tensor-parallel
+        ranks of one data-parallel replica: ``lambda r: r // tp``); a shared shard is put
+        in the object store once.
+        """
+        return self.get(self.run_sharded_async(method, shards, *args, shard_of_rank=shard_of_rank, **kwargs))
+
+    def run_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method(*args, **kwargs)`` on rank 0 only and return its result."""
+        return self.get(self.run_rank0_async(method, *args, **kwargs))
+
+    def run_all_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        """Like :meth:`run_all` but returns one ObjectRef per rank; resolve with :meth:`get`."""
+        return [self._call(rank, method, args, kwargs) for rank in range(self.world_size)]
+
+    def run_sharded_async(
+        self,
+        method: str,
+        shards: Sequence[Any],
+        *args: Any,
+        shard_of_rank: Callable[[int], int] | None = None,
+        **kwargs: Any,
+    ) -> list[ray.ObjectRef]:
+        """Like :meth:`run_sharded` but returns one ObjectRef per rank; resolve with :meth:`get`."""
+        if shard_of_rank is None and len(shards) != self.world_size:
+            raise ValueError(
+                f"worker group '{self.name}': run_sharded('{method}') got {len(shards)} shards for "
+                f"{self.world_size} ranks; pass one shard per rank or a shard_of_rank function"
+            )
+        pick = shard_of_rank or (lambda rank: rank)
+        chosen = [pick(rank) for rank in range(self.world_size)]
+        for rank, index in enumerate(chosen):
+            if not 0 <= index < len(shards):
+                raise ValueError(
+                    f"worker group '{self.name}': shard_of_rank({rank}) = {index}, outside the "
+                    f"{len(shards)} shards given to run_sharded('{method}')"
+                )
+        payload = {
+            index: ray.put(shards[index])
+            if chosen.count(index) > 1 and not isinstance(shards[index], ray.ObjectRef)
+            else shards[index]
+            for index in set(chosen)
+        }
+        return [self._call(rank, method, (payload[index], *args), kwargs) for rank, index in enumerate(chosen)]
+
+    def run_rank0_async(self, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+        """Like :meth:`run_rank0` but returns the ObjectRef; resolve with :meth:`get`."""
+        return self._call(0, method, args, kwargs)
+
+    def get(self, refs: ray.ObjectRef | Sequence[ray.ObjectRef], *, timeout_s: float | None = None) -> Any:
+        """Wait for refs returned by this group's ``*_async`` calls and return their values
+        (a list for a list, one value for one ref).
+
+        The first call to fail raises :class:`WorkerError` at once: ``worker group 'NAME'
+        rank R died: ...`` when the actor process died, or ``worker group 'NAME' rank R:
+        METHOD() raised ...`` with the last line of the remote traceback. Past
+        ``timeout_s`` seconds it raises :class:`WorkerError` naming the unfinished ranks.
+        """
+        single = isinstance(refs, ray.ObjectRef)
+        ref_list: list[ray.ObjectRef] = [refs] if single else list(refs)  # type: ignore[list-item]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        values: dict[str, Any] = {}
+        pending = list(ref_list)
+        try:
+            while pending:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+                if not ready:
+                    late = ", ".join(f"rank {r} {m}()" for r, m in (self._owner(ref) for ref in pending))
+                    raise WorkerError(f"worker group '{self.name}': {late} did not finish within {timeout_s:g} s")
+                ref = ready[0]
+                values[ref.hex()] = self._value(ref)
+        finally:
+            for ref in ref_list:
+                self._calls.pop(ref.hex(), None)
+        results = [values[ref.hex()] for ref in ref_list]
+        return results[0] if single else results
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def shutdown(self) -> None:
+        """Kill every actor and release the placement group. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if ray.is_initialized():
+            for actor in self.actors:
+                ray.kill(actor, no_restart=True)
+            self.cluster.release(self.name)
+        self._calls.clear()
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ internals
+
+    def _start_actors(
+        self, group: PlacementGroup, resources: WorkerResources, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[ray.actor.ActorHandle]:
+        actor_cls = ray.remote(_actor_class(self.worker_cls))
+        runtime_env = merged_runtime_env(resources)
+        token = uuid.uuid4().hex[:6]
+        return [
+            actor_cls.options(
+                name=f"{self.name}-rank{rank}-{token}",
+                num_cpus=resources.cpus,
+                num_gpus=resources.gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+                runtime_env=runtime_env,
+                max_restarts=0,
+            ).remote(env, args, kwargs)
+            for rank, env in enumerate(rank_environments(group))
+        ]
+
+    def _call(self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ray.ObjectRef:
+        if self._closed:
+            raise WorkerError(f"worker group '{self.name}' is shut down; cannot call {method}()")
+        if not callable(getattr(self.worker_cls, method, None)):
+            raise AttributeError(f"worker group '{self.name}': {self.worker_cls.__name__} has no method '{method}'")
+        return self._track(getattr(self.actors[rank], method).remote(*args, **kwargs), rank, method)
+
+    def _track(self, ref: ray.ObjectRef, rank: int, method: str) -> ray.ObjectRef:
+        self._calls[ref.hex()] = (rank, method)
+        return ref
+
+    def _owner(self, ref: ray.ObjectRef) -> tuple[int | str, str]:
+        return self._calls.get(ref.hex(), ("?", "?"))
+
+    def _value(self, ref: ray.ObjectRef) -> Any:
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as err:
+            rank, method = self._owner(ref)
+            if err.actor_init_failed:
+                raise WorkerError(
+                    f"worker group '{self.name}' rank {rank}: __init__() raised {_last_line(str(err))}"
+                ) from err
+            raise WorkerError(f"worker group '{self.name}' rank {rank} died: {_one_line(str(err))}") from err
+        except ray.exceptions.RayTaskError as err:
+            rank, method = self._owner(ref)
+            raise WorkerError(
+                f"worker group '{self.name}' rank {rank}: {method}() raised {_last_line(str(err))}"
+            ) from err
+
+
+def rank_environments(group: PlacementGroup) -> list[dict[str, str]]:
+    """The torch.distributed variables of each rank, rank r on bundle r of ``group``."""
+    node_of = placement_group_table(group)["bundles_to_node_id"]
+    nodes = [node_of[rank] for rank in range(group.bundle_count)]
+    master = nodes[0]
+    if master == ray.get_runtime_context().get_node_id():
+        port = free_port()
+    else:
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+        port = ray.get(ray.remote(free_port).options(num_cpus=0, scheduling_strategy=strategy).remote())
+    if len(set(nodes)) == 1:
+        address = "127.0.0.1"
+    else:
+        address = next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == master)
+    envs = []
+    for rank, node in enumerate(nodes):
+        envs.append(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(len(nodes)),
+                "LOCAL_RANK": str(nodes[:rank].count(node)),
+                "LOCAL_WORLD_SIZE": str(nodes.count(node)),
+                "MASTER_ADDR": address,
+                "MASTER_PORT": str(port),
+            }
+        )
+    return envs
+
+
+def merged_runtime_env(resources: WorkerResources) -> dict[str, Any] | None:
+    """``resources.runtime_env`` with ``resources.env_vars`` merged into its ``env_vars``."""
+    runtime_env = dict(resources.runtime_env)
+    if resources.env_vars:
+        runtime_env["env_vars"] = {
+            **runtime_env.get("env_vars", {}),
+            **{k: str(v) for k, v in resources.env_vars.items()},
+        }
+    return runtime_env or None
+
+
+def free_port() -> int:
+    """A TCP port that is free on this machine now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def _actor_class(worker_cls: type[Worker]) -> type:
+    """``worker_cls`` with a constructor that sets the rank variables and loads plugins
+    before the worker's own ``__init__`` runs."""
+
+    class Actor(worker_cls):  # type: ignore[valid-type, misc]
+        def __init__(self, rank_env: dict[str, str], args: tuple[Any, ...], kwargs: dict[str, Any]):
+            os.environ.update(rank_env)
+            plugin_host()
+            super().__init__(*args, **kwargs)
+
+    Actor.__name__ = Actor.__qualname__ = worker_cls.__name__
+    return Actor
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else text
+
+
+def _one_line(text: str, limit: int = 600) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."

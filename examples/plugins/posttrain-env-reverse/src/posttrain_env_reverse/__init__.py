@@ -1,0 +1,1 @@
+"""posttrain-env-reverse: an example third-party environment plugin for posttrain."""

@@ -1,0 +1,53 @@
+"""The ``reverse`` environment: the answer must be the sample's text reversed."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from posttrain.errors import ConfigError, DataError
+from posttrain.interfaces import Environment, EnvironmentReturn, Message
+
+
+class ReverseEnvironment(Environment):
+    """Single turn. Reward 1.0 when the last assistant message, stripped of surrounding
+    whitespace, equals ``metadata["text"][::-1]``, else 0.0; every episode ends."""
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> ReverseEnvironment:
+        if options:
+            raise ConfigError(f"environments.reverse: unknown option(s) {sorted(options)}; this environment takes none")
+        return cls()
+
+    def step(self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Any]) -> EnvironmentReturn:
+        if len(message_logs) != len(metadata):
+            raise DataError(f"reverse: {len(message_logs)} message logs but {len(metadata)} metadata entries")
+        answers = [_last_assistant(log) for log in message_logs]
+        targets = [_target(i, meta) for i, meta in enumerate(metadata)]
+        rewards = [float(a is not None and a.strip() == t[::-1]) for a, t in zip(answers, targets, strict=True)]
+        batch = len(message_logs)
+        return EnvironmentReturn(
+            observations=[{"role": "environment", "content": ""} for _ in range(batch)],
+            metadata=list(metadata),
+            next_stop_strings=[None] * batch,
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            terminateds=torch.ones(batch, dtype=torch.bool),
+            answers=answers,
+        )
+
+    def metrics(self, rewards: torch.Tensor, metadata: Sequence[Any]) -> dict[str, float]:
+        return {"accuracy": float(rewards.float().mean()) if len(rewards) else 0.0}
+
+
+def _last_assistant(log: Sequence[Message]) -> str | None:
+    for message in reversed(log):
+        if message.get("role") == "assistant":
+            return message.get("content", "")
+    return None
+
+
+def _target(index: int, meta: Any) -> str:
+    if not isinstance(meta, Mapping) or not isinstance(meta.get("text"), str):
+        raise DataError(f"reverse: sample {index} needs metadata {{'text': str}}, got {meta!r}")
+    return meta["text"]

@@ -1,0 +1,63 @@
+"""init_ray: start a local cluster or join one; bundles and runtime environments of groups."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from posttrain.config.schema import ClusterConfig, WorkerResources
+from posttrain.distributed.cluster import bundle_of, init_ray
+from posttrain.distributed.worker_group import merged_runtime_env
+from posttrain.errors import ConfigError
+
+PROBE = (
+    "import os, ray\n"
+    "from posttrain.config.schema import ClusterConfig\n"
+    "from posttrain.distributed import init_ray\n"
+    "init_ray(ClusterConfig(num_cpus=3))\n"
+    "init_ray(ClusterConfig(num_cpus=1))  # idempotent: no second cluster\n"
+    "print(ray.cluster_resources()['CPU'], ray.get_runtime_context().gcs_address, os.environ['RAY_AUTH_MODE'])\n"
+    "ray.shutdown()\n"
+)
+
+
+def _probe(**env: str) -> list[str]:
+    clean = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], env={**clean, **env}, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+@pytest.mark.ray
+def test_init_ray_joins_ray_address_else_starts_a_local_cluster(ray_cluster):
+    address = ray_cluster.get_runtime_context().gcs_address
+    joined = _probe(RAY_ADDRESS=address, RAY_AUTH_MODE="disabled")
+    assert joined == [str(ray_cluster.cluster_resources()["CPU"]), address, "disabled"]
+    started = _probe()
+    assert started[0] == "3.0" and started[1] != address and started[2] == "disabled"
+    init_ray(ClusterConfig(num_cpus=1))  # this process is already connected: nothing changes
+    assert ray_cluster.get_runtime_context().gcs_address == address
+
+
+def test_bundle_of_drops_zero_resources_and_refuses_empty():
+    assert bundle_of(WorkerResources(cpus=0.5)) == {"CPU": 0.5}
+    assert bundle_of(WorkerResources(cpus=1, gpus=0.25)) == {"CPU": 1.0, "GPU": 0.25}
+    with pytest.raises(ConfigError, match=r"ask for nothing; set resources.cpus or resources.gpus above 0"):
+        bundle_of(WorkerResources(cpus=0, gpus=0))
+
+
+def test_env_vars_merge_into_the_runtime_env():
+    resources = WorkerResources(
+        env_vars={"A": "1", "B": "2"},
+        runtime_env={"py_executable": "/opt/gen/bin/python", "env_vars": {"B": "old", "C": "3"}},
+    )
+    assert merged_runtime_env(resources) == {
+        "py_executable": "/opt/gen/bin/python",
+        "env_vars": {"B": "2", "C": "3", "A": "1"},
+    }
+    assert resources.runtime_env["env_vars"] == {"B": "old", "C": "3"}  # the config is not modified
+    assert merged_runtime_env(WorkerResources()) is None

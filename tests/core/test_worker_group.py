@@ -1,0 +1,207 @@
+"""Worker groups on a real local Ray cluster: ranks, gloo collectives, sharding, failures."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from posttrain.config.schema import ClusterConfig, WorkerResources
+from posttrain.distributed import VirtualCluster, Worker, WorkerGroup
+from posttrain.errors import ConfigError, WorkerError
+
+pytestmark = pytest.mark.ray
+
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class RankedWorker(Worker):
+    """A worker that records its environment as __init__ saw it and can join a gloo group."""
+
+    def __init__(self, tag: str):
+        super().__init__()
+        self.tag = tag
+        self.env_at_init = {key: os.environ.get(key) for key in (*RANK_VARS, "POSTTRAIN_TEST_FLAG")}
+
+    def init_gloo(self) -> int:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        return dist.get_rank()
+
+    def all_reduce(self, values: list[float]) -> list[float]:
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor(values, dtype=torch.float64) * (self.rank + 1)
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def info(self) -> dict:
+        from posttrain.plugins import plugin_host
+
+        return {
+            "tag": self.tag,
+            "pid": os.getpid(),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "env_at_init": self.env_at_init,
+            "plugins": sorted(name for name, _ in plugin_host().pm.list_name_plugin()),
+        }
+
+    def take(self, shard, scale: int = 1):
+        return (self.rank, [x * scale for x in shard])
+
+    def fail(self, message: str):
+        raise ValueError(message)
+
+    def exit_or_reduce(self, dying_rank: int) -> list[float]:
+        if self.rank == dying_rank:
+            os._exit(3)
+        return self.all_reduce([1.0])  # blocks: the dying rank never joins
+
+    def ping(self) -> int:
+        return self.rank
+
+
+class BrokenWorker(Worker):
+    def __init__(self):
+        super().__init__()
+        raise RuntimeError("no model at /nowhere")
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster):
+
+    vc = VirtualCluster(ClusterConfig(), placement_timeout_s=60)
+    yield vc
+    vc.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pair(cluster):
+    """Two ranks with a private env var, already joined in one gloo group."""
+
+    resources = WorkerResources(cpus=0.5, env_vars={"POSTTRAIN_TEST_FLAG": "on"})
+    group = WorkerGroup(cluster, RankedWorker, name="pair", num_workers=2, resources=resources, args=("hello",))
+    assert group.run_all("init_gloo") == [0, 1]
+    yield group
+    group.shutdown()
+
+
+def test_ranks_see_their_environment_before_init(pair):
+    infos = pair.run_all("info")
+    assert [i["rank"] for i in infos] == [0, 1]
+    assert [i["world_size"] for i in infos] == [2, 2]
+    assert [i["local_rank"] for i in infos] == [0, 1]
+    assert infos[0]["pid"] != infos[1]["pid"] != os.getpid()
+    assert {i["tag"] for i in infos} == {"hello"}
+    for rank, info in enumerate(infos):
+        env = info["env_at_init"]
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "2"
+        assert env["LOCAL_RANK"] == str(rank) and env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["POSTTRAIN_TEST_FLAG"] == "on"
+    ports = {info["env_at_init"]["MASTER_PORT"] for info in infos}
+    assert len(ports) == 1 and 0 < int(ports.pop()) < 65536
+
+
+def test_workers_load_entry_point_plugins(pair):
+    from posttrain.plugins import new_plugin_host
+
+    expected = sorted(name for name, _ in new_plugin_host().pm.list_name_plugin())
+    assert "core" in expected
+    assert pair.run_rank0("info")["plugins"] == expected
+
+
+def test_gloo_all_reduce_across_actors(pair):
+    # rank r contributes (r + 1) * values; the sum over 2 ranks is 3 * values
+    assert pair.run_all("all_reduce", [1.0, -2.5, 10.0]) == [[3.0, -7.5, 30.0]] * 2
+
+
+def test_run_sharded_gives_each_rank_its_shard(pair):
+    assert pair.run_sharded("take", [[1, 2], [3]], scale=10) == [(0, [10, 20]), (1, [30])]
+
+
+def test_run_sharded_replicates_with_shard_of_rank(pair):
+    # tensor-parallel style: both ranks belong to replica 0 and get shard 0
+    assert pair.run_sharded("take", [[7, 8], [9]], shard_of_rank=lambda rank: rank // 2) == [(0, [7, 8]), (1, [7, 8])]
+    with pytest.raises(ValueError, match="got 3 shards for 2 ranks"):
+        pair.run_sharded("take", [[1], [2], [3]])
+    with pytest.raises(ValueError, match=r"shard_of_rank\(1\) = 2, outside the 2 shards"):
+        pair.run_sharded("take", [[1], [2]], shard_of_rank=lambda rank: 2 * rank)
+
+
+def test_async_calls_and_rank0(pair):
+    refs = pair.run_all_async("ping")
+    assert pair.get(refs) == [0, 1]
+    assert pair.get(pair.run_rank0_async("ping")) == 0
+    assert pair.run_rank0("take", [2], scale=3) == (0, [6])
+
+
+def test_exception_in_method_names_group_rank_and_method(pair):
+
+    with pytest.raises(WorkerError) as info:
+        pair.run_rank0("fail", "bad shard 17")
+    assert str(info.value) == "worker group 'pair' rank 0: fail() raised ValueError: bad shard 17"
+    assert pair.run_all("ping") == [0, 1]  # an exception does not kill the actor
+    with pytest.raises(AttributeError, match="RankedWorker has no method 'nope'"):
+        pair.run_all("nope")
+
+
+def test_dead_ranks_surface_as_worker_errors_without_hanging(cluster):
+    import ray
+
+    with WorkerGroup(
+        cluster, RankedWorker, name="dies", num_workers=2, resources=WorkerResources(cpus=0.5), args=("x",)
+    ) as group:
+        group.run_all("init_gloo")
+        start = time.monotonic()
+        # rank 0 blocks in all_reduce waiting for rank 1, which calls os._exit: no hang
+        with pytest.raises(WorkerError, match=r"^worker group 'dies' rank 1 died: "):
+            group.run_all("exit_or_reduce", 1)
+        assert time.monotonic() - start < 30
+        # rank 0 is still stuck in the collective; a ping queues behind it until the kill
+        ping = group.run_rank0_async("ping")
+        ray.kill(group.actors[0])
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"^worker group 'dies' rank 0 died: "):
+            group.get(ping)
+        assert time.monotonic() - start < 30
+    assert "dies" not in cluster.placement_groups()
+    group.shutdown()  # a second shutdown is a no-op
+    with pytest.raises(WorkerError, match="worker group 'dies' is shut down; cannot call ping"):
+        group.run_all("ping")
+
+
+def test_failing_init_names_rank_and_releases_resources(cluster):
+    with pytest.raises(
+        WorkerError, match=r"worker group 'broken' rank 0: __init__\(\) raised RuntimeError: no model at /nowhere"
+    ):
+        WorkerGroup(cluster, BrokenWorker, name="broken", num_workers=1, resources=WorkerResources(cpus=0.5))
+    assert "broken" not in cluster.placement_groups()
+
+
+def test_placement_that_cannot_fit_fails_with_numbers(cluster, pair):
+    import ray
+
+    total_cpus = ray.cluster_resources()["CPU"]
+    with pytest.raises(
+        ConfigError,
+        match=rf"asked for 2 x {{'CPU': {total_cpus}}} = {2 * total_cpus:g} CPU in all, but the whole Ray cluster has {total_cpus:g} CPU",
+    ):
+        cluster.reserve("huge", 2, WorkerResources(cpus=total_cpus))
+    cluster.placement_timeout_s = 1.0
+    try:
+        start = time.monotonic()
+        # 'pair' holds 1 CPU, so the whole cluster's CPUs do not fit now
+        with pytest.raises(
+            WorkerError,
+            match=rf"'hog' asked for 1 x {{'CPU': {total_cpus}}} and was not placed within 1 s. Cluster total: {{'CPU': {total_cpus}}}",
+        ):
+            cluster.reserve("hog", 1, WorkerResources(cpus=total_cpus))
+        assert time.monotonic() - start < 10
+    finally:
+        cluster.placement_timeout_s = 60
+    assert "hog" not in cluster.placement_groups()
