@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from posttrain.config.schema import ClusterConfig, WorkerResources
 from posttrain.distributed.cluster import bundle_of, init_ray
 from posttrain.distributed.worker_group import merged_runtime_env

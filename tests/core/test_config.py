@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Literal
 
 import attrs
-import posttrain
 import pytest
+
+import posttrain
 from posttrain.config import (
     OptimizerConfig,
     RunConfig,

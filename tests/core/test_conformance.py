@@ -11,6 +11,7 @@ import pytest
 # pytester's inline run drops the modules its inner session imported, and torch refuses to
 # import this one twice (torch.testing.assert_close imports it lazily): import it up front.
 import torch.distributed.tensor  # noqa: F401
+
 from posttrain.testing import EnvironmentCase, EnvironmentContract
 
 pytest_plugins = ["pytester", "posttrain.testing.pytest_plugin"]

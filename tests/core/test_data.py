@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from posttrain.config.schema import DataConfig, PolicyConfig, RunConfig
 from posttrain.data import (
     ChatEncoder,

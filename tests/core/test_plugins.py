@@ -11,6 +11,7 @@ import types
 from pathlib import Path
 
 import pytest
+
 from posttrain import hookimpl
 from posttrain.errors import PluginError
 from posttrain.plugins import new_plugin_host, plugin_host, set_plugin_host

@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+
 from posttrain.config.schema import ClusterConfig, WorkerResources
 from posttrain.distributed import VirtualCluster, Worker, WorkerGroup
 from posttrain.errors import ConfigError, WorkerError

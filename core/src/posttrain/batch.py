@@ -12,7 +12,8 @@ removing code.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any
 
 import attrs
 import torch

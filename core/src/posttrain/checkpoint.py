@@ -19,8 +19,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from posttrain.errors import CheckpointError
 from posttrain.log import get_logger

@@ -7,7 +7,7 @@ expected, what was found, and the fix when there is one.
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class PosttrainError(Exception):

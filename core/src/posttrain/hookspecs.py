@@ -13,7 +13,8 @@ Lifecycle hooks observe or adjust a run; every implementation is called (no firs
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 

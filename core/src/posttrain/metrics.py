@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 from posttrain.config.schema import LoggerConfig
 from posttrain.errors import ConfigError

@@ -4,8 +4,9 @@ plus the run's metric logger, checkpoint manager and progress bar."""
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from posttrain.checkpoint import CheckpointManager
 from posttrain.config.schema import RunConfig

@@ -8,7 +8,8 @@ fetching any tensor field (e.g. ``keep`` for dynamic sampling, ``length``).
 from __future__ import annotations
 
 import abc
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 

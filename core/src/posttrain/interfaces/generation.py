@@ -46,6 +46,15 @@ class Generation(abc.ABC):
         """Load full Hugging Face-named weights into the running engines without restart,
         bucket by bucket, and drop every cache computed with the old weights."""
 
+    def set_sampling_seed(self, seed: int) -> None:
+        """Sample from now on as a backend freshly built with run seed ``seed`` would.
+
+        Algorithms call it before each step with a seed derived from the run's seed and the
+        step, so what a step samples does not depend on the calls made before it (nor on
+        the process: a resumed run samples what an uninterrupted one would). Default:
+        nothing, for backends without seeded sampling.
+        """
+
     def prepare_for_generation(self) -> None:
         """Wake up / move weights onto the device before generating (idempotent)."""
 

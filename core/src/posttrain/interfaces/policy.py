@@ -49,7 +49,9 @@ class Policy(abc.ABC):
         """One optimizer step over the global batch ``batch`` (no step when ``eval_mode``).
 
         The loss is normalised by the global count of valid tokens or sequences, so
-        gradient accumulation over microbatches equals one full-batch step. Returns scalar
+        gradient accumulation over microbatches equals one full-batch step. Groups of
+        ``loss_fn.row_group_size`` consecutive rows stay together, in order, in one
+        microbatch on one data-parallel rank. Returns scalar
         metrics: ``loss``, ``grad_norm``, ``lr``, ``num_tokens``, ``step_time_s`` and the
         loss function's own metrics (each summed over microbatches and ranks).
         """
