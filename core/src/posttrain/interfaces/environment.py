@@ -29,6 +29,9 @@ class EnvironmentReturn:
     rewards: torch.Tensor  # float32 [B]
     terminateds: torch.Tensor  # bool [B]: the episode is over
     answers: list[str | None] = attrs.field(factory=list)  # extracted answers, for logs
+    # Per-sample failures (a message, or None): an environment that cannot score one sample
+    # reports it here instead of raising, so only that sample gets reward 0. [] = none failed.
+    errors: list[str | None] = attrs.field(factory=list)
 
 
 class Environment(abc.ABC):

@@ -1,0 +1,315 @@
+"""The rollout loop: conversations between a generation backend and environments.
+
+One function, :func:`run_rollout`, for single- and multi-turn tasks. Each sample starts
+from its prompt messages, rendered with the chat template and the generation prompt. Then,
+for at most ``max_turns`` turns, for the samples still active:
+
+1. generate one assistant turn each (with the stop strings their environment asked for);
+2. decode the new tokens and append the assistant message (with its ``token_ids``);
+3. call each task's environment once, on all its samples of this turn
+   (failures contained: :func:`posttrain.environments.step_contained`);
+4. add the step's reward; a sample stops when the environment terminates it, when the
+   turn budget is spent, or when no room is left under ``max_total_length``;
+5. otherwise append the observation message, rendered with the template's formatting for
+   its role followed by the generation prompt, and go on.
+
+Token sequence. A sample's ``input_ids`` are exactly the tokens the model was given and
+generated, in order: the prompt; each turn's generated tokens; between turns, the
+end-of-turn tokens the template writes after an assistant message that the model did not
+generate itself (e.g. after a stop string), the observation, and the next generation
+prompt. So for a template that renders a conversation's prefixes as prefixes of the whole,
+``input_ids`` equal the template's tokenisation of the final message log, except that a
+last assistant turn ended by a length limit or a stop string lacks its end-of-turn tokens.
+An empty observation on a sample the environment did not terminate adds no message, only
+the turn boundary, and the model starts a new assistant turn.
+
+Lengths. No sequence exceeds ``max_total_length`` tokens: generated tokens past it are cut,
+and a sample whose observation would leave no room to generate stops before it.
+``truncated`` says the sample ended cut: its last assistant turn was stopped by a length
+limit (``max_total_length`` or the backend's ``max_new_tokens``), or it stopped for lack of
+room. The environment scores a cut turn like any other, and a multi-turn conversation
+goes on after a turn cut by ``max_new_tokens`` if the environment continues it.
+
+Rewards are the sum of the environment's rewards over a sample's turns.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from posttrain.batch import Batch
+from posttrain.environments import metrics_contained, step_contained
+from posttrain.errors import ConfigError
+from posttrain.interfaces import Environment, EnvironmentReturn, Generation, Message
+
+
+def run_rollout(
+    samples: Mapping[str, Sequence[Any]],
+    generation: Generation,
+    environments: Mapping[str, Environment],
+    tokenizer: Any,
+    *,
+    max_total_length: int,
+    max_turns: int = 1,
+    greedy: bool = False,
+    chat_template: str | None = None,
+) -> tuple[Batch, dict[str, float]]:
+    """Roll out every sample; return the training batch and the rollout metrics.
+
+    ``samples`` (e.g. a prompt :class:`Batch` from the data loader) holds per-sample lists:
+    ``messages`` (the prompt message log), ``task`` (the environment's name) and
+    ``metadata`` (a dict for the environment); an optional ``answer`` list is put into each
+    sample's metadata under ``"answer"`` unless the metadata has one. ``chat_template``
+    overrides the tokenizer's.
+
+    The batch (B samples, S = the longest sequence) holds ``input_ids`` int64 [B, S]
+    (right-padded with the pad id), ``input_lengths``, ``prompt_lengths``,
+    ``response_lengths`` (generated tokens) and ``turns`` int64 [B], ``token_mask`` float32
+    [B, S] (1 exactly on generated tokens), ``generation_logprobs`` float32 [B, S] (the
+    generation backend's logprob of token t at position t, 0 elsewhere), ``rewards``
+    float32 [B], ``truncated`` bool [B], ``sample_mask`` float32 [B] (ones), and the lists
+    ``messages`` (final message logs; added messages carry ``token_ids``), ``metadata``
+    (the environments' final per-sample metadata) and ``task``.
+
+    Metrics: ``rollout/mean_turns``, ``rollout/mean_generated_tokens`` (per sample),
+    ``rollout/generated_tokens`` (total), ``rollout/mean_generated_tokens_per_turn``,
+    ``rollout/truncation_rate``,
+    ``rollout/mean_reward``, ``rollout/mean_sequence_length``, and per environment
+    ``env/<name>/<metric>`` from its ``metrics()`` plus ``env/<name>/errors`` and
+    ``env/<name>/timeouts`` (samples lost to failures, see :mod:`posttrain.environments`).
+    """
+    if max_turns < 1:
+        raise ConfigError(f"max_turns must be at least 1, got {max_turns}")
+    chat = ChatFormat(tokenizer, chat_template)
+    conversations = _start_conversations(samples, environments, chat, max_total_length)
+    errors: dict[str, int] = defaultdict(int)
+    timeouts: dict[str, int] = defaultdict(int)
+
+    for turn in range(1, max_turns + 1):
+        active = [c for c in conversations if not c.done]
+        if not active:
+            break
+        outputs = generation.generate(_generation_batch(active, chat.pad_token_id), greedy=greedy)
+        for row, conversation in enumerate(active):
+            conversation.add_assistant_turn(outputs, row, chat, max_total_length)
+
+        for task, indices in _by_task(active).items():
+            group = [active[i] for i in indices]
+            step = step_contained(task, environments[task], [c.messages for c in group], [c.metadata for c in group])
+            errors[task] += step.errors
+            timeouts[task] += step.timeouts
+            for k, conversation in enumerate(group):
+                conversation.add_environment_step(step.result, k, chat, max_total_length, last_turn=turn == max_turns)
+
+    batch = _training_batch(conversations, chat.pad_token_id)
+    metrics = _rollout_metrics(batch)
+    for task, indices in _by_task(conversations).items():
+        final_metadata = [conversations[i].metadata for i in indices]
+        env_metrics = metrics_contained(task, environments[task], batch["rewards"][indices], final_metadata)
+        metrics.update({f"env/{task}/{name}": value for name, value in env_metrics.items()})
+        metrics[f"env/{task}/errors"] = float(errors[task])
+        metrics[f"env/{task}/timeouts"] = float(timeouts[task])
+    return batch, metrics
+
+
+# ----------------------------------------------------------------------------- chat format
+
+
+_PROBE = "\u2063posttrain-probe\u2063"  # text no real message contains
+
+
+class ChatFormat:
+    """Token ids of a conversation as the chat template formats it."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is None:
+            raise ConfigError("the tokenizer has neither a pad token nor an EOS token to pad batches with")
+        self.pad_token_id = int(pad)
+        probe = self.render([{"role": "user", "content": "1"}, {"role": "assistant", "content": _PROBE}], generation_prompt=False)
+        #: What the template writes after an assistant message's content (e.g. ``<|im_end|>\n``).
+        self.end_of_turn = self.encode(probe[probe.rindex(_PROBE) + len(_PROBE):])
+
+    def render(self, messages: Sequence[Message], *, generation_prompt: bool) -> str:
+        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        return self.tokenizer.apply_chat_template(
+            plain, chat_template=self.chat_template, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+        return self.encode(self.render(messages, generation_prompt=True))
+
+    def bridge_ids(self, messages: Sequence[Message], generated: Sequence[int], observation: Message | None) -> list[int]:
+        """The tokens between an assistant turn's generated tokens (``messages`` ends with
+        that turn) and the next generation: the end-of-turn tokens the model did not
+        generate, then ``observation`` as the template formats it, then the generation prompt."""
+        before = self.render(messages, generation_prompt=False)
+        after = self.render([*messages, observation] if observation else messages, generation_prompt=True)
+        if not after.startswith(before):
+            raise ConfigError(
+                "the chat template renders a conversation differently once a message is added to it "
+                "(e.g. it drops earlier reasoning), so multi-turn rollouts cannot extend the token sequence; "
+                "set data.chat_template to a template that renders prefixes as prefixes"
+            )
+        return self._missing_end_of_turn(generated) + self.encode(after[len(before):])
+
+    def _missing_end_of_turn(self, generated: Sequence[int]) -> list[int]:
+        end = self.end_of_turn
+        for k in range(len(end), 0, -1):  # the longest start of `end` that the generation ends with
+            if list(generated[-k:]) == end[:k]:
+                return end[k:]
+        return list(end)
+
+
+# ----------------------------------------------------------------------------- conversations
+
+
+@attrs.define(eq=False)
+class _Conversation:
+    """One sample's rollout state; ``token_ids``, ``logprobs`` and ``mask`` run in parallel."""
+
+    messages: list[Message]
+    task: str
+    metadata: Any
+    token_ids: list[int]
+    prompt_length: int
+    logprobs: list[float] = attrs.field(init=False)
+    mask: list[float] = attrs.field(init=False)
+    stop_strings: list[str] | None = None
+    reward: float = 0.0
+    turns: int = 0
+    done: bool = False
+    truncated: bool = False
+
+    def __attrs_post_init__(self) -> None:  # the prompt: no logprobs, no loss
+        self.logprobs = [0.0] * len(self.token_ids)
+        self.mask = [0.0] * len(self.token_ids)
+
+    def extend(self, token_ids: Sequence[int], logprobs: Sequence[float] | None = None) -> None:
+        """Append tokens: generated ones with their logprobs (mask 1), others without (mask 0)."""
+        generated = logprobs is not None
+        self.token_ids.extend(int(t) for t in token_ids)
+        self.logprobs.extend([float(x) for x in logprobs] if generated else [0.0] * len(token_ids))
+        self.mask.extend([float(generated)] * len(token_ids))
+
+    def add_assistant_turn(self, outputs: Batch, row: int, chat: ChatFormat, max_total_length: int) -> None:
+        start = len(self.token_ids)
+        end = start + int(outputs["generation_lengths"][row])
+        generated = outputs["output_ids"][row, start:end].tolist()
+        logprobs = outputs["logprobs"][row, start:end].tolist()
+        room = max_total_length - start
+        self.truncated = bool(outputs["truncated"][row]) or len(generated) > room
+        generated, logprobs = generated[:room], logprobs[:room]
+        self.extend(generated, logprobs)
+        self.messages.append({"role": "assistant", "content": chat.decode(generated), "token_ids": torch.tensor(generated, dtype=torch.long)})
+        self.turns += 1
+
+    def add_environment_step(self, result: EnvironmentReturn, k: int, chat: ChatFormat, max_total_length: int, *, last_turn: bool) -> None:
+        self.reward += float(result.rewards[k])
+        self.metadata = result.metadata[k]
+        self.stop_strings = result.next_stop_strings[k]
+        if bool(result.terminateds[k]) or last_turn:
+            self.done = True
+            return
+        observation = result.observations[k]
+        observation = {"role": observation["role"], "content": observation["content"]} if observation.get("content") else None
+        bridge = chat.bridge_ids(self.messages, self.messages[-1]["token_ids"].tolist(), observation)
+        if len(self.token_ids) + len(bridge) >= max_total_length:  # no room left to answer it
+            self.done = self.truncated = True
+            return
+        self.extend(bridge)
+        if observation is not None:
+            self.messages.append({**observation, "token_ids": torch.tensor(bridge, dtype=torch.long)})
+
+
+def _start_conversations(
+    samples: Mapping[str, Sequence[Any]], environments: Mapping[str, Environment], chat: ChatFormat, max_total_length: int
+) -> list[_Conversation]:
+    messages, tasks = samples["messages"], samples["task"]
+    metadata = samples["metadata"] if "metadata" in samples else [{} for _ in messages]
+    answers = samples["answer"] if "answer" in samples else [None] * len(messages)
+    conversations = []
+    for i, (prompt, task, meta, answer) in enumerate(zip(messages, tasks, metadata, answers, strict=True)):
+        if task not in environments:
+            raise ConfigError(
+                f"sample {i} has task {task!r}, but no environment of that name was started; "
+                f"started: {', '.join(sorted(environments)) or 'none'}. Set 'task' in the data to one of them"
+            )
+        if answer is not None and isinstance(meta, Mapping) and "answer" not in meta:
+            meta = {**meta, "answer": answer}
+        token_ids = chat.prompt_ids(prompt)
+        conversation = _Conversation([dict(m) for m in prompt], task, meta, token_ids, prompt_length=len(token_ids))
+        if len(token_ids) >= max_total_length:  # no room to generate anything
+            conversation.done = conversation.truncated = True
+        conversations.append(conversation)
+    return conversations
+
+
+def _by_task(conversations: Sequence[_Conversation]) -> dict[str, list[int]]:
+    """Indices into ``conversations`` by task, in order."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, conversation in enumerate(conversations):
+        groups[conversation.task].append(i)
+    return dict(groups)
+
+
+def _pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.full((len(rows), max(len(r) for r in rows)), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+def _generation_batch(active: Sequence[_Conversation], pad_token_id: int) -> Batch:
+    batch = Batch(
+        input_ids=_pad([c.token_ids for c in active], pad_token_id, torch.long),
+        input_lengths=torch.tensor([len(c.token_ids) for c in active], dtype=torch.long),
+    )
+    if any(c.stop_strings for c in active):
+        batch["stop_strings"] = [c.stop_strings for c in active]
+    return batch
+
+
+def _training_batch(conversations: Sequence[_Conversation], pad_token_id: int) -> Batch:
+    lengths = [len(c.token_ids) for c in conversations]
+    return Batch(
+        input_ids=_pad([c.token_ids for c in conversations], pad_token_id, torch.long),
+        input_lengths=torch.tensor(lengths, dtype=torch.long),
+        prompt_lengths=torch.tensor([c.prompt_length for c in conversations], dtype=torch.long),
+        response_lengths=torch.tensor([int(sum(c.mask)) for c in conversations], dtype=torch.long),
+        token_mask=_pad([c.mask for c in conversations], 0.0, torch.float32),
+        generation_logprobs=_pad([c.logprobs for c in conversations], 0.0, torch.float32),
+        rewards=torch.tensor([c.reward for c in conversations], dtype=torch.float32),
+        truncated=torch.tensor([c.truncated for c in conversations], dtype=torch.bool),
+        turns=torch.tensor([c.turns for c in conversations], dtype=torch.long),
+        sample_mask=torch.ones(len(conversations), dtype=torch.float32),
+        messages=[c.messages for c in conversations],
+        metadata=[c.metadata for c in conversations],
+        task=[c.task for c in conversations],
+    )
+
+
+def _rollout_metrics(batch: Batch) -> dict[str, float]:
+    generated = batch["response_lengths"].float()
+    return {
+        "rollout/mean_turns": float(batch["turns"].float().mean()),
+        "rollout/mean_generated_tokens": float(generated.mean()),
+        "rollout/generated_tokens": float(generated.sum()),
+        "rollout/mean_generated_tokens_per_turn": float(generated.sum() / batch["turns"].sum().clamp(min=1)),
+        "rollout/truncation_rate": float(batch["truncated"].float().mean()),
+        "rollout/mean_reward": float(batch["rewards"].mean()),
+        "rollout/mean_sequence_length": float(batch["input_lengths"].float().mean()),
+    }

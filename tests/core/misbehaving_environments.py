@@ -1,0 +1,60 @@
+"""A plugin module of environments that misbehave on purpose, for containment tests.
+
+``flaky`` reads the last message of each log: "raise" makes the whole call raise,
+"short" makes it return one reward too few, "sleep" makes it hang, "bad" fails that sample
+alone (``EnvironmentReturn.errors``); anything else scores ``options["reward"]``.
+Option ``built_marker`` is a file path ``flaky`` writes when it is built. ``broken`` fails to
+build. Registered in Ray actors through ``plugins=[__name__]``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain import hookimpl
+from posttrain.errors import ConfigError
+from posttrain.interfaces import Environment, EnvironmentReturn
+
+
+class Flaky(Environment):
+    def __init__(self, reward: float = 1.0, built_marker: str | None = None):
+        self.reward = reward
+        if built_marker:
+            Path(built_marker).write_text("built")
+
+    def step(self, message_logs: Sequence[Sequence[Any]], metadata: Sequence[Any]) -> EnvironmentReturn:
+        says = [log[-1]["content"] for log in message_logs]
+        if "raise" in says:
+            raise RuntimeError("asked to raise")
+        if "sleep" in says:
+            time.sleep(120)
+        n = len(message_logs) - ("short" in says)
+        return EnvironmentReturn(
+            observations=[{"role": "user", "content": "ok"} for _ in range(n)],
+            metadata=[{**meta, "seen": said} for meta, said in zip(metadata, says, strict=False)][:n],
+            next_stop_strings=[None] * n,
+            rewards=torch.full((n,), self.reward),
+            terminateds=torch.zeros(n, dtype=torch.bool),
+            errors=[f"cannot score {said!r}" if said == "bad" else None for said in says][:n],
+        )
+
+    def metrics(self, rewards: torch.Tensor, metadata: Sequence[Any]) -> dict[str, float]:
+        return {"total": float(rewards.sum())}
+
+
+def build_flaky(options: Mapping[str, Any]) -> Flaky:
+    return Flaky(**options)
+
+
+def build_broken(options: Mapping[str, Any]) -> Environment:
+    raise ConfigError("environments.broken.mode: expected 'on', found 'off'")
+
+
+@hookimpl
+def posttrain_environments() -> Mapping[str, Any]:
+    return {"flaky": build_flaky, "broken": build_broken}

@@ -1,0 +1,161 @@
+"""Environment containment (plain) and environments hosted in Ray actors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from posttrain.environments import (
+    EnvironmentActor,
+    RemoteEnvironment,
+    check_return,
+    metrics_contained,
+    start_environments,
+    step_contained,
+)
+from posttrain.errors import ConfigError, PluginError
+from tests.core.misbehaving_environments import Flaky
+
+PLUGINS = ["tests.core.misbehaving_environments"]
+
+
+def logs(*contents: str) -> list[list[dict]]:
+    return [[{"role": "user", "content": "go"}, {"role": "assistant", "content": c}] for c in contents]
+
+
+# ----------------------------------------------------------------------------- plain containment
+
+
+def test_a_good_step_passes_through():
+    step = step_contained("flaky", Flaky(reward=0.5), logs("a", "b"), [{"i": 0}, {"i": 1}])
+    assert (step.errors, step.timeouts) == (0, 0)
+    assert step.result.rewards.tolist() == [0.5, 0.5]
+    assert step.result.metadata == [{"i": 0, "seen": "a"}, {"i": 1, "seen": "b"}]
+
+
+def test_an_exception_costs_every_sample_of_the_call():
+    step = step_contained("flaky", Flaky(), logs("a", "raise", "c"), [{"i": 0}, {"i": 1}, {"i": 2}])
+    assert (step.errors, step.timeouts) == (3, 0)
+    assert step.result.rewards.tolist() == [0.0, 0.0, 0.0]
+    assert step.result.terminateds.tolist() == [True, True, True]
+    assert step.result.metadata == [{"i": 0}, {"i": 1}, {"i": 2}]  # unchanged
+    assert step.result.errors == ["RuntimeError: asked to raise"] * 3
+
+
+def test_wrong_length_is_an_error_naming_the_environment_and_lengths():
+    with pytest.raises(PluginError, match=r"environment 'flaky' returned 2 observations for 3 message logs; expected one per message log \(3\)"):
+        check_return("flaky", Flaky().step(logs("a", "short", "c"), [{}, {}, {}]), 3)
+    step = step_contained("flaky", Flaky(), logs("a", "short", "c"), [{}, {}, {}])
+    assert (step.errors, step.timeouts) == (3, 0)
+    assert step.result.rewards.tolist() == [0.0, 0.0, 0.0]
+    assert "returned 2 observations for 3 message logs" in step.result.errors[0]
+
+
+def test_check_return_refuses_other_types_and_shapes():
+    good = Flaky().step(logs("a", "b"), [{}, {}])
+    with pytest.raises(PluginError, match=r"environment 'x' returned dict from step\(\); expected an EnvironmentReturn"):
+        check_return("x", {}, 2)
+    import attrs
+
+    with pytest.raises(PluginError, match=r"returned a Tensor\(2, 1\) of rewards for 2 message logs"):
+        check_return("x", attrs.evolve(good, rewards=torch.zeros(2, 1)), 2)
+    check_return("x", attrs.evolve(good, errors=[], answers=[]), 2)  # empty optional lists are fine
+
+
+def test_a_per_sample_error_costs_only_that_sample():
+    step = step_contained("flaky", Flaky(), logs("a", "bad", "c"), [{}, {}, {}])
+    assert (step.errors, step.timeouts) == (1, 0)
+    assert step.result.rewards.tolist() == [1.0, 0.0, 1.0]
+    assert step.result.terminateds.tolist() == [False, True, False]
+
+
+def test_failing_metrics_are_dropped():
+    class NoMetrics(Flaky):
+        def metrics(self, rewards, metadata):
+            raise KeyError("accuracy")
+
+    assert metrics_contained("flaky", Flaky(), torch.tensor([1.0, 2.0]), [{}, {}]) == {"total": 3.0}
+    assert metrics_contained("flaky", NoMetrics(), torch.tensor([1.0]), [{}]) == {}
+
+
+def test_the_actor_object_keeps_a_build_error_for_ready():
+    actor = EnvironmentActor("broken", {}, PLUGINS)
+    with pytest.raises(ConfigError, match="environments.broken.mode"):
+        actor.ready()
+    working = EnvironmentActor("flaky", {"reward": 2.0}, PLUGINS)
+    working.ready()
+    assert working.step(logs("a"), [{}]).rewards.tolist() == [2.0]
+
+
+def test_the_call_deadline_option_is_checked_before_an_actor_starts():
+    with pytest.raises(ConfigError, match=r"environments.flaky.call_timeout_s: expected a number of seconds > 0, found '10s'"):
+        RemoteEnvironment("flaky", {"call_timeout_s": "10s"}, plugins=PLUGINS)
+
+
+# ----------------------------------------------------------------------------- Ray actors
+
+
+@pytest.fixture(scope="module")
+def flaky(ray_cluster):
+    env = RemoteEnvironment("flaky", {"reward": 1.0, "call_timeout_s": 4}, plugins=PLUGINS)
+    yield env
+    env.shutdown()
+
+
+@pytest.mark.ray
+def test_remote_math_environment_from_the_entry_points(ray_cluster):
+    envs = start_environments(["math"], {"math": {"num_workers": 1, "timeout_s": 5}})
+    try:
+        result = envs["math"].step(logs("\\boxed{4}", "5"), [{"answer": "4"}, {"answer": "4"}])
+        assert result.rewards.tolist() == [1.0, 0.0]
+        assert envs["math"].metrics(result.rewards, result.metadata) == {"accuracy": 0.5, "answer_rate": 1.0, "verify_timeouts": 0.0}
+    finally:
+        envs["math"].shutdown()
+        envs["math"].shutdown()
+
+
+@pytest.mark.ray
+def test_remote_exceptions_and_bad_results_are_contained(flaky):
+    raised = step_contained("flaky", flaky, logs("a", "raise"), [{}, {}])
+    assert (raised.errors, raised.result.rewards.tolist()) == (2, [0.0, 0.0])
+    assert "asked to raise" in raised.result.errors[0]
+    short = step_contained("flaky", flaky, logs("short", "b"), [{}, {}])
+    assert short.errors == 2 and "environment 'flaky' returned 1 observations for 2 message logs" in short.result.errors[0]
+    partial = step_contained("flaky", flaky, logs("bad", "b"), [{}, {}])
+    assert (partial.errors, partial.result.rewards.tolist()) == (1, [0.0, 1.0])
+    good = step_contained("flaky", flaky, logs("a"), [{"k": 1}])
+    assert (good.errors, good.result.metadata) == (0, [{"k": 1, "seen": "a"}])
+
+
+@pytest.mark.ray
+def test_a_call_past_its_deadline_is_contained_and_the_next_call_works(flaky):
+    start = time.monotonic()
+    step = step_contained("flaky", flaky, logs("sleep", "b", "c"), [{}, {}, {}])
+    assert time.monotonic() - start < 60  # not the 120 s the environment sleeps
+    assert (step.errors, step.timeouts) == (0, 3)
+    assert step.result.rewards.tolist() == [0.0, 0.0, 0.0]
+    assert "did not answer step() within 4 s (environments.flaky.call_timeout_s); its actor was stopped and the next call starts a fresh one" in step.result.errors[0]
+    after = step_contained("flaky", flaky, logs("a", "b"), [{}, {}])  # a fresh actor answers
+    assert (after.errors, after.timeouts, after.result.rewards.tolist()) == (0, 0, [1.0, 1.0])
+
+
+@pytest.mark.ray
+def test_unknown_names_fail_before_any_actor_starts(ray_cluster, tmp_path):
+    marker = tmp_path / "flaky_built"
+    with pytest.raises(PluginError) as info:
+        start_environments(["flaky", "mth"], {"flaky": {"built_marker": str(marker)}}, plugins=PLUGINS)
+    message = str(info.value)
+    assert message.startswith("unknown environment 'mth'; installed: ")
+    assert "math, guess_number (from posttrain-env-math 0.1.0)" in message
+    assert message.endswith("Did you mean 'math'?")
+    assert not marker.exists()
+    with pytest.raises(PluginError, match="unknown environment 'gues_number'"):  # a configured but unused name
+        start_environments([], {"gues_number": {}})
+
+
+@pytest.mark.ray
+def test_a_build_error_reaches_the_driver_as_itself(ray_cluster):
+    with pytest.raises(ConfigError, match=r"^environments.broken.mode: expected 'on', found 'off'$"):
+        RemoteEnvironment("broken", plugins=PLUGINS)
