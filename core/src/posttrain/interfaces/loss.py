@@ -32,6 +32,11 @@ class LossFunction(abc.ABC):
 
     loss_type: LossType = LossType.TOKEN
 
+    #: Consecutive rows that form one example and must stay together, in order, in one
+    #: microbatch on one data-parallel rank (DPO: 2, a chosen row then its rejected row).
+    #: Policy backends shard, microbatch and pack whole groups of this many rows.
+    row_group_size: ClassVar[int] = 1
+
     #: Metrics combined by ``max`` or ``min`` instead of summed, e.g. ``{"ratio_max": "max"}``.
     #: A microbatch without valid tokens reports -inf for a max and +inf for a min.
     metric_reductions: ClassVar[Mapping[str, Literal["max", "min"]]] = {}

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
+
+from posttrain.config import where_set
 from posttrain_sft.config import SFTConfig, check_loop_options
 
 LOSS_TYPES = ("sigmoid", "ipo")
@@ -34,4 +38,43 @@ def check_options(options: DPOConfig) -> list[str]:
         problems.append(f"dpo.label_smoothing: expected a value in [0, 0.5), found {options.label_smoothing}")
     elif options.label_smoothing and options.loss_type != "sigmoid":
         problems.append(f"dpo.label_smoothing: applies to loss_type sigmoid only, found loss_type '{options.loss_type}'")
+    return problems
+
+
+def check_pair_batching(config: Any, options: DPOConfig) -> list[str]:
+    """Problems with batch sizes for chosen/rejected pairs (``config`` is the RunConfig).
+
+    Batch sizes count rows, two per pair, and every data-parallel rank and microbatch must
+    hold whole pairs; a packed row must fit a pair of sequences of the longest allowed length.
+    """
+    policy = config.policy
+    dp = policy.data_parallel_size
+    problems = []
+    gbs = policy.train_global_batch_size
+    if gbs % (2 * dp):
+        problems.append(
+            f"policy.train_global_batch_size: expected a multiple of 2 x data-parallel size {dp} = {2 * dp} "
+            f"(rows: a chosen and a rejected row per pair, whole pairs on every rank), found {gbs}; "
+            f"use e.g. {max(2 * dp, gbs // (2 * dp) * 2 * dp)}.{where_set(config, 'policy.train_global_batch_size')}"
+        )
+    mbs = policy.train_micro_batch_size
+    if mbs % 2:
+        problems.append(
+            f"policy.train_micro_batch_size: expected an even number of rows (whole chosen/rejected pairs), "
+            f"found {mbs}; use {mbs + 1}.{where_set(config, 'policy.train_micro_batch_size')}"
+        )
+    vbs = options.val_global_batch_size
+    if vbs is not None and vbs % 2:
+        problems.append(f"dpo.val_global_batch_size: expected an even number of rows, found {vbs}; use {vbs + 1}")
+    packing = policy.sequence_packing
+    if packing.enabled:
+        row = packing.max_tokens_per_row or policy.max_total_sequence_length
+        longest = config.data.max_length or policy.max_total_sequence_length
+        if row < 2 * longest:
+            problems.append(
+                f"policy.sequence_packing.max_tokens_per_row: a packed row must hold a chosen and a rejected "
+                f"sequence of up to {longest} tokens each (data.max_length or policy.max_total_sequence_length), "
+                f"so at least {2 * longest} tokens, found {row}; raise it or lower data.max_length to {row // 2}"
+                f".{where_set(config, 'policy.sequence_packing.max_tokens_per_row', 'data.max_length')}"
+            )
     return problems

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from posttrain.batch import Batch
 from posttrain.interfaces.loss import LossFunction, LossType
-
 from posttrain_dpo.config import LOSS_TYPES
 
 
@@ -36,6 +36,7 @@ class DPOLoss(LossFunction):
     """Sequence-level preference loss over interleaved chosen/rejected rows (module docstring)."""
 
     loss_type = LossType.SEQUENCE
+    row_group_size = 2  # a chosen row and its rejected row are scored together
 
     def __init__(
         self,

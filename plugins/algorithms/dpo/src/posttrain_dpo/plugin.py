@@ -6,10 +6,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from posttrain import hookimpl
+from posttrain.config import require_registered
 from posttrain.errors import ConfigError
-
-from posttrain_dpo.config import DPOConfig, check_options
+from posttrain.plugins import plugin_host
+from posttrain_dpo.algorithm import DPO
+from posttrain_dpo.config import DPOConfig, check_options, check_pair_batching
 from posttrain_dpo.loss import DPOLoss
+
+
+@hookimpl
+def posttrain_algorithms() -> Mapping[str, Any]:
+    return {"dpo": DPO}
 
 
 @hookimpl
@@ -25,7 +32,12 @@ def posttrain_config_sections() -> Mapping[str, type]:
 @hookimpl
 def posttrain_validate_config(config: Any) -> None:
     options = config.sections.get("dpo")
-    if options is not None:
-        problems = check_options(options)
-        if problems:
-            raise ConfigError("; ".join(problems))
+    if options is None:
+        return
+    problems = check_options(options)
+    if config.algorithm == "dpo":
+        problems += check_pair_batching(config, options)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    if config.algorithm == "dpo":
+        require_registered(plugin_host().losses, options.loss, "dpo.loss", config=config)

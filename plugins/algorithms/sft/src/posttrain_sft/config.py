@@ -19,6 +19,7 @@ class SFTConfig:
     val_at_start: bool = False
     val_at_end: bool = True
     loss: str = "nll"  # a name in the loss registry
+    export_dir: str | None = None  # write a Hugging Face folder of the final weights here
 
 
 def check_loop_options(section: str, options: SFTConfig) -> list[str]:

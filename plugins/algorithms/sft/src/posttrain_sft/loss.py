@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from posttrain.batch import Batch
 from posttrain.interfaces.loss import LossFunction, LossType
 
