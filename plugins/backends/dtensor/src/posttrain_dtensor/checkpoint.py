@@ -1,0 +1,129 @@
+"""Saving and exporting sharded weights.
+
+- Training checkpoints: model and optimizer as a sharded torch.distributed.checkpoint (DCP)
+  folder, written by every rank in parallel and loadable under any rank layout; the
+  scheduler state and step beside it in ``trainer_state.pt`` (written by rank 0).
+- Weight export: full (unsharded) tensors under their Hugging Face names, gathered in
+  buckets of bounded size, for refitting generation engines and for Hugging Face folders
+  (one safetensors shard per bucket plus ``model.safetensors.index.json``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from posttrain.errors import CheckpointError
+
+TRAINER_STATE = "trainer_state.pt"
+DCP_METADATA = ".metadata"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def save_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any]) -> None:
+    """Collective: write model + optimizer shards and (rank 0) ``trainer_state`` under ``path``."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+    if dist.get_rank() == 0:
+        torch.save(trainer_state, Path(path) / TRAINER_STATE)
+    dist.barrier()
+
+
+def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective: restore what :func:`save_sharded` wrote; return the trainer state."""
+    folder = Path(path)
+    missing = [name for name in (DCP_METADATA, TRAINER_STATE) if not (folder / name).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"policy checkpoint '{path}' is incomplete or not a dtensor policy checkpoint: missing "
+            f"{', '.join(missing)} (expected a folder written by save_checkpoint)"
+        )
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return torch.load(folder / TRAINER_STATE, weights_only=False)
+
+
+def named_weights(lm: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``lm``'s state dict entries under Hugging Face names, each tensor once (a tied output
+    embedding is left to the config's ``tie_word_embeddings``). Values may be DTensors."""
+    seen: set[int] = set()
+    out = []
+    for name, tensor in lm.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        out.append((name, tensor))
+    return out
+
+
+def full_nbytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:
+    return tensor.numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def bucket_names(sizes: Sequence[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Group ``(name, nbytes)`` in order into buckets of at most ``bucket_bytes`` bytes; a
+    tensor larger than that gets a bucket of its own."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    buckets: list[list[str]] = []
+    used = 0
+    for name, nbytes in sizes:
+        if not buckets or used + nbytes > bucket_bytes:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(name)
+        used += nbytes
+    return buckets
+
+
+@torch.no_grad()
+def gather_full(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Collective for DTensors: the whole tensor, on CPU, in ``dtype``."""
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return full.detach().to(device="cpu", dtype=dtype if full.is_floating_point() else full.dtype)
+
+
+class HFShardWriter:
+    """Writes buckets of full tensors as safetensors shards, then the index (rank 0 only)."""
+
+    def __init__(self, path: str):
+        self.folder = Path(path)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.weight_map: dict[str, str] = {}
+        self.files: list[str] = []
+        self.total_bytes = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        name = f"model-{len(self.files) + 1:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, self.folder / name, metadata={"format": "pt"})
+        self.files.append(name)
+        for key, value in tensors.items():
+            self.weight_map[key] = name
+            self.total_bytes += value.numel() * value.element_size()
+
+    def finish(self) -> None:
+        """Rename shards to Hugging Face's ``model-0000i-of-0000n`` and write the index."""
+        n = len(self.files)
+        renamed = {}
+        for i, old in enumerate(self.files, start=1):
+            new = f"model-{i:05d}-of-{n:05d}.safetensors"
+            (self.folder / old).rename(self.folder / new)
+            renamed[old] = new
+        index = {
+            "metadata": {"total_size": self.total_bytes},
+            "weight_map": {k: renamed[v] for k, v in sorted(self.weight_map.items())},
+        }
+        (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

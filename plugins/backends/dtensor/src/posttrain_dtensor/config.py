@@ -1,0 +1,63 @@
+"""The backend's own configuration section, ``policy.dtensor``.
+
+Everything the core ``policy`` section already says (model, dtype, parallel sizes, batch
+sizes, optimizer, scheduler, packing, dynamic batching) is read from there; this section
+holds only what is specific to FSDP2 / tensor parallel training.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from posttrain.config.schema import RunConfig
+from posttrain.errors import ConfigError
+
+SECTION = "policy.dtensor"
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+#: Attention kernels that take the 4-D block-diagonal mask sequence packing builds.
+PACKING_ATTENTION = ("sdpa", "eager")
+
+
+@attrs.define
+class DTensorConfig:
+    """Options of the ``dtensor`` policy backend.
+
+    - ``attn_implementation``: the Hugging Face attention kernel, ``sdpa`` or ``eager``
+      (both accept the 4-D block-diagonal mask that sequence packing needs).
+    - ``activation_checkpointing``: recompute each decoder layer in the backward pass
+      (less memory, about a third more compute).
+    - ``reshard_after_forward``: FSDP2 frees the gathered parameters of a layer after its
+      forward and gathers them again for backward (less memory, more communication).
+    - ``reduce_dtype``: dtype of the gradient reduce-scatter across data-parallel ranks
+      (``float32`` keeps accumulation exact when ``policy.dtype`` is bfloat16).
+    """
+
+    attn_implementation: str = "sdpa"
+    activation_checkpointing: bool = False
+    reshard_after_forward: bool = True
+    reduce_dtype: str = "float32"
+
+
+def validate_policy_config(config: RunConfig) -> None:
+    """The dtensor backend's own checks, before any worker starts (core checks the parallel
+    and batch arithmetic)."""
+    p = config.policy
+    if p.pipeline_parallel_size != 1 or p.context_parallel_size != 1:
+        raise ConfigError(
+            "policy.pipeline_parallel_size and policy.context_parallel_size must be 1 for the dtensor backend "
+            f"(got {p.pipeline_parallel_size} and {p.context_parallel_size}); use tensor_parallel_size and num_workers"
+        )
+    if p.sequence_packing.enabled and p.dynamic_batching.enabled:
+        raise ConfigError(
+            "policy.sequence_packing.enabled and policy.dynamic_batching.enabled are both true; they are "
+            "alternative ways to fill microbatches: enable one"
+        )
+    options = config.sections.get(SECTION) or DTensorConfig()
+    for key, value in (("policy.dtype", p.dtype), (f"{SECTION}.reduce_dtype", options.reduce_dtype)):
+        if value not in DTYPE_NAMES:
+            raise ConfigError(f"{key}: expected one of {', '.join(DTYPE_NAMES)}, got '{value}'")
+    if p.sequence_packing.enabled and options.attn_implementation not in PACKING_ATTENTION:
+        raise ConfigError(
+            f"policy.sequence_packing needs {SECTION}.attn_implementation in {', '.join(PACKING_ATTENTION)} "
+            f"(kernels that take a 4-D attention mask), got '{options.attn_implementation}'"
+        )

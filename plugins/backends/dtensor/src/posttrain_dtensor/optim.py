@@ -1,0 +1,100 @@
+"""Optimizer, learning-rate schedule and gradient norm over sharded (DTensor) parameters."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from posttrain.config.schema import OptimizerConfig, SchedulerConfig
+from posttrain.errors import ConfigError
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The optimizer named by ``policy.optimizer.name``."""
+    params = list(params)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    raise ConfigError(f"policy.optimizer.name: expected one of {', '.join(OPTIMIZERS)}, got '{cfg.name}'")
+
+
+def lr_factor(step: int, cfg: SchedulerConfig) -> float:
+    """Multiplier of the base learning rate for optimizer step ``step`` (0-based).
+
+    Linear warmup reaches 1 at step ``warmup_steps - 1``; then ``constant`` stays at 1,
+    ``linear`` and ``cosine`` decay to ``min_lr_ratio`` at step ``total_steps``.
+    """
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.name == "constant":
+        return 1.0
+    horizon = max(1, cfg.total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / horizon)
+    if cfg.name == "linear":
+        decay = 1.0 - progress
+    else:
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` following :func:`lr_factor`; step it once per optimizer step."""
+    if cfg.name not in SCHEDULES:
+        raise ConfigError(f"policy.scheduler.name: expected one of {', '.join(SCHEDULES)}, got '{cfg.name}'")
+    if cfg.name != "constant" and cfg.total_steps is None:
+        raise ConfigError(
+            f"policy.scheduler.total_steps is needed by the '{cfg.name}' schedule (the step at which the "
+            "decay ends); set it, or use policy.scheduler.name=constant"
+        )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+
+
+def total_grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """L2 norm of all gradients as one vector, identical on every rank (float32 scalar).
+
+    A DTensor gradient contributes the squares of its local shard, summed over the mesh
+    dimensions it is sharded on and counted once over the dimensions it is replicated on.
+    Every rank must call this with the same parameters in the same order.
+    """
+    sums: dict[tuple, torch.Tensor] = {}
+    groups: dict[tuple, list] = {}
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            key = (id(g.device_mesh), dims)
+            groups[key] = [g.device_mesh.get_group(i) for i in dims]
+            local = g.to_local()
+        else:
+            key, local = (), g
+        sq = local.detach().float().pow(2).sum()
+        sums[key] = sums[key] + sq if key in sums else sq
+    total = torch.zeros(())
+    for key, sq in sums.items():
+        for group in groups.get(key, []):
+            dist.all_reduce(sq, group=group)
+        total = total + sq.cpu()
+    return total.sqrt()
+
+
+def clip_grads_(params: Iterable[torch.nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients in place so their total norm is at most ``max_norm``."""
+    coef = max_norm / (float(total_norm) + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)

@@ -1,0 +1,143 @@
+"""Sharding a Hugging Face causal LM with tensor parallel and FSDP2 over a 2-D DeviceMesh.
+
+The mesh has axes ``("dp", "tp")``. Tensor parallel follows the model's own
+``base_model_tp_plan`` (transformers ships one per architecture: column-wise q/k/v/gate/up,
+row-wise o/down), applied with ``parallelize_module`` over the ``tp`` axis. The language-
+model head and embeddings stay whole across ``tp`` (the head is applied in vocabulary
+chunks, see :mod:`posttrain_dtensor.logprobs`). FSDP2 ``fully_shard`` then shards every
+decoder layer and the root over the ``dp`` axis.
+
+The root FSDP unit is :class:`CausalLMHead`, a thin module around the Hugging Face model
+whose forward runs the decoder and then a head function on the final hidden states and the
+output-embedding weight. Because that all happens inside one root forward, FSDP has the
+head weight gathered and reduces its gradient like any other parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from posttrain.errors import ConfigError
+
+#: Hugging Face tensor-parallel styles this backend applies, by their names in ``base_model_tp_plan``.
+TP_STYLES: dict[str, Callable[[], object]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+Head = Callable[[torch.Tensor, torch.Tensor], object]
+
+
+class CausalLMHead(nn.Module):
+    """Root module: decoder forward, then ``head(hidden_states, output_embedding_weight)``.
+
+    ``lm`` is the Hugging Face ``*ForCausalLM``; its logits are never computed here. Only
+    models whose logits are ``lm_head(final hidden state)`` fit (Llama, Qwen, Mistral, ...;
+    not models with logit soft-capping or scaling).
+    """
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        head: Head,
+    ) -> object:
+        out = self.lm.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
+        return head(out.last_hidden_state, self.lm.get_output_embeddings().weight)
+
+
+def build_mesh(device_type: str, dp_size: int, tp_size: int) -> DeviceMesh:
+    """The ``("dp", "tp")`` mesh over the default process group (``dp * tp`` ranks)."""
+    return init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+
+
+def check_model_fits(config: object, tp_size: int) -> None:
+    """Refuse models this backend would get wrong, before any weight moves."""
+    for key in ("final_logit_softcapping", "logit_scale"):
+        if getattr(config, key, None):
+            raise ConfigError(
+                f"policy.model: the model config sets '{key}', which the dtensor backend's "
+                "chunked logprob head does not apply; use a model whose logits are lm_head(hidden)"
+            )
+    if tp_size > 1:
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(config, key, None)
+            if heads is not None and heads % tp_size:
+                raise ConfigError(
+                    f"policy.tensor_parallel_size={tp_size} does not divide the model's {key}={heads}; "
+                    "choose a tensor-parallel size that divides both attention head counts"
+                )
+
+
+def apply_tensor_parallel(lm: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard ``lm``'s decoder over ``tp_mesh`` following its ``base_model_tp_plan``."""
+    plan = dict(getattr(lm.config, "base_model_tp_plan", None) or {})
+    if not plan:
+        raise ConfigError(
+            f"policy.tensor_parallel_size > 1, but the model type '{lm.config.model_type}' has no "
+            "base_model_tp_plan in transformers; set policy.tensor_parallel_size=1"
+        )
+    unsupported = {name: style for name, style in plan.items() if style not in TP_STYLES}
+    if unsupported:
+        raise ConfigError(
+            f"policy.tensor_parallel_size > 1: the model's tensor-parallel plan uses styles the dtensor "
+            f"backend does not implement: {unsupported}; supported: {sorted(TP_STYLES)}. "
+            "Set policy.tensor_parallel_size=1 for this model"
+        )
+    parallelize_module(lm.base_model, tp_mesh, {name: TP_STYLES[style]() for name, style in plan.items()})
+
+
+def decoder_layers(lm: nn.Module) -> nn.ModuleList:
+    layers = getattr(lm.base_model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ConfigError(
+            f"policy.model: cannot find the decoder layers of model type '{lm.config.model_type}' "
+            "(expected a ModuleList at base_model.layers)"
+        )
+    return layers
+
+
+def apply_fsdp(
+    lm: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool,
+) -> CausalLMHead:
+    """Shard each decoder layer, then the root, over ``dp_mesh``; return the root.
+
+    Gradients are summed, not averaged, over data-parallel ranks: every rank's loss is
+    already normalised by the global token or sequence count.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in decoder_layers(lm):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    root = CausalLMHead(lm)
+    fully_shard(root, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    return root
+
+
+def reshard_all(root: nn.Module) -> None:
+    """Free every gathered parameter, so the sharded parameters are the only copy.
+
+    FSDP2 keeps the root gathered after a forward without backward; call this before
+    changing sharded weights in place (reference swap, checkpoint load).
+    """
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

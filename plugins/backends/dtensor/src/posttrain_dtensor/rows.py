@@ -1,0 +1,131 @@
+"""How a microbatch of right-padded samples becomes the rows the model runs on, and back.
+
+Two layouts, same results:
+
+- padded: one sample per row, trimmed to the microbatch's longest sample, with a 2-D
+  padding mask (Hugging Face builds the causal mask from it);
+- packed: several samples end to end per row (:func:`posttrain.batch.pack_sequences`),
+  positions restarting at 0 for every sample and a 4-D block-diagonal causal mask, so no
+  token sees another sample. Padding positions attend to themselves only: a query row with
+  no allowed key would make SDPA produce NaN, and its backward would spread the NaN.
+
+Hugging Face returns a 4-D mask to the attention kernel unchanged (transformers 5.18
+``masking_utils``): SDPA takes a boolean mask (True = may attend), the eager kernel adds
+the mask to the scores, so it gets 0 / dtype-minimum floats.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from posttrain.batch import PackedRows, pack_sequences
+from posttrain_dtensor.config import PACKING_ATTENTION
+
+
+@attrs.frozen
+class ModelRows:
+    """Inputs for one forward pass plus the way back to per-sample tensors.
+
+    ``predicted`` [R, T] is True where the token at ``t`` is predicted from ``t - 1`` of the
+    same sample; ``valid`` [R, T] is True on every real (non-padding) token.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor | None
+    predicted: torch.Tensor
+    valid: torch.Tensor
+    width: int  # per-sample width to restore
+    packed: PackedRows | None = None
+
+    def to_samples(self, values: torch.Tensor) -> torch.Tensor:
+        """Row-layout [R, T, ...] values back to per-sample [B, width, ...], zero-padded."""
+        if self.packed is not None:
+            return self.packed.unpack(values, self.width)
+        pad = self.width - values.shape[1]
+        return torch.nn.functional.pad(values, (0, 0) * (values.dim() - 2) + (0, pad)) if pad else values
+
+    def to(self, device: torch.device) -> ModelRows:
+        move = {f.name: getattr(self, f.name).to(device) for f in attrs.fields(ModelRows)
+                if isinstance(getattr(self, f.name), torch.Tensor)}
+        return attrs.evolve(self, **move)
+
+
+def padded_rows(input_ids: torch.Tensor, lengths: torch.Tensor) -> ModelRows:
+    """One sample per row, trimmed to the longest sample of the microbatch."""
+    width = input_ids.shape[1]
+    longest = int(lengths.max())
+    positions = torch.arange(longest)
+    valid = positions[None, :] < lengths[:, None]
+    return ModelRows(
+        input_ids=input_ids[:, :longest],
+        attention_mask=valid.long(),
+        position_ids=None,
+        predicted=valid & (positions[None, :] >= 1),
+        valid=valid,
+        width=width,
+    )
+
+
+def packed_rows(
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    max_tokens_per_row: int,
+    *,
+    round_to: int = 1,
+    attn_implementation: str = "sdpa",
+    mask_dtype: torch.dtype = torch.float32,
+) -> ModelRows:
+    """Samples packed end to end into rows of at most ``max_tokens_per_row`` tokens.
+
+    ``mask_dtype`` is the compute dtype, used for the eager kernel's additive mask.
+    """
+    if attn_implementation not in PACKING_ATTENTION:
+        raise ValueError(
+            f"sequence packing needs a 4-D attention mask, which posttrain builds for "
+            f"{' and '.join(PACKING_ATTENTION)}; got attn_implementation '{attn_implementation}'"
+        )
+    packed = pack_sequences(input_ids, lengths, max_tokens_per_row, round_to=round_to)
+    seg = packed.segment_ids
+    allowed = packed.attention_mask() | torch.eye(seg.shape[1], dtype=torch.bool)[None, None]
+    if attn_implementation == "eager":
+        mask = torch.zeros(allowed.shape, dtype=mask_dtype).masked_fill(~allowed, torch.finfo(mask_dtype).min)
+    else:
+        mask = allowed
+    predicted = torch.zeros_like(seg, dtype=torch.bool)
+    predicted[:, 1:] = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] >= 0)
+    return ModelRows(
+        input_ids=packed.input_ids,
+        attention_mask=mask,
+        position_ids=packed.position_ids,
+        predicted=predicted,
+        valid=seg >= 0,
+        width=input_ids.shape[1],
+        packed=packed,
+    )
+
+
+def loss_positions(lengths: torch.Tensor, width: int, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """Bool [B, width]: positions whose logprob is reported (1 <= t < length, and
+    ``token_mask`` where given)."""
+    t = torch.arange(width)
+    keep = (t[None, :] >= 1) & (t[None, :] < lengths[:, None])
+    return keep & token_mask.bool() if token_mask is not None else keep
+
+
+def microbatch_rows(
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    packing_tokens_per_row: int | None,
+    round_to: int = 1,
+    attn_implementation: str = "sdpa",
+    mask_dtype: torch.dtype = torch.float32,
+) -> ModelRows:
+    """Packed rows when ``packing_tokens_per_row`` is set, padded rows otherwise."""
+    if packing_tokens_per_row is None:
+        return padded_rows(input_ids, lengths)
+    return packed_rows(input_ids, lengths, packing_tokens_per_row, round_to=round_to,
+                       attn_implementation=attn_implementation, mask_dtype=mask_dtype)
+

@@ -1,0 +1,333 @@
+"""One rank of the dtensor policy: its shard of the model, optimizer and schedule.
+
+Why plain torch and transformers rather than nemo-automodel: the sharding this backend
+needs is a few calls of public torch API (``init_device_mesh``, ``parallelize_module``
+with the model's own Hugging Face tensor-parallel plan, ``fully_shard``), which work on
+CPU with gloo and on GPU with NCCL alike. nemo-automodel 0.7's model builders call
+``torch.cuda.current_device()`` unconditionally (they fail on CPU, where posttrain's tests
+run), default to bfloat16, and leave logits vocabulary-sharded anyway, so the loss and
+the chunked logprob head are ours either way; depending on it would add a large install
+and a CPU workaround for no code removed.
+
+The rank builds its process group from the worker group's environment (gloo on CPU, NCCL on
+GPU), loads the Hugging Face model from ``policy.model`` in float32 (the master weights),
+shards it (:mod:`posttrain_dtensor.parallel`) and computes in ``policy.dtype`` through
+FSDP2 mixed precision. The driver (:mod:`posttrain_dtensor.policy`) sends each
+data-parallel rank its shard of the batch and its microbatch plan; tensor-parallel ranks of
+one replica receive the same shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from posttrain.batch import Batch
+from posttrain.config.schema import RunConfig
+from posttrain.distributed import Worker
+from posttrain.errors import ConfigError
+from posttrain.interfaces.loss import LossFunction, combine_metrics
+from posttrain_dtensor import checkpoint
+from posttrain_dtensor.config import DTensorConfig
+from posttrain_dtensor.logprobs import sequence_logprobs, topk_logits
+from posttrain_dtensor.optim import build_optimizer, build_scheduler, clip_grads_, total_grad_norm
+from posttrain_dtensor.parallel import apply_fsdp, apply_tensor_parallel, build_mesh, check_model_fits, reshard_all
+from posttrain_dtensor.planning import Batching, RankWork
+from posttrain_dtensor.rows import ModelRows, loss_positions, microbatch_rows
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16`` (names checked by ``validate_policy_config``)."""
+    return getattr(torch, name)
+
+
+def global_valid_counts(batch: Batch, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid sequences (``sum(sample_mask)``) and valid tokens (``sum(token_mask *
+    sample_mask)``) of this rank's samples, summed over ``group`` (the data-parallel ranks),
+    as float32 scalars. ``sample_mask`` defaults to all ones."""
+    token_mask = batch["token_mask"].double()
+    sample_mask = batch["sample_mask"].double() if "sample_mask" in batch else torch.ones(len(batch), dtype=torch.float64)
+    counts = torch.stack([sample_mask.sum(), (token_mask * sample_mask[:, None]).sum()])
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+    return counts[0].float(), counts[1].float()
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The rank's own piece of a (possibly sharded) parameter, aliasing its storage."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+class DTensorPolicyWorker(Worker):
+    """One rank. Public methods are called by the driver through the worker group; the
+    passes taking a :class:`RankWork` run collectives: every rank gets one with the same
+    number of microbatches."""
+
+    def __init__(self, config: RunConfig, options: DTensorConfig):
+        super().__init__()
+        policy = config.policy
+        self.config = config
+        self.options = options
+        use_cuda = config.cluster.use_gpus and torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if use_cuda else "gloo")
+        tp = policy.tensor_parallel_size  # the driver checked that it divides the world size
+        self.mesh = build_mesh(self.device.type, self.world_size // tp, tp)
+        self.dp_group = self.mesh["dp"].get_group()
+        self.compute_dtype = torch_dtype(policy.dtype)
+        self.model = self._build_model(config, options)
+        self.optimizer = build_optimizer(self.model.parameters(), policy.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, policy.scheduler)
+        self.step = 0
+        # The frozen reference: this rank's shards of the initial weights, on CPU.
+        self._reference = {
+            name: _local(p).detach().to("cpu", self.compute_dtype, copy=True) for name, p in self.model.named_parameters()
+        }
+
+    def _build_model(self, config: RunConfig, options: DTensorConfig) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        policy = config.policy
+        if not Path(policy.model, "config.json").is_file():
+            raise ConfigError(
+                f"policy.model: '{policy.model}' is not a Hugging Face model folder (no config.json there); "
+                "set it to a local folder holding config.json and the weights"
+            )
+        torch.manual_seed(config.seed)
+        lm = AutoModelForCausalLM.from_pretrained(
+            policy.model, dtype=torch.float32, attn_implementation=options.attn_implementation
+        )
+        check_model_fits(lm.config, policy.tensor_parallel_size)
+        if options.activation_checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if policy.tensor_parallel_size > 1:
+            apply_tensor_parallel(lm, self.mesh["tp"])
+        return apply_fsdp(
+            lm,
+            self.mesh["dp"],
+            param_dtype=self.compute_dtype,
+            reduce_dtype=torch_dtype(options.reduce_dtype),
+            reshard_after_forward=options.reshard_after_forward,
+        ).to(self.device)
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _rows(self, mb: Batch, batching: Batching) -> ModelRows:
+        rows = microbatch_rows(
+            mb["input_ids"],
+            mb["input_lengths"],
+            packing_tokens_per_row=batching.packing_tokens_per_row,
+            round_to=batching.round_to,
+            attn_implementation=self.options.attn_implementation,
+            mask_dtype=self.compute_dtype,
+        )
+        return rows.to(self.device)
+
+    def _forward(self, rows: ModelRows, head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
+        return self.model(rows.input_ids, rows.attention_mask, rows.position_ids, head)
+
+    def _microbatch_logprobs(self, mb: Batch, batching: Batching) -> torch.Tensor:
+        """Logprobs [b, S] of a microbatch on the device, 0 where not reported."""
+        rows = self._rows(mb, batching)
+        chunk = self.config.policy.logprob_chunk_size
+        values = self._forward(rows, lambda h, w: sequence_logprobs(h, w, rows.input_ids, rows.predicted, chunk))
+        keep = loss_positions(mb["input_lengths"], rows.width, mb["token_mask"] if "token_mask" in mb else None)
+        return torch.where(keep.to(self.device), rows.to_samples(values), 0.0)
+
+    def logprobs(self, work: RankWork, reference: bool = False) -> Batch:
+        """``logprobs`` [n, S] of this rank's samples (current or reference weights)."""
+        shard = work.batch
+        weights = self._reference_weights() if reference else contextlib.nullcontext()
+        out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
+        self.model.eval()
+        with weights, torch.no_grad():
+            for idx in work.microbatches:
+                out[idx] = self._microbatch_logprobs(shard.select(idx), work.batching).cpu()
+        reshard_all(self.model)
+        return Batch({"reference_logprobs" if reference else "logprobs": out})
+
+    def topk(self, work: RankWork, k: int) -> Batch:
+        """``topk_logits`` and ``topk_indices`` [n, S-1, k] of this rank's samples (0 on padding)."""
+        shard = work.batch
+        n, width = shard["input_ids"].shape
+        values = torch.zeros((n, width, k), dtype=torch.float32)
+        indices = torch.zeros((n, width, k), dtype=torch.long)
+        chunk = self.config.policy.logprob_chunk_size
+        self.model.eval()
+        with torch.no_grad():
+            for idx in work.microbatches:
+                rows = self._rows(shard.select(idx), work.batching)
+
+                def head(h: torch.Tensor, w: torch.Tensor, rows: ModelRows = rows) -> tuple[torch.Tensor, torch.Tensor]:
+                    vals, ids = topk_logits(h[rows.valid], w, k, chunk)
+                    full_vals = vals.new_zeros((*rows.valid.shape, k))
+                    full_ids = ids.new_zeros((*rows.valid.shape, k))
+                    full_vals[rows.valid], full_ids[rows.valid] = vals, ids
+                    return full_vals, full_ids
+
+                vals, ids = self._forward(rows, head)
+                values[idx] = rows.to_samples(vals).float().cpu()
+                indices[idx] = rows.to_samples(ids).cpu()
+        reshard_all(self.model)
+        return Batch({"topk_logits": values[:, :-1], "topk_indices": indices[:, :-1]})
+
+    @contextlib.contextmanager
+    def _reference_weights(self) -> Iterator[None]:
+        """Swap the reference weights into the model in place, and the current ones back after."""
+        reshard_all(self.model)
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            current = {name: _local(p).to("cpu", copy=True) for name, p in params.items()}
+            for name, p in params.items():
+                _local(p).copy_(self._reference[name])
+        try:
+            yield
+        finally:
+            reshard_all(self.model)
+            with torch.no_grad():
+                for name, p in params.items():
+                    _local(p).copy_(current[name])
+
+    # ------------------------------------------------------------------ training
+
+    def train(self, work: RankWork, loss_fn: LossFunction, eval_mode: bool = False) -> dict:
+        """Forward/backward over this rank's microbatches, then (unless ``eval_mode``) one
+        clipped optimizer step. Returns this rank's shares of the loss and loss metrics
+        (``loss``, ``metrics``) and the step's ``grad_norm``, ``lr``, ``num_tokens``,
+        ``step_time_s``."""
+        start = time.perf_counter()
+        shard = work.batch
+        seqs, toks = global_valid_counts(shard, self.dp_group)
+        seqs, toks = seqs.to(self.device), toks.to(self.device)
+        self.model.train(not eval_mode)
+        loss_total = 0.0
+        parts = []
+        with torch.no_grad() if eval_mode else contextlib.nullcontext():
+            for idx in work.microbatches:
+                mb = shard.select(idx)
+                logprobs = self._microbatch_logprobs(mb, work.batching)
+                loss, metrics = loss_fn(logprobs, mb.to(self.device), seqs, toks)
+                if not eval_mode:
+                    loss.backward()
+                loss_total += float(loss.detach())
+                parts.append(metrics)
+        result: dict[str, Any] = {
+            "loss": loss_total,
+            "metrics": combine_metrics(parts, loss_fn.metric_reductions),
+            "num_tokens": float(toks),
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
+        if eval_mode:
+            reshard_all(self.model)
+        else:
+            result["grad_norm"] = self._optimizer_step()
+        result["step_time_s"] = time.perf_counter() - start
+        return result
+
+    def _optimizer_step(self) -> float:
+        params = list(self.model.parameters())
+        norm = total_grad_norm(params)
+        max_norm = self.config.policy.max_grad_norm
+        if max_norm is not None:
+            clip_grads_(params, max_norm, norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return float(norm)
+
+    # ------------------------------------------------------------------ checkpoints and weights
+
+    def save_checkpoint(self, path: str) -> None:
+        reshard_all(self.model)
+        checkpoint.save_sharded(path, self.model, self.optimizer,
+                                {"scheduler": self.scheduler.state_dict(), "step": self.step})
+
+    def load_checkpoint(self, path: str) -> None:
+        reshard_all(self.model)
+        state = checkpoint.load_sharded(path, self.model, self.optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+
+    def weight_sizes(self) -> list[tuple[str, int]]:
+        """``(hf_name, bytes)`` of every exported tensor, in export order and dtype."""
+        return [(name, checkpoint.full_nbytes(t, self.compute_dtype)) for name, t in checkpoint.named_weights(self.model.lm)]
+
+    def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        """Collective: the named full tensors on rank 0 (CPU, ``policy.dtype``); None elsewhere."""
+        reshard_all(self.model)
+        tensors = dict(checkpoint.named_weights(self.model.lm))
+        full = {name: checkpoint.gather_full(tensors[name], self.compute_dtype) for name in names}
+        return full if self.rank == 0 else None
+
+    def export_hf(self, path: str, shard_bytes: int) -> None:
+        """Collective: a Hugging Face folder at ``path`` (written by rank 0)."""
+        writer = checkpoint.HFShardWriter(path) if self.rank == 0 else None
+        for names in checkpoint.bucket_names(self.weight_sizes(), shard_bytes):
+            tensors = self.gather_weights(names)
+            if writer is not None:
+                writer.add(tensors)
+        if writer is not None:
+            writer.finish()
+            self._write_hf_metadata(path)
+        dist.barrier()
+
+    def _write_hf_metadata(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        lm = self.model.lm
+        hf_config = copy.deepcopy(lm.config)
+        hf_config.dtype = self.compute_dtype
+        hf_config.save_pretrained(path)
+        if getattr(lm, "generation_config", None) is not None:
+            lm.generation_config.save_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(self.config.policy.tokenizer or self.config.policy.model)
+        tokenizer.save_pretrained(path)
+
+    # ------------------------------------------------------------------ placement
+
+    def offload(self) -> None:
+        """Move weights and optimizer state to CPU memory. On CPU training this is a no-op:
+        they are already there."""
+        self._move_to(torch.device("cpu"))
+
+    def prepare_for_training(self) -> None:
+        """Bring weights and optimizer state back onto the training device (no-op on CPU)."""
+        self._move_to(self.device)
+
+    def _move_to(self, device: torch.device) -> None:
+        if self.device.type == "cpu":
+            return
+        reshard_all(self.model)
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    state[key] = value.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        else:
+            torch.cuda.empty_cache()
+
+    def info(self) -> dict[str, Any]:
+        numel = sum(p.numel() for p in self.model.parameters())
+        return {
+            "backend": "dtensor",
+            "parameters": numel,
+            "world_size": self.world_size,
+            "data_parallel_size": self.mesh["dp"].size(),
+            "tensor_parallel_size": self.mesh["tp"].size(),
+            "device": str(self.device),
+            "dtype": str(self.compute_dtype).removeprefix("torch."),
+            "pid": os.getpid(),
+        }

@@ -1,0 +1,169 @@
+"""Shared pieces of the dtensor backend tests: a token NLL loss, a skewed batch, an
+independent float64 reference (plain transformers + autograd), and policy builders."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import attrs
+import pytest
+import ray.cloudpickle
+import torch
+
+from posttrain.batch import Batch
+from posttrain.config.schema import (
+    DynamicBatchingConfig,
+    OptimizerConfig,
+    PolicyConfig,
+    RunConfig,
+    SequencePackingConfig,
+    WorkerResources,
+)
+from posttrain.interfaces.loss import LossFunction, LossType
+from posttrain_dtensor.config import DTensorConfig
+
+# Ray workers cannot import this module: send the loss class by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+#: Lengths with a long tail, the case packing and dynamic batching are for.
+LENGTHS = [5, 17, 3, 9, 24, 4, 11, 6]
+PROMPT = 2  # leading tokens of every sample without loss
+
+
+class TokenNLL(LossFunction):
+    """Mean NLL over valid tokens of the global batch; its metrics are the microbatch's
+    shares of all valid tokens and sequences, which must sum to exactly 1."""
+
+    loss_type = LossType.TOKEN
+
+    def __call__(self, logprobs, batch, global_valid_seqs, global_valid_toks):
+        mask = batch["token_mask"] * batch["sample_mask"][:, None]
+        loss = -(logprobs * mask).sum() / global_valid_toks
+        return loss, {
+            "token_share": float(mask.sum() / global_valid_toks),
+            "sequence_share": float(batch["sample_mask"].sum() / global_valid_seqs),
+        }
+
+
+def make_batch(lengths=LENGTHS, width: int | None = None, seed: int = 0, drop_sample: int | None = 6) -> Batch:
+    """Right-padded random token rows (ids 7..99: characters of the tiny tokenizer)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor(lengths)
+    width = width or max(lengths) + 3
+    pos = torch.arange(width)[None, :]
+    real = pos < lens[:, None]
+    ids = torch.randint(7, 100, (len(lengths), width), generator=g) * real
+    sample_mask = torch.ones(len(lengths))
+    if drop_sample is not None:
+        sample_mask[drop_sample] = 0.0
+    return Batch(
+        input_ids=ids,
+        input_lengths=lens,
+        token_mask=(real & (pos >= PROMPT)).float(),
+        sample_mask=sample_mask,
+    )
+
+
+def reference_model(model_path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64, attn_implementation="eager")
+
+
+def reference_logprobs(model, batch: Batch) -> torch.Tensor:
+    """float64 [B, S]: each sample run alone (no padding), full log_softmax, masked like
+    the policy convention (0 at t=0, on padding and where token_mask is 0)."""
+    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
+    for i, n in enumerate(batch["input_lengths"].tolist()):
+        ids = batch["input_ids"][i : i + 1, :n]
+        logp = model(ids).logits[0, :-1].log_softmax(-1)
+        out[i, 1:n] = logp.gather(-1, ids[0, 1:, None])[:, 0]
+    return out * batch["token_mask"].double()
+
+
+def reference_step(model_path: str, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
+    """The global-batch token NLL and its gradients in float64, one sample at a time."""
+    model = reference_model(model_path)
+    lp = reference_logprobs(model, batch)
+    mask = batch["token_mask"].double() * batch["sample_mask"].double()[:, None]
+    loss = -(lp * mask).sum() / mask.sum()
+    loss.backward()
+    return float(loss.detach()), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def full_weights(policy) -> dict[str, torch.Tensor]:
+    return {k: v for bucket in policy.export_weights(1 << 16) for k, v in bucket.items()}
+
+
+def sgd_grads(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], lr: float) -> dict[str, torch.Tensor]:
+    """Gradients recovered from one plain SGD step: (w0 - w1) / lr."""
+    return {k: (before[k].double() - after[k].double()) / lr for k in before}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def restore(policy, checkpoint: str):
+    """Load ``checkpoint`` into ``policy`` and reset the batching options the tests change
+    (the driver reads them at every pass): one microbatch per rank, no packing or dynamic
+    batching."""
+    policy.load_checkpoint(checkpoint)
+    p = policy.config.policy
+    policy.config.policy = attrs.evolve(
+        p,
+        train_micro_batch_size=p.train_global_batch_size // p.data_parallel_size,
+        sequence_packing=SequencePackingConfig(),
+        dynamic_batching=DynamicBatchingConfig(),
+    )
+    return policy
+
+
+def policy_config(model_path: str, dtensor: DTensorConfig | None = None, **overrides) -> RunConfig:
+    """A CPU float32 policy config for the tiny model; SGD with lr=1 so one step's weight
+    change is the gradient. ``dtensor`` is the backend's own section."""
+    fields = dict(
+        model=model_path,
+        train_global_batch_size=len(LENGTHS),
+        logprob_micro_batch_size=3,
+        max_total_sequence_length=32,
+        logprob_chunk_size=16,  # the tiny vocabulary (103) in 7 chunks, the last one partial
+        max_grad_norm=None,
+        optimizer=OptimizerConfig(name="sgd", lr=1.0),
+        resources=WorkerResources(cpus=0.5),
+    )
+    fields.update(overrides)
+    dp = fields.get("num_workers", 1) // fields.get("tensor_parallel_size", 1)
+    fields.setdefault("train_micro_batch_size", len(LENGTHS) // dp)  # one microbatch per rank
+    sections = {"policy.dtensor": dtensor} if dtensor is not None else {}
+    return RunConfig(seed=0, policy=PolicyConfig(**fields), sections=sections)
+
+
+@pytest.fixture(scope="session")
+def dt():
+    """The helpers above, for test modules (conftest modules are not importable by name)."""
+    return SimpleNamespace(
+        LENGTHS=LENGTHS,
+        make_batch=make_batch,
+        reference_model=reference_model,
+        reference_logprobs=reference_logprobs,
+        reference_step=reference_step,
+        full_weights=full_weights,
+        sgd_grads=sgd_grads,
+        max_diff=max_diff,
+        policy_config=policy_config,
+        restore=restore,
+        nll=TokenNLL(),
+    )
+
+
+@pytest.fixture(scope="session")
+def virtual_cluster(ray_cluster):
+    from posttrain.config.schema import ClusterConfig
+    from posttrain.distributed import VirtualCluster
+
+    cluster = VirtualCluster(ClusterConfig())
+    yield cluster
+    cluster.shutdown()

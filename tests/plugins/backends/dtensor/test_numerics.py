@@ -1,0 +1,279 @@
+"""The dtensor backend's pure pieces, without Ray or torch.distributed: chunked logprobs and
+top-k, packed vs padded rows, pass planning, schedules, buckets, counts and validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posttrain.config.schema import OptimizerConfig, SchedulerConfig
+from posttrain.errors import ConfigError
+from posttrain_dtensor.checkpoint import bucket_names
+from posttrain_dtensor.config import DTensorConfig, validate_policy_config
+from posttrain_dtensor.logprobs import sequence_logprobs, target_logprobs, topk_logits
+from posttrain_dtensor.optim import build_optimizer, build_scheduler, clip_grads_, lr_factor, total_grad_norm
+from posttrain_dtensor.planning import Batching, plan_pass
+from posttrain_dtensor.rows import loss_positions, packed_rows, padded_rows
+from posttrain_dtensor.worker import global_valid_counts
+
+VOCAB, HIDDEN = 37, 12
+
+
+def _head_inputs(n: int = 9, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, HIDDEN, generator=g)
+    weight = torch.randn(VOCAB, HIDDEN, generator=g)
+    targets = torch.randint(0, VOCAB, (n,), generator=g)
+    return hidden, weight, targets
+
+
+@pytest.mark.parametrize("chunk", [1, 8, VOCAB, VOCAB + 5])
+def test_chunked_logprobs_and_grads_match_float64_log_softmax(chunk):
+    hidden, weight, targets = _head_inputs()
+    coef = torch.linspace(-1.0, 2.0, len(targets))
+    h32, w32 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    got = target_logprobs(h32, w32, targets, chunk)
+    (got * coef).sum().backward()
+
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    want = (h64 @ w64.T).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    (want * coef.double()).sum().backward()
+
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(h32.grad.double(), h64.grad, rtol=0, atol=1e-5)
+    torch.testing.assert_close(w32.grad.double(), w64.grad, rtol=0, atol=1e-5)
+
+
+def test_chunked_logprob_backward_passes_gradcheck():
+    hidden, weight, targets = _head_inputs(n=5)
+    inputs = (hidden.double().requires_grad_(), weight.double().requires_grad_())
+    assert torch.autograd.gradcheck(lambda h, w: target_logprobs(h, w, targets, 8), inputs)
+
+
+def test_sequence_logprobs_fill_predicted_positions_and_zero_elsewhere():
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 5, HIDDEN, generator=g)
+    weight = torch.randn(VOCAB, HIDDEN, generator=g)
+    ids = torch.randint(0, VOCAB, (2, 5), generator=g)
+    predicted = torch.tensor([[0, 1, 1, 0, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    got = sequence_logprobs(hidden, weight, ids, predicted, chunk_size=5)
+    full = (hidden[:, :-1].double() @ weight.double().T).log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    want = torch.nn.functional.pad(full, (1, 0)) * predicted
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+    assert (got[~predicted] == 0).all()
+
+
+@pytest.mark.parametrize(("k", "chunk"), [(1, 3), (5, 16), (20, 8), (VOCAB, VOCAB)])
+def test_chunked_topk_matches_full_topk(k, chunk):
+    hidden, weight, _ = _head_inputs(n=6, seed=2)
+    values, indices = topk_logits(hidden, weight, k, chunk)
+    want_values, want_indices = (hidden.double() @ weight.double().T).topk(k, dim=-1)
+    torch.testing.assert_close(values.double(), want_values, rtol=0, atol=1e-5)
+    assert torch.equal(indices, want_indices)
+
+
+def test_topk_refuses_k_beyond_vocabulary():
+    hidden, weight, _ = _head_inputs()
+    with pytest.raises(ValueError, match=f"0 < k <= vocabulary size {VOCAB}, got k=38"):
+        topk_logits(hidden, weight, VOCAB + 1, 8)
+
+
+# ---------------------------------------------------------------- packed vs padded rows
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_rows_give_padded_logprobs_and_gradients(tiny_model_path, dt, attn):
+    """The same tiny model run on padded rows and on packed rows (4-D block mask, positions
+    restarting per sample): identical logprobs and parameter gradients within 1e-5."""
+    from transformers import AutoModelForCausalLM
+
+    batch = dt.make_batch()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation=attn)
+    results = []
+    for rows in (
+        padded_rows(batch["input_ids"], batch["input_lengths"]),
+        packed_rows(batch["input_ids"], batch["input_lengths"], 40, round_to=8, attn_implementation=attn),
+    ):
+        model.zero_grad()
+        hidden = model.model(
+            input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids
+        ).last_hidden_state
+        lp = rows.to_samples(sequence_logprobs(hidden, model.lm_head.weight, rows.input_ids, rows.predicted, 16))
+        (lp * batch["token_mask"]).sum().backward()
+        results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, rows))
+    (padded_lp, padded_grads, _), (packed_lp, packed_grads, packed) = results
+    assert packed.input_ids.shape[0] < len(dt.LENGTHS)  # really packed: fewer rows than samples
+    assert packed.input_ids.shape[1] % 8 == 0
+    torch.testing.assert_close(packed_lp, padded_lp, rtol=0, atol=1e-5)
+    reference = dt.reference_logprobs(dt.reference_model(tiny_model_path), batch)
+    torch.testing.assert_close(padded_lp.double() * batch["token_mask"], reference, rtol=0, atol=1e-5)
+    assert dt.max_diff(packed_grads, padded_grads) < 1e-5
+    assert all(torch.isfinite(g).all() for g in packed_grads.values())
+
+
+def test_packed_rows_keep_attention_within_each_sample():
+    ids = torch.tensor([[1, 2, 3, 0], [4, 5, 0, 0], [6, 0, 0, 0]])
+    rows = packed_rows(ids, torch.tensor([3, 2, 1]), 8)
+    assert rows.input_ids.tolist() == [[1, 2, 3, 4, 5, 6]]
+    assert rows.position_ids.tolist() == [[0, 1, 2, 0, 1, 0]]
+    assert rows.predicted.tolist() == [[False, True, True, False, True, False]]
+    mask = rows.attention_mask[0, 0]
+    assert mask[4].tolist() == [False, False, False, True, True, False]  # token 5 sees 4 and itself
+    assert mask[2].tolist() == [True, True, True, False, False, False]
+
+
+def test_packing_refuses_an_attention_kernel_without_4d_masks():
+    with pytest.raises(ValueError, match="sdpa and eager; got attn_implementation 'flash_attention_2'"):
+        packed_rows(torch.ones(2, 3, dtype=torch.long), torch.tensor([3, 2]), 8, attn_implementation="flash_attention_2")
+
+
+def test_loss_positions_exclude_first_token_padding_and_masked_tokens():
+    keep = loss_positions(torch.tensor([3, 4]), 5, torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]))
+    assert keep.tolist() == [[False, True, True, False, False], [False, False, True, True, False]]
+
+
+# ---------------------------------------------------------------- planning
+
+
+def _check_plan(plan, lengths, dp):
+    assert sorted(i for shard in plan.shards for i in shard) == list(range(len(lengths)))
+    assert len({len(mbs) for mbs in plan.microbatches}) == 1  # same microbatch count on every rank
+    for shard, mbs in zip(plan.shards, plan.microbatches, strict=True):
+        assert sorted(i for mb in mbs for i in mb) == list(range(len(shard)))
+
+
+def test_fixed_plan_is_contiguous_microbatches_in_order():
+    plan = plan_pass([3] * 8, 2, Batching(micro_batch_size=3))
+    assert plan.shards == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert plan.microbatches == [[[0, 1, 2], [3]], [[0, 1, 2], [3]]]
+
+
+def test_packing_plan_fills_rows_within_budget_and_balances_ranks():
+    lengths = [30, 2, 3, 28, 5, 4, 31, 1]
+    plan = plan_pass(lengths, 2, Batching(micro_batch_size=1, packing_tokens_per_row=32))
+    _check_plan(plan, lengths, 2)
+    for shard, mbs in zip(plan.shards, plan.microbatches, strict=True):
+        for mb in mbs:
+            assert sum(lengths[shard[i]] for i in mb) <= 32
+    tokens = [sum(lengths[i] for i in shard) for shard in plan.shards]
+    assert abs(tokens[0] - tokens[1]) <= max(lengths)
+
+
+def test_dynamic_plan_respects_token_budget_with_equal_counts():
+    lengths = [30, 2, 3, 28, 5, 4, 31, 1, 7, 9]
+    plan = plan_pass(lengths, 2, Batching(micro_batch_size=1, dynamic_max_tokens=40, round_to=4))
+    _check_plan(plan, lengths, 2)
+    for shard, mbs in zip(plan.shards, plan.microbatches, strict=True):
+        for mb in mbs:
+            width = -(-max(lengths[shard[i]] for i in mb) // 4) * 4
+            assert len(mb) == 1 or len(mb) * width <= 40
+
+
+def test_batching_refuses_packing_and_dynamic_together():
+    with pytest.raises(ValueError, match="exclusive"):
+        Batching(micro_batch_size=1, packing_tokens_per_row=8, dynamic_max_tokens=8)
+
+
+# ---------------------------------------------------------------- optimizer, schedule, counts
+
+
+def test_lr_schedules_warm_up_then_decay_to_the_floor():
+    cos = SchedulerConfig(name="cosine", warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    assert [lr_factor(s, cos) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(9, cos) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(14, cos) == pytest.approx(0.1) and lr_factor(40, cos) == pytest.approx(0.1)
+    lin = SchedulerConfig(name="linear", warmup_steps=0, total_steps=10)
+    assert [lr_factor(s, lin) for s in (0, 5, 10)] == [1.0, 0.5, 0.0]
+    assert lr_factor(1000, SchedulerConfig(name="constant", warmup_steps=2)) == 1.0
+
+
+def test_scheduler_drives_the_optimizer_lr():
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = build_optimizer([param], OptimizerConfig(lr=2.0))
+    sched = build_scheduler(opt, SchedulerConfig(name="linear", warmup_steps=2, total_steps=6))
+    lrs = []
+    for _ in range(7):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([1.0, 2.0, 2.0, 1.5, 1.0, 0.5, 0.0])
+
+
+def test_decaying_schedule_without_horizon_names_the_key():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with pytest.raises(ConfigError, match="policy.scheduler.total_steps is needed by the 'cosine' schedule"):
+        build_scheduler(opt, SchedulerConfig(name="cosine"))
+    with pytest.raises(ConfigError, match="policy.scheduler.name: expected one of constant, linear, cosine, got 'step'"):
+        build_scheduler(opt, SchedulerConfig(name="step"))
+
+
+def test_grad_norm_of_plain_tensors_is_the_global_l2_norm():
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(1))]
+    params[0].grad = torch.tensor([3.0, 0.0, 4.0])
+    params[1].grad = torch.full((2, 2), 6.0)
+    assert float(total_grad_norm(params)) == pytest.approx(math.sqrt(9 + 16 + 4 * 36))
+
+
+def test_clipping_scales_gradients_to_the_max_norm_only_when_above():
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))]
+    params[0].grad, params[1].grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
+    clip_grads_(params, 1.0, total_grad_norm(params))
+    assert float(total_grad_norm(params)) == pytest.approx(1.0, rel=1e-5)
+    assert params[0].grad.tolist() == pytest.approx([0.6, 0.0], rel=1e-5)
+    clip_grads_(params, 10.0, total_grad_norm(params))
+    assert params[1].grad.tolist() == pytest.approx([0.8], rel=1e-5)
+
+
+def test_unknown_optimizer_names_the_key():
+    with pytest.raises(ConfigError, match="policy.optimizer.name: expected one of adamw, adam, sgd, got 'lion'"):
+        build_optimizer([torch.nn.Parameter(torch.zeros(1))], OptimizerConfig(name="lion"))
+
+
+def test_global_valid_counts_use_token_and_sample_masks(dt):
+    batch = dt.make_batch()
+    seqs, toks = global_valid_counts(batch, None)
+    lens = torch.tensor(dt.LENGTHS)
+    want_tokens = sum(int(n) - 2 for i, n in enumerate(lens) if i != 6)
+    assert float(seqs) == len(dt.LENGTHS) - 1
+    assert float(toks) == want_tokens
+
+
+def test_bucket_names_bound_bucket_bytes_and_isolate_oversized_tensors():
+    sizes = [("a", 40), ("b", 50), ("c", 30), ("big", 500), ("d", 10), ("e", 95)]
+    assert bucket_names(sizes, 100) == [["a", "b"], ["c"], ["big"], ["d"], ["e"]]
+    assert bucket_names(sizes, 1000) == [["a", "b", "c", "big", "d", "e"]]
+
+
+# ---------------------------------------------------------------- config validation
+
+
+def test_validation_names_the_keys(dt):
+    cfg = dt.policy_config("/nowhere", pipeline_parallel_size=2, num_workers=2)
+    with pytest.raises(ConfigError, match="context_parallel_size must be 1 for the dtensor backend \\(got 2 and 1\\)"):
+        validate_policy_config(cfg)
+    cfg = dt.policy_config("/nowhere")
+    cfg.policy.sequence_packing.enabled = cfg.policy.dynamic_batching.enabled = True
+    with pytest.raises(ConfigError, match="sequence_packing.enabled and policy.dynamic_batching.enabled are both true"):
+        validate_policy_config(cfg)
+    cfg = dt.policy_config("/nowhere", dtype="half")
+    with pytest.raises(ConfigError, match="policy.dtype: expected one of float32, bfloat16, float16, got 'half'"):
+        validate_policy_config(cfg)
+    cfg = dt.policy_config("/nowhere", dtensor=DTensorConfig(attn_implementation="flash_attention_2"))
+    validate_policy_config(cfg)  # fine without packing
+    cfg.policy.sequence_packing.enabled = True
+    with pytest.raises(ConfigError, match="policy.dtensor.attn_implementation in sdpa, eager .* got 'flash_attention_2'"):
+        validate_policy_config(cfg)
+
+
+def test_validate_hook_checks_only_dtensor_policies(dt):
+    from posttrain.plugins import plugin_host
+
+    cfg = dt.policy_config("/nowhere")
+    cfg.policy.sequence_packing.enabled = cfg.policy.dynamic_batching.enabled = True
+    with pytest.raises(ConfigError, match="both true"):
+        plugin_host().hook.posttrain_validate_config(config=cfg)
+    cfg.policy.backend = "megatron"
+    plugin_host().hook.posttrain_validate_config(config=cfg)  # another backend's business
