@@ -1,19 +1,204 @@
-"""Reference computations for testing a generation backend against plain transformers.
+"""Checking a generation backend against plain transformers on the same weights.
 
-A backend's tests build prompts with :func:`prompt_batch`, check the output conventions
-with :func:`check_output_layout`, and compare the reported logprobs with
-:func:`reference_logprobs` (a direct forward pass). :func:`perturbed_weights` and
-:func:`weight_buckets` give new weights to refit with.
+:class:`GenerationContract` runs the checks every backend must pass (greedy parity,
+logprob parity after a refit, stop strings and truncation, fresh samples per call) on a
+running backend. The functions below it are the reference computations it uses, for a
+backend's own extra tests: :func:`prompt_batch`, :func:`check_output_layout`,
+:func:`reference_logprobs` (a direct forward pass), :func:`perturbed_weights` and
+:func:`weight_buckets` (new weights to refit with), :func:`stop_string_prefix`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
+import attrs
 import torch
 
 from posttrain.batch import Batch
+from posttrain.interfaces.generation import Generation
+from posttrain.interfaces.loss import LossFunction
+from posttrain.interfaces.policy import Policy
+from posttrain.refit import refit
 from posttrain.sampling import sampling_logprobs
+
+
+@attrs.define
+class GenerationContract:
+    """Checks of ``generation`` against ``model`` (transformers, float32, the weights the
+    backend started with, loaded from ``model_path``).
+
+    The backend must have been configured with ``temperature``, ``max_new_tokens`` and
+    ``stop_token_ids`` (plus the model's EOS ids, which ``eos_token_ids`` lists), no
+    top-k/top-p, and must load the tokenizer for stop strings. Each check leaves the
+    backend with its original weights.
+    """
+
+    generation: Generation
+    model: Any
+    model_path: str
+    prompts: list[list[int]]
+    temperature: float
+    max_new_tokens: int
+    stop_token_ids: list[int]
+    eos_token_ids: list[int]
+    pad_token_id: int = 0
+
+    def transformers_greedy(self, model: Any = None) -> list[list[int]]:
+        """transformers' own greedy ``generate`` of each prompt, alone (no padding)."""
+        model = model or self.model
+        stops = [*self.eos_token_ids, *self.stop_token_ids]
+        return [
+            model.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=self.max_new_tokens,
+                eos_token_id=stops, pad_token_id=self.pad_token_id,
+            )[0, len(prompt) :].tolist()
+            for prompt in self.prompts
+        ]
+
+    def check_greedy(self) -> None:
+        """Greedy tokens equal transformers' greedy ``generate``; logprobs are those of the raw
+        logits; a row ends at a stop token (not truncated) or after ``max_new_tokens`` (truncated)."""
+        out = self.generation.generate(prompt_batch(self.prompts, pad_token_id=self.pad_token_id), greedy=True)
+        check_output_layout(out, self.prompts, self.pad_token_id)
+        tokens = generated_tokens(out, self.prompts)
+        assert tokens == self.transformers_greedy()
+        stops = {*self.eos_token_ids, *self.stop_token_ids}
+        ended = [bool(row) and row[-1] in stops for row in tokens]
+        assert any(ended) and not all(ended), "choose stop tokens so some rows stop and some are truncated"
+        assert out["truncated"].tolist() == [not e and len(row) == self.max_new_tokens for e, row in zip(ended, tokens, strict=True)]
+        assert all(e or len(row) == self.max_new_tokens for e, row in zip(ended, tokens, strict=True))
+        mask = generated_mask(out, self.prompts)
+        torch.testing.assert_close(out["logprobs"][mask], reference_logprobs(self.model, out, temperature=0)[mask], atol=1e-4, rtol=0)
+
+    def check_refit(self, *, bucket_bytes: int, seed: int = 1, scale: float = 0.5) -> None:
+        """After a refit to perturbed weights (streamed in buckets of ``bucket_bytes``), the
+        sampled tokens' logprobs match a transformers forward of the new weights (mean of
+        exp(|difference|) <= 1.01) and not of the old ones; refit reports every byte. A
+        refit back restores the original greedy output."""
+        from transformers import AutoModelForCausalLM
+
+        new = perturbed_weights(self.model, seed=seed, scale=scale)
+        changed = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
+        changed.load_state_dict(new)
+        batch = prompt_batch(self.prompts, pad_token_id=self.pad_token_id)
+        self.generation.generate(batch)  # leaves caches computed with the old weights
+        stats = refit(ExportedWeights(new), self.generation, bucket_bytes)
+        assert stats.bytes_moved == sum(t.numel() * t.element_size() for t in new.values())
+        assert stats.num_tensors == len(new) and stats.num_buckets == len(list(weight_buckets(new, bucket_bytes)))
+        assert stats.seconds > 0
+
+        out = self.generation.generate(batch)
+        check_output_layout(out, self.prompts, self.pad_token_id)
+        mask = generated_mask(out, self.prompts)
+        diff = (out["logprobs"] - reference_logprobs(changed, out, temperature=self.temperature))[mask]
+        assert torch.exp(diff.abs()).mean() <= 1.01 and diff.abs().max() < 1e-3, f"max difference {diff.abs().max():.2e}"
+        stale = (out["logprobs"] - reference_logprobs(self.model, out, temperature=self.temperature))[mask]
+        assert torch.exp(stale.abs()).mean() > 1.01, "the old weights explain the samples: refit had no effect"
+
+        refit(ExportedWeights(self.model.state_dict()), self.generation, 1 << 40)
+        again = self.generation.generate(batch, greedy=True)
+        assert generated_tokens(again, self.prompts) == self.transformers_greedy()
+
+    def check_stop_strings(self, tokenizer: Any) -> None:
+        """A row with a stop string ends with the token that completes its first occurrence
+        in the generated text (not truncated); rows without a hit are unchanged."""
+        free = generated_tokens(self.generation.generate(prompt_batch(self.prompts), greedy=True), self.prompts)
+        texts = [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in free]
+        hits = [row for row, text in enumerate(texts) if len(text) >= 5][:2]
+        assert hits, "no row generated text long enough to take a stop string from"
+        stops: list[list[str] | None] = [None] * len(self.prompts)
+        for row in hits:
+            stops[row] = [texts[row][3:5]]
+        misses = [row for row in range(len(self.prompts)) if row not in hits]
+        for row in misses[:1]:
+            stops[row] = ["never-generated"]
+        out = self.generation.generate(prompt_batch(self.prompts, stop_strings=stops), greedy=True)
+        check_output_layout(out, self.prompts, self.pad_token_id)
+        tokens = generated_tokens(out, self.prompts)
+        for row in range(len(self.prompts)):
+            if row in hits:
+                assert tokens[row] == stop_string_prefix(tokenizer, free[row], stops[row][0])
+                assert not out["truncated"][row]
+            else:
+                assert tokens[row] == free[row]
+
+    def check_colocated_cycle(self) -> None:
+        """The colocated order of a step: ``finish_generation`` (release), refit while
+        released, ``prepare_for_generation`` (wake, twice: idempotent); greedy output is then
+        the new weights'. Restores the original weights."""
+        from transformers import AutoModelForCausalLM
+
+        new = perturbed_weights(self.model, seed=2, scale=0.5)
+        changed = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
+        changed.load_state_dict(new)
+        batch = prompt_batch(self.prompts, pad_token_id=self.pad_token_id)
+        self.generation.finish_generation()
+        refit(ExportedWeights(new), self.generation, 1 << 40)
+        self.generation.prepare_for_generation()
+        self.generation.prepare_for_generation()
+        assert generated_tokens(self.generation.generate(batch, greedy=True), self.prompts) == self.transformers_greedy(changed)
+        refit(ExportedWeights(self.model.state_dict()), self.generation, 1 << 40)
+
+    def check_fresh_samples(self) -> None:
+        """Two sampling calls on the same prompts draw different samples."""
+        batch = prompt_batch(self.prompts, pad_token_id=self.pad_token_id)
+        first, second = self.generation.generate(batch), self.generation.generate(batch)
+        assert not torch.equal(first["output_ids"], second["output_ids"]), "two calls drew the same samples"
+
+
+class NegativeLogLikelihood(LossFunction):
+    """Mean negative logprob of the masked tokens (global token normalisation): a loss that
+    moves a policy's weights in one step, for refit tests."""
+
+    def __call__(self, logprobs, batch, global_valid_seqs, global_valid_toks):
+        mask = batch["token_mask"] * batch["sample_mask"][:, None]
+        loss = -(logprobs * mask).sum() / global_valid_toks
+        return loss, {"nll": float(loss)}
+
+
+def check_trained_policy_refit(policy: Policy, generation: Generation, prompts: list[list[int]], *, bucket_bytes: int) -> None:
+    """Train ``policy`` one step on the backend's samples, refit, sample again: the backend's
+    logprobs then match ``policy.get_logprobs`` (mean of exp(|difference|) <= 1.01), and did
+    not before the refit. The backend must sample at temperature 1 (the policy scales nothing)."""
+    out = generation.generate(prompt_batch(prompts))
+    mask = generated_mask(out, prompts)
+    batch = Batch(
+        input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"],
+        token_mask=mask.float(), sample_mask=torch.ones(len(prompts)),
+    )
+    policy.train(batch, NegativeLogLikelihood())
+    trained = policy.get_logprobs(batch)["logprobs"]
+    assert torch.exp((out["logprobs"] - trained)[mask].abs()).mean() > 1.01, "training did not change the policy"
+
+    stats = refit(policy, generation, bucket_bytes)
+    assert stats.num_tensors > 0 and stats.bytes_moved > 0
+    out = generation.generate(prompt_batch(prompts))
+    mask = generated_mask(out, prompts)
+    theirs = policy.get_logprobs(Batch(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"]))
+    diff = (out["logprobs"] - theirs["logprobs"])[mask]
+    assert torch.exp(diff.abs()).mean() <= 1.01, f"mean |difference| {diff.abs().mean():.2e}"
+
+
+class ExportedWeights:
+    """Given weights behind :meth:`Policy.export_weights` (what :func:`refit` reads)."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]):
+        self.weights = weights
+
+    def export_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        return weight_buckets(self.weights, bucket_bytes)
+
+
+def stop_token_for(model: Any, prompt: Sequence[int], *, position: int, eos_token_ids: Sequence[int]) -> int:
+    """The token transformers' greedy decoding of ``prompt`` produces at ``position``: as a
+    stop token, it ends that row there."""
+    out = model.generate(torch.tensor([list(prompt)]), do_sample=False, max_new_tokens=position + 1,
+                         eos_token_id=list(eos_token_ids), pad_token_id=0)
+    tokens = out[0, len(prompt) :].tolist()
+    assert len(tokens) == position + 1, "greedy decoding hit EOS before the position"
+    return tokens[position]
 
 
 def prompt_batch(

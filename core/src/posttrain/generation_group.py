@@ -1,0 +1,342 @@
+"""The driver half of a generation backend whose engines are the ranks of a WorkerGroup.
+
+:class:`WorkerGroupGeneration` implements :class:`~posttrain.interfaces.Generation` for any
+engine worker class that provides the :class:`EngineWorker` methods. It turns the batch
+into a :class:`GenerationRequest` (prompts without padding, one seed per row, stop
+criteria, per-row token budgets), splits it into contiguous shards, one per
+data-parallel engine, and assembles the engines' :class:`Completion` lists into the output
+batch described in :mod:`posttrain.interfaces.generation`. Refit streams buckets to every
+engine through the Ray object store (one ``ray.put`` per bucket, shared by all engines).
+
+What a row's logprobs and seeds mean is defined once in :mod:`posttrain.sampling`.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import ray
+import torch
+
+from posttrain.batch import Batch
+from posttrain.config.schema import GenerationConfig, RunConfig, WorkerResources
+from posttrain.distributed import VirtualCluster, Worker, WorkerGroup
+from posttrain.errors import ConfigError, DataError
+from posttrain.interfaces.generation import Generation, RefitStats
+from posttrain.sampling import sample_seeds
+
+
+@attrs.frozen
+class GenerationRequest:
+    """One engine's share of a ``generate`` call. Lists are per row, in batch order.
+
+    ``temperature == 0`` means greedy. ``max_new_tokens[i]`` is already capped so that the
+    prompt plus the completion fits the engine's context. ``stop_token_ids`` includes the
+    model's EOS ids.
+    """
+
+    prompts: list[list[int]]
+    seeds: list[int]
+    max_new_tokens: list[int]
+    stop_strings: list[list[str]]
+    stop_token_ids: list[int]
+    temperature: float
+    top_p: float
+    top_k: int | None
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def rows(self, start: int, stop: int) -> GenerationRequest:
+        """Rows ``start:stop`` of this request."""
+        return attrs.evolve(
+            self,
+            prompts=self.prompts[start:stop],
+            seeds=self.seeds[start:stop],
+            max_new_tokens=self.max_new_tokens[start:stop],
+            stop_strings=self.stop_strings[start:stop],
+        )
+
+
+@attrs.frozen
+class Completion:
+    """The generated tokens of one row (stop token or stop string included), the logprob
+    of each under the distribution it was sampled from, and whether it ran out of budget."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    truncated: bool
+
+
+class EngineWorker(Worker, abc.ABC):
+    """The methods :class:`WorkerGroupGeneration` calls on every engine actor."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> list[Completion]:
+        """Complete every row of ``request`` (possibly none), in order."""
+
+    @abc.abstractmethod
+    def begin_weight_update(self) -> None:
+        """Prepare to receive a full set of weights in several buckets."""
+
+    @abc.abstractmethod
+    def load_weights(self, bucket: dict[str, torch.Tensor]) -> None:
+        """Load one bucket of Hugging Face-named tensors."""
+
+    @abc.abstractmethod
+    def finish_weight_update(self) -> None:
+        """Complete the update (fail if weights are missing) and drop caches built with
+        the old weights."""
+
+    def sleep(self) -> None:
+        """Release device memory between generations (colocated mode); default: nothing."""
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep` (idempotent); default: nothing."""
+
+
+@attrs.frozen
+class ModelTokens:
+    """Token ids the backend needs from the model folder."""
+
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+
+
+def model_tokens(model_path: str) -> ModelTokens:
+    """EOS and pad ids from ``generation_config.json`` (preferred) or ``config.json``.
+
+    The pad id falls back to the first EOS id, then 0.
+    """
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    try:
+        generation_config: Any = GenerationConfig.from_pretrained(model_path)
+    except OSError:  # no generation_config.json
+        generation_config = None
+
+    def first_set(name: str) -> Any:
+        for source in (generation_config, config):
+            value = getattr(source, name, None)
+            if value is not None:
+                return value
+        return None
+
+    eos = first_set("eos_token_id")
+    eos_ids = tuple(int(i) for i in (eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]))
+    pad = first_set("pad_token_id")
+    return ModelTokens(eos_ids, int(pad) if pad is not None else (eos_ids[0] if eos_ids else 0))
+
+
+def prompt_lists(batch: Batch) -> list[list[int]]:
+    """The unpadded prompt token ids of each row of a right-padded ``input_ids`` batch."""
+    input_ids, lengths = batch["input_ids"], batch["input_lengths"]
+    if input_ids.dim() != 2:
+        raise DataError(f"generation input 'input_ids' must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    bad = [(i, int(n)) for i, n in enumerate(lengths.tolist()) if not 1 <= n <= input_ids.shape[1]]
+    if bad:
+        row, n = bad[0]
+        raise DataError(
+            f"generation input row {row} has input_lengths {n}; expected 1..{input_ids.shape[1]} "
+            "(the width of input_ids)"
+        )
+    return [row[:n].tolist() for row, n in zip(input_ids, lengths.tolist(), strict=True)]
+
+
+def assemble_output(prompts: list[list[int]], completions: list[Completion], pad_token_id: int) -> Batch:
+    """The output batch of :mod:`posttrain.interfaces.generation` from prompts and completions."""
+    lengths = [len(p) + len(c.token_ids) for p, c in zip(prompts, completions, strict=True)]
+    width = max(lengths, default=0)
+    output_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros((len(prompts), width), dtype=torch.float32)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        end = len(prompt) + len(completion.token_ids)
+        output_ids[row, : len(prompt)] = torch.tensor(prompt)
+        output_ids[row, len(prompt) : end] = torch.tensor(completion.token_ids, dtype=torch.long)
+        logprobs[row, len(prompt) : end] = torch.tensor(completion.logprobs, dtype=torch.float32)
+    return Batch(
+        output_ids=output_ids,
+        logprobs=logprobs,
+        generation_lengths=torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long),
+        unpadded_sequence_lengths=torch.tensor(lengths, dtype=torch.long),
+        truncated=torch.tensor([c.truncated for c in completions], dtype=torch.bool),
+    )
+
+
+def split_bounds(num_rows: int, num_parts: int) -> list[int]:
+    """Boundaries of ``num_parts`` contiguous parts whose sizes differ by at most one."""
+    per, extra = divmod(num_rows, num_parts)
+    bounds = [0]
+    for part in range(num_parts):
+        bounds.append(bounds[-1] + per + (part < extra))
+    return bounds
+
+
+def build_request(
+    batch: Batch,
+    generation: GenerationConfig,
+    *,
+    seeds: Sequence[int],
+    context_length: int,
+    context_key: str,
+    eos_token_ids: Sequence[int],
+    greedy: bool,
+) -> GenerationRequest:
+    """The request for ``batch`` under the ``generation`` config section.
+
+    Each row's budget is ``max_new_tokens`` capped so that prompt plus completion fit
+    ``context_length`` (named by ``context_key`` in the error for a prompt that does not
+    fit). A row's stop strings are the config's followed by its own (``stop_strings``
+    field), without repeats; stop tokens are the config's followed by the EOS ids.
+    """
+    prompts = prompt_lists(batch)
+    budgets = []
+    for row, prompt in enumerate(prompts):
+        room = context_length - len(prompt)
+        if room < 1:
+            raise DataError(
+                f"generation input row {row} has a {len(prompt)}-token prompt, but the engine context is "
+                f"{context_length} tokens ({context_key}); shorten the prompts (data.max_length) or raise the context"
+            )
+        budgets.append(min(generation.max_new_tokens, room))
+    row_stops = batch["stop_strings"] if "stop_strings" in batch else [None] * len(prompts)
+    return GenerationRequest(
+        prompts=prompts,
+        seeds=list(seeds),
+        max_new_tokens=budgets,
+        stop_strings=[list(dict.fromkeys([*generation.stop_strings, *_as_list(own)])) for own in row_stops],
+        stop_token_ids=list(dict.fromkeys([*generation.stop_token_ids, *eos_token_ids])),
+        temperature=0.0 if greedy else generation.temperature,
+        top_p=generation.top_p,
+        top_k=generation.top_k,
+    )
+
+
+def _as_list(stop_strings: str | Sequence[str] | None) -> list[str]:
+    """A row's ``stop_strings`` value: None, one string, or a list of strings."""
+    if stop_strings is None:
+        return []
+    return [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+
+
+def check_sampling_config(config: RunConfig) -> None:
+    """Refuse sampling settings no backend can honour, naming the ``generation`` key."""
+    gen = config.generation
+    problems = []
+    if gen.temperature < 0:
+        problems.append(f"generation.temperature must be >= 0 (0 = greedy), got {gen.temperature}")
+    if not 0 < gen.top_p <= 1:
+        problems.append(f"generation.top_p must be in (0, 1], got {gen.top_p}")
+    if gen.top_k is not None and gen.top_k < 1:
+        problems.append(f"generation.top_k must be >= 1 or null (no top-k), got {gen.top_k}")
+    if gen.max_new_tokens < 1:
+        problems.append(f"generation.max_new_tokens must be >= 1, got {gen.max_new_tokens}")
+    if gen.num_workers < 1:
+        problems.append(f"generation.num_workers must be >= 1, got {gen.num_workers}")
+    if not (gen.model or config.policy.model):
+        problems.append("generation.model (or policy.model) must name a local Hugging Face folder")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+class WorkerGroupGeneration(Generation):
+    """``config.generation.num_workers`` data-parallel engines of ``worker_cls``.
+
+    ``context_length`` is the most tokens (prompt + completion) an engine holds per row;
+    ``context_key`` names the config key that sets it, for error messages.
+    ``worker_kwargs`` go to ``worker_cls.__init__``. Sampling seeds derive from
+    ``config.seed`` (or the seed of the last :meth:`set_sampling_seed`) and the index of the
+    ``generate`` call since then (see :mod:`posttrain.sampling`).
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        cluster: VirtualCluster,
+        worker_cls: type[EngineWorker],
+        *,
+        context_length: int,
+        context_key: str,
+        worker_kwargs: Mapping[str, Any],
+        resources: WorkerResources | None = None,
+        name: str = "generation",
+    ):
+        check_sampling_config(config)
+        self.config = config
+        self.model_path = config.generation.model or config.policy.model
+        self.tokens = model_tokens(self.model_path)
+        self.context_length = context_length
+        self.context_key = context_key
+        self.sampling_seed = config.seed
+        self.num_calls = 0
+        self._group = WorkerGroup(
+            cluster,
+            worker_cls,
+            name=name,
+            num_workers=config.generation.num_workers,
+            resources=resources or config.generation.resources,
+            kwargs=dict(worker_kwargs),
+        )
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, batch: Batch, *, greedy: bool = False) -> Batch:
+        request = build_request(
+            batch,
+            self.config.generation,
+            seeds=sample_seeds(self.sampling_seed, self.num_calls, len(batch)),
+            context_length=self.context_length,
+            context_key=self.context_key,
+            eos_token_ids=self.tokens.eos_token_ids,
+            greedy=greedy,
+        )
+        self.num_calls += 1
+        bounds = split_bounds(len(request), self._group.world_size)
+        shards = [request.rows(start, stop) for start, stop in itertools.pairwise(bounds)]
+        completions = [c for shard in self._group.run_sharded("generate", shards) for c in shard]
+        return assemble_output(request.prompts, completions, self.tokens.pad_token_id)
+
+    def set_sampling_seed(self, seed: int) -> None:
+        """Row seeds of the n-th following call become ``sample_seeds(seed, n, rows)``."""
+        self.sampling_seed = seed
+        self.num_calls = 0
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> RefitStats:
+        """Stream ``buckets`` to every engine; the next bucket is produced while the
+        engines load the previous one. Returns the time, bytes and counts of this call."""
+        start = time.perf_counter()
+        num_bytes = num_tensors = num_buckets = 0
+        self._group.run_all("begin_weight_update")
+        in_flight: list[ray.ObjectRef] = []
+        for bucket in buckets:
+            bucket = dict(bucket)
+            num_bytes += sum(t.numel() * t.element_size() for t in bucket.values())
+            num_tensors += len(bucket)
+            num_buckets += 1
+            loading = self._group.run_all_async("load_weights", ray.put(bucket))
+            self._group.get(in_flight)
+            in_flight = loading
+        self._group.get(in_flight)
+        self._group.run_all("finish_weight_update")
+        return RefitStats(time.perf_counter() - start, num_bytes, num_tensors, num_buckets)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def prepare_for_generation(self) -> None:
+        if self.config.generation.colocated:
+            self._group.run_all("wake_up")
+
+    def finish_generation(self) -> None:
+        if self.config.generation.colocated:
+            self._group.run_all("sleep")
+
+    def shutdown(self) -> None:
+        self._group.shutdown()

@@ -1,0 +1,38 @@
+"""The ``hf`` generation backend: transformers engines in a Ray worker group."""
+
+from __future__ import annotations
+
+from posttrain.config.schema import RunConfig
+from posttrain.distributed import VirtualCluster
+from posttrain.errors import ConfigError
+from posttrain.generation_group import WorkerGroupGeneration, check_sampling_config
+from posttrain_hf.config import SECTION, HFGenerationConfig
+from posttrain_hf.worker import HFEngineWorker
+
+
+def create_hf_generation(config: RunConfig, cluster: VirtualCluster) -> WorkerGroupGeneration:
+    """``generation.num_workers`` data-parallel transformers engines (the ``hf`` backend).
+
+    A row's context (prompt + completion) is limited by the model's ``max_position_embeddings``.
+    """
+    from transformers import AutoConfig
+
+    check_sampling_config(config)
+    options: HFGenerationConfig = config.sections.get(SECTION) or HFGenerationConfig()
+    if options.max_batch_size < 1:
+        raise ConfigError(f"generation.hf.max_batch_size must be >= 1, got {options.max_batch_size}")
+    model_path = config.generation.model or config.policy.model
+    context = getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "max_position_embeddings", None)
+    return WorkerGroupGeneration(
+        config,
+        cluster,
+        HFEngineWorker,
+        context_length=context or 2**31 - 1,
+        context_key=f"max_position_embeddings in {model_path}/config.json",
+        worker_kwargs=dict(
+            model_path=model_path,
+            dtype=config.generation.dtype,
+            max_batch_size=options.max_batch_size,
+            attn_implementation=options.attn_implementation,
+        ),
+    )

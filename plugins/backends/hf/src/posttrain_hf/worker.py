@@ -1,0 +1,107 @@
+"""The engine actor of the ``hf`` backend: one transformers model in its own process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posttrain.errors import WorkerError, did_you_mean
+from posttrain.generation_group import Completion, EngineWorker, GenerationRequest, model_tokens
+from posttrain_hf.decode import decode
+from posttrain_hf.stop_strings import StopStringMatcher
+
+
+class HFEngineWorker(EngineWorker):
+    """Loads ``model_path`` with transformers (on CUDA when the actor has a GPU) and
+    serves :class:`~posttrain.generation_group.EngineWorker` calls.
+
+    The tokenizer is loaded from the model folder on first use, and only to check stop
+    strings. ``sleep``/``wake_up`` move the model to the CPU and back when it lives on a GPU
+    (colocated mode); on CPU they do nothing.
+    """
+
+    def __init__(self, *, model_path: str, dtype: str, max_batch_size: int, attn_implementation: str):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
+        ).to(self.device)
+        self.model.eval()
+        self.model_path = model_path
+        self.pad_token_id = model_tokens(model_path).pad_token_id  # fills the left padding
+        self.max_batch_size = max_batch_size
+        self._stop_matcher: StopStringMatcher | None = None
+        self._targets = self.model.state_dict(keep_vars=True)  # HF name -> parameter (tied names share one)
+        self._updated: set[int] = set()
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, request: GenerationRequest) -> list[Completion]:
+        self.wake_up()
+        matcher = self.stop_matcher() if any(request.stop_strings) else None
+        completions: list[Completion] = []
+        for start in range(0, len(request), self.max_batch_size):
+            chunk = request.rows(start, start + self.max_batch_size)
+            completions += decode(self.model, chunk, pad_token_id=self.pad_token_id, stop_matcher=matcher)
+        return completions
+
+    def stop_matcher(self) -> StopStringMatcher:
+        if self._stop_matcher is None:
+            from transformers import AutoTokenizer
+
+            self._stop_matcher = StopStringMatcher(AutoTokenizer.from_pretrained(self.model_path))
+        return self._stop_matcher
+
+    # ------------------------------------------------------------------ weights
+
+    def begin_weight_update(self) -> None:
+        self.wake_up()
+        self._updated = set()
+
+    @torch.no_grad()
+    def load_weights(self, bucket: dict[str, torch.Tensor]) -> None:
+        for name, tensor in bucket.items():
+            target = self._targets.get(name)
+            if target is None:
+                raise WorkerError(
+                    f"refit sent weight '{name}', which the generation model ({self.model_path}) does not have."
+                    f"{did_you_mean(name, self._targets)}"
+                )
+            if target.shape != tensor.shape:
+                raise WorkerError(
+                    f"refit sent weight '{name}' with shape {tuple(tensor.shape)}; the generation model "
+                    f"expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            self._updated.add(id(target))
+
+    def finish_weight_update(self) -> None:
+        missing = [name for name, target in self._targets.items() if id(target) not in self._updated]
+        if missing:
+            raise WorkerError(
+                f"refit left {len(missing)} weight(s) of the generation model unchanged, e.g. {missing[:3]}; "
+                "the policy must export every weight"
+            )
+
+    # ------------------------------------------------------------------ colocation
+
+    def sleep(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+
+    def info(self) -> dict[str, Any]:
+        """Where the model lives and how big it is (for tests and logs)."""
+        return {
+            "device": str(self.device),
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "num_threads": torch.get_num_threads(),
+        }

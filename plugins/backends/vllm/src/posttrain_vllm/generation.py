@@ -1,0 +1,49 @@
+"""The ``vllm`` generation backend: vLLM engines in a Ray worker group, refit in place."""
+
+from __future__ import annotations
+
+import attrs
+
+from posttrain.config.schema import RunConfig
+from posttrain.distributed import VirtualCluster
+from posttrain.generation_group import WorkerGroupGeneration, check_sampling_config
+from posttrain_vllm.config import SECTION, VllmGenerationConfig
+from posttrain_vllm.worker import VllmEngineWorker
+
+
+def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> WorkerGroupGeneration:
+    """``generation.num_workers`` data-parallel vLLM engines, each an actor with
+    ``generation.resources`` (give it ``tensor_parallel_size`` GPUs on GPU machines; on a
+    CPU, ``cpus`` sets the engine's thread count).
+
+    The actors' environment gets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and
+    ``VLLM_CPU_KVCACHE_SPACE`` unless ``generation.resources.env_vars`` sets them.
+    """
+    check_sampling_config(config)
+    options: VllmGenerationConfig = config.sections.get(SECTION) or VllmGenerationConfig()
+    gen = config.generation
+    max_model_len = options.max_model_len or config.policy.max_total_sequence_length
+    engine_env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": f"{options.kv_cache_space_gib:g}",
+    }
+    return WorkerGroupGeneration(
+        config,
+        cluster,
+        VllmEngineWorker,
+        context_length=max_model_len,
+        context_key="generation.vllm.max_model_len, default policy.max_total_sequence_length",
+        resources=attrs.evolve(gen.resources, env_vars={**engine_env, **gen.resources.env_vars}),
+        worker_kwargs=dict(
+            model_path=gen.model or config.policy.model,
+            dtype=gen.dtype,
+            seed=config.seed,
+            tensor_parallel_size=gen.tensor_parallel_size,
+            max_model_len=max_model_len,
+            enforce_eager=options.enforce_eager,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            detokenize=options.detokenize if options.detokenize is not None else bool(gen.stop_strings),
+            enable_sleep_mode=options.enable_sleep_mode and gen.colocated,
+            engine_kwargs=dict(options.engine_kwargs),
+        ),
+    )

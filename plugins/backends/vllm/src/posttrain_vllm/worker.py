@@ -1,0 +1,158 @@
+"""The engine actor of the ``vllm`` backend: one ``vllm.LLM`` in its own process.
+
+The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the factory in
+the actor's environment): it starts in seconds and refits without crossing another
+process boundary. Tokens go in and come out (``skip_tokenizer_init``) unless the engine
+was started with ``detokenize``, which stop strings need.
+
+Sampling: one ``SamplingParams`` per row with the row's seed and
+``logprobs_mode="processed_logprobs"`` for the engine, so the reported logprob is that of
+the temperature-scaled, top-k/top-p-filtered distribution the token was drawn from
+(:mod:`posttrain.sampling`). ``ignore_eos`` with explicit ``stop_token_ids`` (which hold
+the model's EOS ids) makes the stop set exactly the request's.
+
+Colocation: with CUDA and ``enable_sleep_mode``, :meth:`sleep` frees the weights and KV
+cache (level 1) and :meth:`wake_up` restores them; a refit wakes the weights first. On
+CPU vLLM refuses sleep mode, so both are no-ops there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posttrain.errors import ConfigError, WorkerError
+from posttrain.generation_group import Completion, EngineWorker, GenerationRequest
+from posttrain_vllm.extension import bucket_payload
+
+
+class VllmEngineWorker(EngineWorker):
+    """``engine_kwargs`` go to ``vllm.LLM`` last (they override the backend's choices)."""
+
+    def __init__(
+        self,
+        *,
+        model_path: str,
+        dtype: str,
+        seed: int,
+        tensor_parallel_size: int,
+        max_model_len: int,
+        enforce_eager: bool,
+        gpu_memory_utilization: float,
+        detokenize: bool,
+        enable_sleep_mode: bool,
+        engine_kwargs: dict[str, Any],
+    ):
+        super().__init__()
+        from vllm import LLM
+
+        on_cuda = torch.cuda.is_available()
+        if not on_cuda:
+            check_cpu_head_size(model_path)
+        self.sleep_enabled = on_cuda and enable_sleep_mode
+        self.detokenize = detokenize
+        self.asleep: set[str] = set()
+        self.llm = LLM(
+            **{
+                "model": model_path,
+                "dtype": dtype,
+                "seed": seed,
+                "tensor_parallel_size": tensor_parallel_size,
+                "max_model_len": max_model_len,
+                "enforce_eager": enforce_eager,
+                "gpu_memory_utilization": gpu_memory_utilization,
+                "skip_tokenizer_init": not detokenize,
+                "logprobs_mode": "processed_logprobs",
+                "worker_extension_cls": "posttrain_vllm.extension.RefitExtension",
+                "enable_sleep_mode": self.sleep_enabled,
+                **engine_kwargs,
+            }
+        )
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, request: GenerationRequest) -> list[Completion]:
+        from vllm import SamplingParams
+
+        if not len(request):
+            return []
+        if not self.detokenize and any(request.stop_strings):
+            row = next(i for i, stops in enumerate(request.stop_strings) if stops)
+            raise ConfigError(
+                f"row {row} has stop strings {request.stop_strings[row]}, but the vLLM engine was started "
+                "without a tokenizer; set generation.vllm.detokenize: true (or list the stop strings in "
+                "generation.stop_strings)"
+            )
+        self.wake_up()
+        params = [
+            SamplingParams(
+                temperature=request.temperature,
+                top_p=request.top_p,
+                top_k=request.top_k or 0,
+                seed=seed,
+                max_tokens=budget,
+                stop=stops or None,
+                stop_token_ids=request.stop_token_ids,
+                ignore_eos=True,
+                logprobs=0,
+                detokenize=bool(stops),
+                skip_special_tokens=True,
+            )
+            for seed, budget, stops in zip(request.seeds, request.max_new_tokens, request.stop_strings, strict=True)
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in request.prompts], params, use_tqdm=False)
+        completions = []
+        for output in outputs:
+            sample = output.outputs[0]
+            tokens = list(sample.token_ids)
+            logprobs = [step[token].logprob for token, step in zip(tokens, sample.logprobs, strict=True)]
+            completions.append(Completion(tokens, logprobs, truncated=sample.finish_reason == "length"))
+        return completions
+
+    # ------------------------------------------------------------------ weights
+
+    def begin_weight_update(self) -> None:
+        if "weights" in self.asleep:
+            self.llm.wake_up(tags=["weights"])
+            self.asleep.discard("weights")
+        self.llm.collective_rpc("posttrain_begin_reload")
+
+    def load_weights(self, bucket: dict[str, torch.Tensor]) -> None:
+        self.llm.collective_rpc("posttrain_load_bucket", args=(bucket_payload(bucket),))
+
+    def finish_weight_update(self) -> None:
+        missing = self.llm.collective_rpc("posttrain_finish_reload")[0]
+        self.llm.reset_prefix_cache()  # KV blocks computed with the old weights must not be reused
+        if missing:
+            raise WorkerError(
+                f"refit left {len(missing)} parameter(s) of the vLLM model unchanged, e.g. {missing[:3]} "
+                "(vLLM names); the policy must export every weight"
+            )
+
+    # ------------------------------------------------------------------ colocation
+
+    def sleep(self) -> None:
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up(tags=sorted(self.asleep))
+            self.asleep.clear()
+
+
+def check_cpu_head_size(model_path: str) -> None:
+    """Refuse, before the engine starts, a model whose head size vLLM's CPU attention lacks."""
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise ConfigError(
+            f"vLLM's CPU attention supports head sizes {supported}, but {model_path} has head_dim {head_dim} "
+            "(hidden_size / num_attention_heads); use generation.backend: hf, or a model with a supported head size"
+        )

