@@ -1,5 +1,4 @@
-"""Fixtures of the vLLM backend tests: a tiny model whose head size vLLM's CPU attention
-supports (the shared ``tiny`` preset has head_dim 16, which it refuses)."""
+"""Fixtures of the vLLM backend tests."""
 
 from __future__ import annotations
 
@@ -7,11 +6,9 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def vllm_model_path(tmp_path_factory):
-    """The ``tiny`` preset with 2 heads of 32 (hidden 64), seeded like ``tiny_model_path``."""
-    from posttrain.tiny import build_tiny_model
-
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_vllm"), size="tiny", seed=0, num_heads=2, num_kv_heads=1))
+def vllm_model_path(tiny_model_path):
+    """The shared tiny model (its head size, 32, is one vLLM's CPU attention accepts)."""
+    return tiny_model_path
 
 
 @pytest.fixture(autouse=True, scope="module")
