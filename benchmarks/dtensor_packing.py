@@ -34,8 +34,8 @@ from posttrain.config.schema import (
     WorkerResources,
 )
 from posttrain.plugins import plugin_host
+from posttrain.policy_driver import Batching, plan_pass
 from posttrain.tiny import build_tiny_model
-from posttrain_dtensor.planning import Batching, plan_pass
 
 
 def matmul_flops_per_s(n: int = 2048, repeats: int = 5) -> float:

@@ -7,6 +7,9 @@ import torch
 
 from posttrain.config.schema import RunConfig
 from posttrain.plugins import new_plugin_host
+from posttrain.testing import DataPlaneContract
+
+pytest_plugins = ["posttrain.testing.pytest_plugin"]
 
 
 @pytest.fixture
@@ -52,3 +55,9 @@ def test_clear_and_errors(plane):
         plane.keys("p")
     with pytest.raises(ValueError, match="field 'x' has 2 rows for 1 keys"):
         plane.put("q", ["a"], {"x": torch.zeros(2)})
+
+
+class TestMemoryPlaneContract(DataPlaneContract):
+    """The shared data-plane contract holds for the reference itself."""
+
+    name = "memory"

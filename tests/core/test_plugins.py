@@ -163,3 +163,43 @@ def test_clean_install_lists_core_then_a_third_party_plugin(tmp_path):
         "  environment: reverse",
     ]
 
+
+
+#: Entry-point names of installed plugins whose ``plugin.py`` still imports torch; each is
+#: skipped (blocked) below so the check keeps guarding every other plugin. Remove a name
+#: once that plugin imports torch only inside its factories.
+STILL_IMPORT_TORCH = {
+    "grpo": "posttrain_grpo.plugin imports posttrain_grpo.loss (torch) at module level",
+    "code": "posttrain_env_code.plugin imports posttrain.environments (torch) at module level",
+}
+HEAVY_MODULES = ("torch", "transformers", "ray", "vllm")
+
+_LOAD_EVERY_PLUGIN = """
+import json, sys
+from posttrain.plugins import ENTRY_POINT_GROUP, KINDS, check_hook_names, new_plugin_host
+host = new_plugin_host(load_entry_points=False)
+for name in sys.argv[1:]:
+    host.pm.set_blocked(name)
+host.pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+check_hook_names(host.pm)
+registries = {kind: sorted(host.registry(kind)) for kind in KINDS}
+loaded = sorted(name for name, plugin in host.pm.list_name_plugin() if plugin is not None)
+print(json.dumps({"loaded": loaded, "registries": registries, "modules": sorted(sys.modules)}))
+"""
+
+
+def test_loading_plugins_and_building_registries_imports_no_heavy_module():
+    """What every Ray worker and ``posttrain plugins`` do (load every installed plugin, build
+    every registry) stays cheap: no torch, transformers, Ray or vLLM until a factory runs."""
+    import json
+    import sys
+
+    installed = {ep.name for ep in importlib.metadata.entry_points(group="posttrain")}
+    blocked = sorted(installed & STILL_IMPORT_TORCH.keys())
+    done = subprocess.run([sys.executable, "-c", _LOAD_EVERY_PLUGIN, *blocked], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert set(report["loaded"]) == installed - set(blocked)  # every other plugin was loaded
+    assert "memory" in report["registries"]["posttrain_data_planes"]
+    heavy = [m for m in HEAVY_MODULES if m in report["modules"]]
+    assert heavy == [], f"loading plugins {report['loaded']} imported {heavy}"

@@ -123,3 +123,32 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    """The driver's random states (Python, NumPy's global generator, torch CPU), for an
+    algorithm's ``rng.pt``; ``torch.load`` reads it back with ``weights_only=True``."""
+    import random
+
+    import numpy as np
+    import torch
+
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": [name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])

@@ -43,7 +43,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> int:
-    from posttrain.quickstart import run_quickstart
+    from posttrain.quickstart.run import run_quickstart
 
     run_quickstart(args.run_dir, list(args.overrides))
     return 0

@@ -7,6 +7,9 @@ checks argument names against these specifications when the plugin is registered
 Registration hooks (one per seam) each return ``{name: factory}``. The host merges the
 answers of all plugins into one registry per kind and refuses a name registered twice,
 naming both distributions. What a factory must accept and return is stated per hook.
+Every Ray worker and ``posttrain plugins`` load every plugin and call these hooks, so a
+plugin module and its registration hooks import nothing heavy (torch, transformers, Ray):
+a factory imports its implementation when it is called.
 
 Lifecycle hooks observe or adjust a run; every implementation is called (no first-result).
 """

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from posttrain.checkpoint import CheckpointManager
 from posttrain.config.schema import RunConfig
 from posttrain.log import configure_logging, get_logger
@@ -85,6 +87,16 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         pass
     if deterministic:
         torch.use_deterministic_algorithms(True)
+
+
+def with_schedule_horizon(config: RunConfig, optimizer_steps: int) -> RunConfig:
+    """``config`` with ``policy.scheduler.total_steps`` set to ``optimizer_steps`` when it is
+    unset (its documented default: the run's length, which only the algorithm knows)."""
+    scheduler = config.policy.scheduler
+    if scheduler.total_steps is not None:
+        return config
+    policy = attrs.evolve(config.policy, scheduler=attrs.evolve(scheduler, total_steps=max(1, optimizer_steps)))
+    return attrs.evolve(config, policy=policy)
 
 
 def run_algorithm(config: RunConfig, host: PluginHost | None = None) -> dict[str, Any]:

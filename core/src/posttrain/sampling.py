@@ -15,6 +15,10 @@ it is the logprob under the renormalised, filtered distribution (vLLM's
 with the same settings. Greedy decoding takes the argmax of the raw logits and reports
 ``log_softmax(logits)`` (temperature 1, no filter), as vLLM does.
 
+Trainers (every policy backend) report logprobs of ``logits / T`` with
+``T = logprob_temperature(generation.temperature)``, so that their logprobs and the
+sampler's agree in the unfiltered case.
+
 Sampling seeds: :func:`sample_seeds` gives each row of each ``generate`` call its own seed,
 derived from the sampling seed (the run's seed, or the last ``set_sampling_seed``), the
 call's index since then and the row's index in the call, so a row's sample does not
@@ -55,6 +59,12 @@ def sampling_logprobs(
     if temperature == 0:
         return logits.log_softmax(dim=-1)
     return apply_top_k_top_p(logits / temperature, top_k, top_p).log_softmax(dim=-1)
+
+
+def logprob_temperature(temperature: float) -> float:
+    """What a trainer divides logits by to match a backend sampling at ``temperature``:
+    the temperature itself, or 1 for greedy decoding (``0``), whose logprobs are unscaled."""
+    return temperature if temperature > 0 else 1.0
 
 
 def sample_seeds(seed: int, call_index: int, num_rows: int) -> list[int]:

@@ -53,7 +53,7 @@ def build_tokenizer():
 
 
 def tiny_llama_config(vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2,
-                      num_kv_heads: int = 1, intermediate_size: int | None = None, max_position: int = 1024):
+                      num_kv_heads: int = 2, intermediate_size: int | None = None, max_position: int = 1024):
     from transformers import LlamaConfig
 
     tokenizer_ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
@@ -75,9 +75,10 @@ def tiny_llama_config(vocab_size: int, *, hidden_size: int = 64, num_layers: int
 
 
 #: Named sizes: ``tiny`` for unit tests (~0.1M parameters), ``small`` (~25M) for benchmarks.
-#: Head sizes are at least 32: vLLM's CPU attention refuses smaller ones.
+#: Head sizes are at least 32 (vLLM's CPU attention refuses smaller ones) and key/value heads
+#: divide by 2 (tensor parallel 2).
 SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1),
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2),
     "quickstart": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2),
     "small": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536),
 }

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar, Literal
 
 import torch
+import torch.distributed as dist
 
 from posttrain.batch import Batch
 
@@ -70,3 +71,15 @@ def combine_metrics(parts: Sequence[Mapping[str, float]], reductions: Mapping[st
         values = [part[name] for part in parts if name in part]
         out[name] = float(reducers[reductions.get(name, "sum")](values))
     return out
+
+
+def global_valid_counts(batch: Batch, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid sequences (``sum(sample_mask)``) and valid tokens (``sum(token_mask *
+    sample_mask)``) of this rank's samples, summed over ``group`` (the data-parallel ranks),
+    as float32 scalars. ``sample_mask`` defaults to all ones."""
+    token_mask = batch["token_mask"].double()
+    sample_mask = batch["sample_mask"].double() if "sample_mask" in batch else torch.ones(len(batch), dtype=torch.float64)
+    counts = torch.stack([sample_mask.sum(), (token_mask * sample_mask[:, None]).sum()])
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+    return counts[0].float(), counts[1].float()

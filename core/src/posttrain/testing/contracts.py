@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from posttrain.batch import Batch
-from posttrain.config.schema import ClusterConfig, WorkerResources
+from posttrain.config.schema import ClusterConfig, RunConfig, WorkerResources
 from posttrain.distributed import VirtualCluster, WorkerGroup
 from posttrain.interfaces.environment import EnvironmentReturn, Message
+from posttrain.memory_plane import MemoryDataPlane
 from posttrain.plugins import PluginHost
 from posttrain.testing.probe import ContractProbe
 
@@ -206,6 +207,222 @@ class LossContract:
             atol=1e-7,
             msg=lambda m: f"the two microbatches' gradients differ from the full batch's ({hint}): {m}",
         )
+
+
+class DataPlaneContract:
+    """Tests for a data plane plugin: through :class:`~posttrain.interfaces.DataPlane` it
+    must return what core's in-memory plane returns (values, dtypes, zero padding of ragged
+    rows, Python objects, tags, key order, errors naming what is missing).
+
+    Set ``name`` (the registered name) and, if its factory reads any, ``sections`` (plugin
+    config sections by dotted path). The kit builds the plane with
+    ``factory(RunConfig(run_dir=<tmp dir>, sections=sections))`` and shuts it down after
+    each test. A subclass whose plane is slow to start may give its own ``data_plane``
+    fixture instead (e.g. one plane per module, its partitions cleared after each test).
+    """
+
+    name: str
+    sections: Mapping[str, Any] = {}
+
+    @pytest.fixture
+    def data_plane(self, posttrain_host: PluginHost, request: pytest.FixtureRequest, tmp_path: Any) -> Any:
+        factory = posttrain_host.data_planes[author_value(request, "name")]
+        plane = factory(RunConfig(run_dir=str(tmp_path / "run"), sections=dict(self.sections)))
+        yield plane
+        plane.shutdown()
+
+    def test_registered_through_entry_points(self, posttrain_host: PluginHost, request: pytest.FixtureRequest) -> None:
+        name = author_value(request, "name")
+        assert name in posttrain_host.data_planes, posttrain_host.data_planes.unknown_message(name)
+
+    def test_get_returns_selected_fields_of_selected_keys_in_key_order(self, data_plane: Any) -> None:
+        fields = _grpo_like_fields(6, width=5, seed=0)
+        keys = [f"uid{i}_g0" for i in range(6)]
+        data_plane.put("train/0", keys, fields)
+        order = [4, 1, 5, 0]
+        names = ["logprobs", "input_ids", "token_mask", "rewards", "lengths"]
+        out = data_plane.get("train/0", [keys[i] for i in order], names)
+        check_same_batch(out, {n: fields[n][order] for n in names}, "get of 4 of 6 keys")
+
+    def test_ragged_rows_are_right_padded_with_zeros_to_the_widest_selected(self, data_plane: Any) -> None:
+        narrow = {"ids": torch.tensor([[1, 2, 3], [4, 5, 6]]), "mask": torch.tensor([[True, True, False]] * 2)}
+        wide = {"ids": torch.tensor([[7, 8, 9, 10, 11]]), "mask": torch.tensor([[True] * 5])}
+        data_plane.put("train/0", ["a", "b"], narrow)
+        data_plane.put("train/0", ["c"], wide)
+        out = data_plane.get("train/0", ["c", "a"], ["ids", "mask"])
+        expected = {
+            "ids": torch.tensor([[7, 8, 9, 10, 11], [1, 2, 3, 0, 0]]),
+            "mask": torch.tensor([[True] * 5, [True, True, False, False, False]]),
+        }
+        check_same_batch(out, expected, "get across puts of widths 3 and 5")
+        check_same_batch(data_plane.get("train/0", ["b", "a"], ["ids"]), {"ids": narrow["ids"][[1, 0]]}, "narrow only")
+
+    def test_python_objects_round_trip(self, data_plane: Any) -> None:
+        logs = [
+            [{"role": "user", "content": "1+1?", "token_ids": torch.tensor([5, 6, 7])}],
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "token_ids": torch.tensor([9])}],
+            [],
+        ]
+        metadata = [{"answer": "2", "turn": 0}, {"answer": None, "tags": ["a", "b"]}, {}]
+        data_plane.put("train/0", ["a", "b", "c"], {"message_log": logs, "metadata": metadata, "task": ["m", "g", "m"]})
+        out = data_plane.get("train/0", ["c", "a", "b"], ["message_log", "metadata", "task"])
+        for name, value in (("message_log", logs), ("metadata", metadata), ("task", ["m", "g", "m"])):
+            assert isinstance(out[name], list), (
+                f"field '{name}' must come back as a list, got {type(out[name]).__name__}"
+            )
+            assert same(out[name], [value[2], value[0], value[1]]), f"field '{name}' changed: {out[name]!r}"
+        data_plane.put("train/0", ["a", "b", "c"], {"idx": [7, 8, 9]})
+        check_same_batch(
+            data_plane.get("train/0", ["b", "c"], ["idx"]), {"idx": torch.tensor([8, 9])}, "per-sample numbers"
+        )
+
+    def test_fields_added_later_and_replaced(self, data_plane: Any) -> None:
+        data_plane.put("train/0", ["a", "b"], {"x": torch.tensor([1.0, 2.0]), "log": [["q1"], ["q2"]]})
+        data_plane.put("train/0", ["b", "a"], {"logprobs": torch.tensor([[0.5, 0.1], [0.25, 0.2]])})
+        data_plane.put("train/0", ["a"], {"x": torch.tensor([9.0]), "log": [["q1", "a1"]]})
+        out = data_plane.get("train/0", ["a", "b"], ["x", "logprobs", "log"])
+        expected = {
+            "x": torch.tensor([9.0, 2.0]),
+            "logprobs": torch.tensor([[0.25, 0.2], [0.5, 0.1]]),
+            "log": [["q1", "a1"], ["q2"]],
+        }
+        check_same_batch(out, expected, "fields written by three puts")
+
+    def test_keys_in_insertion_order(self, data_plane: Any) -> None:
+        data_plane.put("train/0", ["b", "a"], {"x": torch.zeros(2)})
+        data_plane.put("train/0", ["c", "a"], {"x": torch.ones(2)})
+        assert data_plane.keys("train/0") == ["b", "a", "c"]
+
+    def test_tags_are_read_without_fields(self, data_plane: Any) -> None:
+        keys = ["a", "b", "c"]
+        lengths = torch.tensor([3, 1, 2], dtype=torch.int32)
+        data_plane.put("train/0", keys, {"x": torch.zeros(3, 4)}, tags={"length": lengths})
+        data_plane.put("train/0", keys, {}, tags={"keep": torch.tensor([True, False, True])})  # tags only, later
+        tags = data_plane.tags("train/0")
+        check_same_batch(
+            Batch(tags), {"keep": torch.tensor([True, False, True]), "length": lengths}, "tags of every key"
+        )
+        check_same_batch(
+            Batch(data_plane.tags("train/0", ["c", "a"])),
+            {"keep": torch.tensor([True, True]), "length": lengths[[2, 0]]},
+            "tags of two keys",
+        )
+        rewards = torch.rand(3, generator=torch.Generator().manual_seed(0))  # float32 values, kept exactly
+        data_plane.put("train/0", keys, {}, tags={"length": torch.tensor([5, 6, 7]), "reward": rewards})
+        check_same_batch(
+            Batch(data_plane.tags("train/0")),
+            {"keep": torch.tensor([True, False, True]), "length": torch.tensor([5, 6, 7]), "reward": rewards},
+            "tags after replacing 'length' (now int64) and adding 'reward'",
+        )
+
+    def test_clear_drops_the_partition_and_only_it(self, data_plane: Any) -> None:
+        data_plane.put("train/0", ["a"], {"x": torch.zeros(1)})
+        data_plane.put("val/0", ["a"], {"x": torch.ones(1)})
+        assert sorted(data_plane.partitions()) == ["train/0", "val/0"]
+        data_plane.clear("train/0")
+        data_plane.clear("train/0")  # clearing twice is fine
+        data_plane.clear("never/written")
+        assert data_plane.partitions() == ["val/0"]
+        with pytest.raises(KeyError) as error:
+            data_plane.keys("train/0")
+        assert "train/0" in error.value.args[0], f"the error must name the partition: {error.value.args[0]}"
+        check_same_batch(data_plane.get("val/0", ["a"], ["x"]), {"x": torch.ones(1)}, "the other partition")
+        data_plane.clear("val/0")
+        assert data_plane.partitions() == []
+
+    def test_errors_name_what_is_missing(self, data_plane: Any) -> None:
+        data_plane.put("train/0", ["a", "b"], {"x": torch.zeros(2)})
+        data_plane.put("train/0", ["a"], {"y": torch.zeros(1)})
+        cases = [
+            (lambda: data_plane.get("train/0", ["a", "zz"], ["x"]), KeyError, ["train/0", "zz"]),
+            (lambda: data_plane.get("train/0", ["a", "b"], ["y"]), KeyError, ["train/0", "'b'", "y"]),
+            (lambda: data_plane.get("train/0", ["a"], ["nope"]), KeyError, ["train/0", "'a'", "nope"]),
+            (lambda: data_plane.get("absent/1", ["a"], ["x"]), KeyError, ["absent/1"]),
+            (lambda: data_plane.tags("absent/1"), KeyError, ["absent/1"]),
+            (lambda: data_plane.keys("absent/1"), KeyError, ["absent/1"]),
+            (lambda: data_plane.put("train/0", ["a"], {"w": torch.zeros(2)}), ValueError, ["'w'", "2 rows", "1 keys"]),
+        ]
+        for call, error_type, fragments in cases:
+            with pytest.raises(error_type) as error:
+                call()
+            message = str(error.value.args[0])
+            missing = [f for f in fragments if f not in message]
+            assert not missing, f"{error_type.__name__} message {message!r} does not name {missing}"
+
+    def test_matches_the_in_memory_plane(self, data_plane: Any) -> None:
+        """A scripted run of puts, gets, tags and clears gives the reference's results."""
+        if type(data_plane) is MemoryDataPlane:
+            pytest.skip("the in-memory plane is the reference")
+        expected = _plane_script(MemoryDataPlane())
+        actual = _plane_script(data_plane)
+        assert len(actual) == len(expected)
+        for (what, value), (_, reference) in zip(actual, expected, strict=True):
+            if isinstance(reference, Mapping):  # a get (Batch) or tags: dtypes compared too
+                check_same_batch(value, reference, what)
+            else:
+                assert same(value, reference), f"{what}: {value!r}, the in-memory plane gives {reference!r}"
+
+
+def _grpo_like_fields(num_samples: int, width: int, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, 100, (num_samples, width), generator=generator)
+    return {
+        "input_ids": input_ids,
+        "logprobs": -torch.rand(num_samples, width, generator=generator),
+        "token_mask": input_ids > 50,
+        "rewards": torch.rand(num_samples, generator=generator, dtype=torch.float64),
+        "lengths": torch.randint(1, width + 1, (num_samples,), generator=generator, dtype=torch.int32),
+    }
+
+
+def _plane_script(plane: Any) -> list[tuple[str, Any]]:
+    """Drive ``plane`` through two GRPO-like steps; return what each read gave."""
+    out: list[tuple[str, Any]] = []
+    for step, width in ((0, 4), (1, 7)):
+        part = f"parity/{step}"
+        keys = [f"s{step}_{i}" for i in range(5)]
+        fields = _grpo_like_fields(5, width, seed=step)
+        logs = [[{"role": "user", "content": f"q{i}", "token_ids": torch.arange(i + 1)}] for i in range(5)]
+        plane.put(part, keys[:3], {**{k: v[:3] for k, v in fields.items()}, "message_log": logs[:3]})
+        short = {k: v[3:, : width - 2] if v.dim() == 2 else v[3:] for k, v in fields.items()}
+        plane.put(part, keys[3:], {**short, "message_log": logs[3:], "idx": [3, 4]}, tags={"length": short["lengths"]})
+        plane.put(part, keys[:3], {"idx": [0, 1, 2]}, tags={"length": fields["lengths"][:3]})
+        keep_tags = {
+            "keep": torch.arange(5) % 2 == 0,
+            "reward": torch.rand(5, generator=torch.Generator().manual_seed(step)),
+        }
+        plane.put(part, keys[::-1], {"advantages": torch.linspace(-1, 1, 5)}, tags=keep_tags)
+        out.append((f"{part} keys", plane.keys(part)))
+        out.append((f"{part} tags", plane.tags(part)))
+        kept = [k for k, keep in zip(keys, plane.tags(part)["keep"].tolist(), strict=True) if keep]
+        names = ["input_ids", "logprobs", "token_mask", "rewards", "lengths", "advantages", "message_log", "idx"]
+        out.append((f"{part} kept", plane.get(part, kept[::-1], names)))
+        out.append((f"{part} all", plane.get(part, keys, names)))
+        plane.put(part, keys[1:2], {"logprobs": torch.full((1, width), -0.5)})
+        out.append((f"{part} replaced", plane.get(part, keys[:2], ["logprobs"])))
+    out.append(("partitions", sorted(p for p in plane.partitions() if p.startswith("parity/"))))
+    plane.clear("parity/0")
+    out.append(("after clear", sorted(p for p in plane.partitions() if p.startswith("parity/"))))
+    plane.clear("parity/1")
+    return out
+
+
+def check_same_batch(actual: Any, expected: Mapping[str, Any], what: str) -> None:
+    """Assert ``actual`` (a Batch or a dict of tensors) has exactly ``expected``'s fields, in
+    order, with equal dtypes, shapes and values; list fields compare with :func:`same`."""
+    assert list(actual.keys()) == list(expected.keys()), (
+        f"{what}: fields {list(actual.keys())}, expected {list(expected)}"
+    )
+    for name, want in expected.items():
+        got = actual[name]
+        if isinstance(want, torch.Tensor):
+            assert isinstance(got, torch.Tensor), f"{what}: field '{name}' is a {type(got).__name__}, expected a tensor"
+            assert (got.dtype, tuple(got.shape)) == (want.dtype, tuple(want.shape)), (
+                f"{what}: field '{name}' is {got.dtype} {tuple(got.shape)}, expected {want.dtype} {tuple(want.shape)}"
+            )
+            assert torch.equal(got, want), f"{what}: field '{name}' is\n{got}\nexpected\n{want}"
+        else:
+            assert same(got, want), f"{what}: field '{name}' is {got!r}, expected {want!r}"
 
 
 def _sample_mask(batch: Batch) -> torch.Tensor:

@@ -161,7 +161,8 @@ class NegativeLogLikelihood(LossFunction):
 def check_trained_policy_refit(policy: Policy, generation: Generation, prompts: list[list[int]], *, bucket_bytes: int) -> None:
     """Train ``policy`` one step on the backend's samples, refit, sample again: the backend's
     logprobs then match ``policy.get_logprobs`` (mean of exp(|difference|) <= 1.01), and did
-    not before the refit. The backend must sample at temperature 1 (the policy scales nothing)."""
+    not before the refit. The policy and the backend must have been built from the same
+    ``generation.temperature`` (the policy's logprobs are those of ``logits / temperature``)."""
     out = generation.generate(prompt_batch(prompts))
     mask = generated_mask(out, prompts)
     batch = Batch(

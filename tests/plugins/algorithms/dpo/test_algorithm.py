@@ -18,9 +18,9 @@ from posttrain.batch import Batch
 from posttrain.config import config_from_dict
 from posttrain.errors import ConfigError
 from posttrain.metrics import read_metrics
+from posttrain.policy_driver import Batching, plan_pass
 from posttrain.run import RunContext, run_algorithm
 from posttrain_dpo.loss import DPOLoss
-from posttrain_dtensor.planning import Batching, plan_pass
 
 STEPS = 8
 

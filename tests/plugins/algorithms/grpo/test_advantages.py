@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from posttrain_grpo.advantages import (
     STD_EPSILON,
     baseline_and_std,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
+
 from posttrain import hookimpl
 from posttrain.config import GenerationConfig, PolicyConfig, RunConfig, load_config
 from posttrain.errors import ConfigError

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from posttrain.batch import Batch
 from posttrain_grpo.advantages import compute_advantages, consecutive_group_ids
 from posttrain_grpo.dynamic_sampling import DynamicSampler, DynamicSamplingError, groups_with_signal

@@ -7,6 +7,7 @@ import math
 import attrs
 import pytest
 import torch
+
 from posttrain.batch import Batch
 from posttrain.errors import ConfigError
 from posttrain.interfaces import LossType, combine_metrics

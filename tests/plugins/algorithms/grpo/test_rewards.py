@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from posttrain_grpo.config import RewardScalingConfig
 from posttrain_grpo.rewards import mask_truncated, overlong_penalty, scale_rewards
 

@@ -71,21 +71,23 @@ def reference_model(model_path: str):
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64, attn_implementation="eager")
 
 
-def reference_logprobs(model, batch: Batch) -> torch.Tensor:
-    """float64 [B, S]: each sample run alone (no padding), full log_softmax, masked like
-    the policy convention (0 at t=0, on padding and where token_mask is 0)."""
+def reference_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+    """float64 [B, S]: each sample run alone (no padding), full ``log_softmax(logits /
+    temperature)``, masked like the policy convention (0 at t=0, on padding and where
+    token_mask is 0)."""
     out = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
     for i, n in enumerate(batch["input_lengths"].tolist()):
         ids = batch["input_ids"][i : i + 1, :n]
-        logp = model(ids).logits[0, :-1].log_softmax(-1)
+        logp = (model(ids).logits[0, :-1] / temperature).log_softmax(-1)
         out[i, 1:n] = logp.gather(-1, ids[0, 1:, None])[:, 0]
     return out * batch["token_mask"].double()
 
 
-def reference_step(model_path: str, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
-    """The global-batch token NLL and its gradients in float64, one sample at a time."""
+def reference_step(model_path: str, batch: Batch, temperature: float = 1.0) -> tuple[float, dict[str, torch.Tensor]]:
+    """The global-batch token NLL (of ``logits / temperature``) and its gradients in
+    float64, one sample at a time."""
     model = reference_model(model_path)
-    lp = reference_logprobs(model, batch)
+    lp = reference_logprobs(model, batch, temperature)
     mask = batch["token_mask"].double() * batch["sample_mask"].double()[:, None]
     loss = -(lp * mask).sum() / mask.sum()
     loss.backward()

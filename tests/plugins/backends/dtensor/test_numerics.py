@@ -10,13 +10,14 @@ import torch
 
 from posttrain.config.schema import OptimizerConfig, SchedulerConfig
 from posttrain.errors import ConfigError
-from posttrain_dtensor.checkpoint import bucket_names
+from posttrain.hf_export import bucket_names
+from posttrain.interfaces.loss import global_valid_counts
+from posttrain.logprobs import loss_positions, sequence_logprobs, target_logprobs, topk_logits
+from posttrain.lr_schedule import build_scheduler, lr_factor
+from posttrain.policy_driver import Batching, plan_pass
 from posttrain_dtensor.config import DTensorConfig, validate_policy_config
-from posttrain_dtensor.logprobs import sequence_logprobs, target_logprobs, topk_logits
-from posttrain_dtensor.optim import build_optimizer, build_scheduler, clip_grads_, lr_factor, total_grad_norm
-from posttrain_dtensor.planning import Batching, plan_pass
-from posttrain_dtensor.rows import loss_positions, packed_rows, padded_rows
-from posttrain_dtensor.worker import global_valid_counts
+from posttrain_dtensor.optim import build_optimizer, clip_grads_, total_grad_norm
+from posttrain_dtensor.rows import packed_rows, padded_rows
 
 VOCAB, HIDDEN = 37, 12
 
@@ -51,6 +52,37 @@ def test_chunked_logprob_backward_passes_gradcheck():
     hidden, weight, targets = _head_inputs(n=5)
     inputs = (hidden.double().requires_grad_(), weight.double().requires_grad_())
     assert torch.autograd.gradcheck(lambda h, w: target_logprobs(h, w, targets, 8), inputs)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.6])
+def test_tempered_logprobs_and_grads_match_float64_log_softmax_of_scaled_logits(temperature):
+    hidden, weight, targets = _head_inputs(seed=3)
+    coef = torch.linspace(-1.0, 2.0, len(targets))
+    h32, w32 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    got = target_logprobs(h32, w32, targets, 8, temperature)
+    (got * coef).sum().backward()
+
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    want = (h64 @ w64.T / temperature).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    (want * coef.double()).sum().backward()
+
+    torch.testing.assert_close(got.double(), want.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(h32.grad.double(), h64.grad, rtol=0, atol=1e-5)
+    torch.testing.assert_close(w32.grad.double(), w64.grad, rtol=0, atol=1e-5)
+    untempered = target_logprobs(hidden, weight, targets, 8)
+    assert (got.detach() - untempered).abs().max() > 0.1  # the temperature did change them
+
+
+def test_tempered_logprob_backward_passes_gradcheck():
+    hidden, weight, targets = _head_inputs(n=5)
+    inputs = (hidden.double().requires_grad_(), weight.double().requires_grad_())
+    assert torch.autograd.gradcheck(lambda h, w: target_logprobs(h, w, targets, 8, 0.7), inputs)
+
+
+def test_logprob_temperature_must_be_positive():
+    hidden, weight, targets = _head_inputs()
+    with pytest.raises(ValueError, match="logprob temperature must be > 0, got 0.0"):
+        target_logprobs(hidden, weight, targets, 8, 0.0)
 
 
 def test_sequence_logprobs_fill_predicted_positions_and_zero_elsewhere():
@@ -275,5 +307,5 @@ def test_validate_hook_checks_only_dtensor_policies(dt):
     cfg.policy.sequence_packing.enabled = cfg.policy.dynamic_batching.enabled = True
     with pytest.raises(ConfigError, match="both true"):
         plugin_host().hook.posttrain_validate_config(config=cfg)
-    cfg.policy.backend = "megatron"
+    cfg.policy.backend = "not_dtensor"  # a backend no installed plugin checks
     plugin_host().hook.posttrain_validate_config(config=cfg)  # another backend's business

@@ -1,5 +1,6 @@
 """Refit from a trained ``dtensor`` policy into the ``hf`` backend: after one training step,
-the backend's sampled-token logprobs equal the policy's own ``get_logprobs``."""
+the backend's sampled-token logprobs equal the policy's own ``get_logprobs``, at temperature 1
+and at 0.7 (both sides then report logprobs of ``logits / 0.7``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ pytestmark = pytest.mark.ray
 PROMPTS = [[1, 40, 41, 42, 43, 44, 45], [1, 50, 51], [1, 60, 61, 62, 63, 7, 8, 9, 10, 11], [1, 12]]
 
 
-def test_trained_dtensor_policy_refit_parity(ray_cluster, tiny_model_path):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_trained_dtensor_policy_refit_parity(ray_cluster, tiny_model_path, temperature):
     backends = plugin_host().policy_backends
     if "dtensor" not in backends:
         pytest.skip("policy backend 'dtensor' is not registered yet (posttrain-dtensor provides it)")
@@ -25,8 +27,9 @@ def test_trained_dtensor_policy_refit_parity(ray_cluster, tiny_model_path):
             model=tiny_model_path, train_global_batch_size=len(PROMPTS), train_micro_batch_size=len(PROMPTS),
             optimizer=OptimizerConfig(lr=3e-2), resources=WorkerResources(cpus=1),
         ),
-        # temperature 1: the policy's get_logprobs does not scale logits
-        generation=GenerationConfig(backend="hf", temperature=1.0, max_new_tokens=12, resources=WorkerResources(cpus=1)),
+        generation=GenerationConfig(
+            backend="hf", temperature=temperature, max_new_tokens=12, resources=WorkerResources(cpus=1)
+        ),
     )
     cluster = VirtualCluster(config.cluster)
     policy = backends["dtensor"](config, cluster)

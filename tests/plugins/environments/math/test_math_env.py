@@ -101,11 +101,14 @@ def test_options_are_checked():
 
 
 def test_registered_through_the_entry_point():
+    from posttrain_env_math.guess_number import GuessNumberEnvironment
+
     host = new_plugin_host()
-    assert host.environments["math"] is build_math_environment
-    assert "guess_number" in host.environments
-    environment = build_math_environment({"num_workers": 1})
+    game = host.environments["guess_number"]({"max_guesses": 3})
+    assert isinstance(game, GuessNumberEnvironment) and game.options.max_guesses == 3
+    environment = host.environments["math"]({"num_workers": 1})
     assert isinstance(environment, MathEnvironment)
+    assert environment.options.num_workers == 1
     environment.shutdown()
 
 

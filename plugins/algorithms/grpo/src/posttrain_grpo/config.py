@@ -79,10 +79,11 @@ class GRPOConfig:
 
     num_prompts_per_step: int = 32
     num_generations_per_prompt: int = 16
-    max_num_steps: int = 1_000_000
+    max_num_steps: int = 1_000_000  # 0: validate only (with val_at_start), no training
     max_num_epochs: int = 1
     val_period: int = 0  # steps between validations; 0: never
     val_at_start: bool = False
+    max_val_samples: int | None = None  # validation prompts used per validation; None: all
     max_rollout_turns: int = 1
     baseline: Baseline = "leave_one_out"
     normalize_rewards: bool = True  # divide advantages by the group's reward std where it is > 0
@@ -94,6 +95,7 @@ class GRPOConfig:
     overlong_reward_shaping: OverlongRewardShapingConfig = attrs.field(factory=OverlongRewardShapingConfig)
     skip_reference_logprobs_when_kl_off: bool = True
     loss: ClippedPGConfig = attrs.field(factory=ClippedPGConfig)
+    export_dir: str | None = None  # write a Hugging Face folder of the final weights here
 
     @property
     def samples_per_step(self) -> int:

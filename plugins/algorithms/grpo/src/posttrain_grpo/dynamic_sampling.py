@@ -21,6 +21,7 @@ shaping (length penalties would make an all-wrong group look informative).
 from __future__ import annotations
 
 import torch
+
 from posttrain.batch import Batch
 from posttrain.errors import PosttrainError
 

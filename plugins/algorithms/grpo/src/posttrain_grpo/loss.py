@@ -27,9 +27,9 @@ from collections.abc import Mapping
 from typing import ClassVar, Literal
 
 import torch
+
 from posttrain.batch import Batch
 from posttrain.interfaces.loss import LossFunction, LossType
-
 from posttrain_grpo.config import ClippedPGConfig
 from posttrain_grpo.validation import check_loss_config
 

@@ -11,7 +11,6 @@ from typing import get_args
 from posttrain.config import RunConfig, require_registered, where_set
 from posttrain.errors import ConfigError
 from posttrain.plugins import PluginHost
-
 from posttrain_grpo.config import Baseline, ClippedPGConfig, GRPOConfig, ISCorrection, KLEstimator
 
 
@@ -119,17 +118,24 @@ def check_grpo_config(grpo: GRPOConfig, config: RunConfig) -> None:
     for name in (
         "num_prompts_per_step",
         "num_generations_per_prompt",
-        "max_num_steps",
         "max_num_epochs",
         "max_rollout_turns",
     ):
         if getattr(grpo, name) < 1:
             raise _error(config, f"grpo.{name}: must be >= 1, got {getattr(grpo, name)}.", f"grpo.{name}")
+    if grpo.max_num_steps < 0:
+        raise _error(config, f"grpo.max_num_steps: must be >= 0 (0 validates only), got {grpo.max_num_steps}.", "grpo.max_num_steps")
     if grpo.val_period < 0:
         raise _error(
             config,
             f"grpo.val_period: must be >= 0 (0 turns validation off), got {grpo.val_period}.",
             "grpo.val_period",
+        )
+    if grpo.max_val_samples is not None and grpo.max_val_samples < 1:
+        raise _error(
+            config,
+            f"grpo.max_val_samples: must be >= 1, or null for the whole validation set, got {grpo.max_val_samples}.",
+            "grpo.max_val_samples",
         )
     _require_choice(grpo.baseline, Baseline, "grpo.baseline", config)
     n = grpo.num_generations_per_prompt

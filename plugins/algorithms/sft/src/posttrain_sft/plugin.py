@@ -1,27 +1,47 @@
-"""Hook implementations of posttrain-sft."""
+"""Hook implementations of posttrain-sft.
+
+Every Ray worker loads this module, so it imports nothing heavy: the algorithm and the loss
+(torch) are imported by their factories when a run builds them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain import hookimpl
 from posttrain.config import require_registered
 from posttrain.errors import ConfigError
 from posttrain.plugins import plugin_host
-from posttrain_sft.algorithm import SFT
 from posttrain_sft.config import SFTConfig, check_loop_options
-from posttrain_sft.loss import NLLLoss
+
+if TYPE_CHECKING:
+    from posttrain_sft.algorithm import SFT
+    from posttrain_sft.loss import NLLLoss
+
+
+def sft_algorithm() -> SFT:
+    """Factory of the ``sft`` algorithm."""
+    from posttrain_sft.algorithm import SFT
+
+    return SFT()
+
+
+def nll_loss(options: Any = None) -> NLLLoss:
+    """Factory of the ``nll`` loss (``options``: the ``sft`` section; NLL has none)."""
+    from posttrain_sft.loss import NLLLoss
+
+    return NLLLoss.from_options(options)
 
 
 @hookimpl
 def posttrain_algorithms() -> Mapping[str, Any]:
-    return {"sft": SFT}
+    return {"sft": sft_algorithm}
 
 
 @hookimpl
 def posttrain_losses() -> Mapping[str, Any]:
-    return {"nll": NLLLoss.from_options}
+    return {"nll": nll_loss}
 
 
 @hookimpl

@@ -4,21 +4,17 @@
   folder, written by every rank in parallel and loadable under any rank layout; the
   scheduler state and step beside it in ``trainer_state.pt`` (written by rank 0).
 - Weight export: full (unsharded) tensors under their Hugging Face names, gathered in
-  buckets of bounded size, for refitting generation engines and for Hugging Face folders
-  (one safetensors shard per bucket plus ``model.safetensors.index.json``).
+  buckets of bounded size (:mod:`posttrain.hf_export` groups and writes them).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
@@ -27,7 +23,6 @@ from posttrain.errors import CheckpointError
 
 TRAINER_STATE = "trainer_state.pt"
 DCP_METADATA = ".metadata"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def save_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any]) -> None:
@@ -73,57 +68,8 @@ def full_nbytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:
     return tensor.numel() * torch.empty((), dtype=dtype).element_size()
 
 
-def bucket_names(sizes: Sequence[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
-    """Group ``(name, nbytes)`` in order into buckets of at most ``bucket_bytes`` bytes; a
-    tensor larger than that gets a bucket of its own."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    buckets: list[list[str]] = []
-    used = 0
-    for name, nbytes in sizes:
-        if not buckets or used + nbytes > bucket_bytes:
-            buckets.append([])
-            used = 0
-        buckets[-1].append(name)
-        used += nbytes
-    return buckets
-
-
 @torch.no_grad()
 def gather_full(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Collective for DTensors: the whole tensor, on CPU, in ``dtype``."""
     full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
     return full.detach().to(device="cpu", dtype=dtype if full.is_floating_point() else full.dtype)
-
-
-class HFShardWriter:
-    """Writes buckets of full tensors as safetensors shards, then the index (rank 0 only)."""
-
-    def __init__(self, path: str):
-        self.folder = Path(path)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.weight_map: dict[str, str] = {}
-        self.files: list[str] = []
-        self.total_bytes = 0
-
-    def add(self, tensors: dict[str, torch.Tensor]) -> None:
-        name = f"model-{len(self.files) + 1:05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in tensors.items()}, self.folder / name, metadata={"format": "pt"})
-        self.files.append(name)
-        for key, value in tensors.items():
-            self.weight_map[key] = name
-            self.total_bytes += value.numel() * value.element_size()
-
-    def finish(self) -> None:
-        """Rename shards to Hugging Face's ``model-0000i-of-0000n`` and write the index."""
-        n = len(self.files)
-        renamed = {}
-        for i, old in enumerate(self.files, start=1):
-            new = f"model-{i:05d}-of-{n:05d}.safetensors"
-            (self.folder / old).rename(self.folder / new)
-            renamed[old] = new
-        index = {
-            "metadata": {"total_size": self.total_bytes},
-            "weight_map": {k: renamed[v] for k, v in sorted(self.weight_map.items())},
-        }
-        (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -1,19 +1,18 @@
-"""Optimizer, learning-rate schedule and gradient norm over sharded (DTensor) parameters."""
+"""Optimizer and gradient norm over sharded (DTensor) parameters (the learning-rate schedule
+is :mod:`posttrain.lr_schedule`)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from posttrain.config.schema import OptimizerConfig, SchedulerConfig
+from posttrain.config.schema import OptimizerConfig
 from posttrain.errors import ConfigError
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
-SCHEDULES = ("constant", "linear", "cosine")
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -26,37 +25,6 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) 
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     raise ConfigError(f"policy.optimizer.name: expected one of {', '.join(OPTIMIZERS)}, got '{cfg.name}'")
-
-
-def lr_factor(step: int, cfg: SchedulerConfig) -> float:
-    """Multiplier of the base learning rate for optimizer step ``step`` (0-based).
-
-    Linear warmup reaches 1 at step ``warmup_steps - 1``; then ``constant`` stays at 1,
-    ``linear`` and ``cosine`` decay to ``min_lr_ratio`` at step ``total_steps``.
-    """
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.name == "constant":
-        return 1.0
-    horizon = max(1, cfg.total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / horizon)
-    if cfg.name == "linear":
-        decay = 1.0 - progress
-    else:
-        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """A ``LambdaLR`` following :func:`lr_factor`; step it once per optimizer step."""
-    if cfg.name not in SCHEDULES:
-        raise ConfigError(f"policy.scheduler.name: expected one of {', '.join(SCHEDULES)}, got '{cfg.name}'")
-    if cfg.name != "constant" and cfg.total_steps is None:
-        raise ConfigError(
-            f"policy.scheduler.total_steps is needed by the '{cfg.name}' schedule (the step at which the "
-            "decay ends); set it, or use policy.scheduler.name=constant"
-        )
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
 
 
 def total_grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:

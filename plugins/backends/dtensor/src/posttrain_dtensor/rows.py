@@ -106,14 +106,6 @@ def packed_rows(
     )
 
 
-def loss_positions(lengths: torch.Tensor, width: int, token_mask: torch.Tensor | None) -> torch.Tensor:
-    """Bool [B, width]: positions whose logprob is reported (1 <= t < length, and
-    ``token_mask`` where given)."""
-    t = torch.arange(width)
-    keep = (t[None, :] >= 1) & (t[None, :] < lengths[:, None])
-    return keep & token_mask.bool() if token_mask is not None else keep
-
-
 def microbatch_rows(
     input_ids: torch.Tensor,
     lengths: torch.Tensor,

@@ -14,13 +14,14 @@ GPU), loads the Hugging Face model from ``policy.model`` in float32 (the master 
 shards it (:mod:`posttrain_dtensor.parallel`) and computes in ``policy.dtype`` through
 FSDP2 mixed precision. The driver (:mod:`posttrain_dtensor.policy`) sends each
 data-parallel rank its shard of the batch and its microbatch plan; tensor-parallel ranks of
-one replica receive the same shard.
+one replica receive the same shard. Logprobs, in every pass and in training, are those of
+``logits / T`` with ``T`` from ``generation.temperature`` (read when the rank starts; see
+:func:`posttrain.sampling.logprob_temperature`); top-k logits are raw.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -35,31 +36,22 @@ from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
 from posttrain.distributed import Worker
 from posttrain.errors import ConfigError
-from posttrain.interfaces.loss import LossFunction, combine_metrics
+from posttrain.hf_export import HFShardWriter, bucket_names, write_hf_metadata
+from posttrain.interfaces.loss import LossFunction, combine_metrics, global_valid_counts
+from posttrain.logprobs import loss_positions, sequence_logprobs, topk_logits
+from posttrain.lr_schedule import build_scheduler
+from posttrain.policy_driver import Batching, RankWork
+from posttrain.sampling import logprob_temperature
 from posttrain_dtensor import checkpoint
 from posttrain_dtensor.config import DTensorConfig
-from posttrain_dtensor.logprobs import sequence_logprobs, topk_logits
-from posttrain_dtensor.optim import build_optimizer, build_scheduler, clip_grads_, total_grad_norm
+from posttrain_dtensor.optim import build_optimizer, clip_grads_, total_grad_norm
 from posttrain_dtensor.parallel import apply_fsdp, apply_tensor_parallel, build_mesh, check_model_fits, reshard_all
-from posttrain_dtensor.planning import Batching, RankWork
-from posttrain_dtensor.rows import ModelRows, loss_positions, microbatch_rows
+from posttrain_dtensor.rows import ModelRows, microbatch_rows
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """``"bfloat16"`` -> ``torch.bfloat16`` (names checked by ``validate_policy_config``)."""
     return getattr(torch, name)
-
-
-def global_valid_counts(batch: Batch, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Valid sequences (``sum(sample_mask)``) and valid tokens (``sum(token_mask *
-    sample_mask)``) of this rank's samples, summed over ``group`` (the data-parallel ranks),
-    as float32 scalars. ``sample_mask`` defaults to all ones."""
-    token_mask = batch["token_mask"].double()
-    sample_mask = batch["sample_mask"].double() if "sample_mask" in batch else torch.ones(len(batch), dtype=torch.float64)
-    counts = torch.stack([sample_mask.sum(), (token_mask * sample_mask[:, None]).sum()])
-    if group is not None:
-        dist.all_reduce(counts, group=group)
-    return counts[0].float(), counts[1].float()
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -85,6 +77,8 @@ class DTensorPolicyWorker(Worker):
         self.mesh = build_mesh(self.device.type, self.world_size // tp, tp)
         self.dp_group = self.mesh["dp"].get_group()
         self.compute_dtype = torch_dtype(policy.dtype)
+        # logprobs (and the training loss's) are those of logits / T, as the sampler reports them
+        self.temperature = logprob_temperature(config.generation.temperature)
         self.model = self._build_model(config, options)
         self.optimizer = build_optimizer(self.model.parameters(), policy.optimizer)
         self.scheduler = build_scheduler(self.optimizer, policy.scheduler)
@@ -137,10 +131,13 @@ class DTensorPolicyWorker(Worker):
         return self.model(rows.input_ids, rows.attention_mask, rows.position_ids, head)
 
     def _microbatch_logprobs(self, mb: Batch, batching: Batching) -> torch.Tensor:
-        """Logprobs [b, S] of a microbatch on the device, 0 where not reported."""
+        """Logprobs [b, S] of a microbatch on the device (of ``logits / self.temperature``),
+        0 where not reported."""
         rows = self._rows(mb, batching)
-        chunk = self.config.policy.logprob_chunk_size
-        values = self._forward(rows, lambda h, w: sequence_logprobs(h, w, rows.input_ids, rows.predicted, chunk))
+        chunk, temperature = self.config.policy.logprob_chunk_size, self.temperature
+        values = self._forward(
+            rows, lambda h, w: sequence_logprobs(h, w, rows.input_ids, rows.predicted, chunk, temperature)
+        )
         keep = loss_positions(mb["input_lengths"], rows.width, mb["token_mask"] if "token_mask" in mb else None)
         return torch.where(keep.to(self.device), rows.to_samples(values), 0.0)
 
@@ -157,7 +154,8 @@ class DTensorPolicyWorker(Worker):
         return Batch({"reference_logprobs" if reference else "logprobs": out})
 
     def topk(self, work: RankWork, k: int) -> Batch:
-        """``topk_logits`` and ``topk_indices`` [n, S-1, k] of this rank's samples (0 on padding)."""
+        """``topk_logits`` and ``topk_indices`` [n, S-1, k] of this rank's samples (0 on padding);
+        raw logits, not divided by the temperature."""
         shard = work.batch
         n, width = shard["input_ids"].shape
         values = torch.zeros((n, width, k), dtype=torch.float32)
@@ -272,27 +270,17 @@ class DTensorPolicyWorker(Worker):
 
     def export_hf(self, path: str, shard_bytes: int) -> None:
         """Collective: a Hugging Face folder at ``path`` (written by rank 0)."""
-        writer = checkpoint.HFShardWriter(path) if self.rank == 0 else None
-        for names in checkpoint.bucket_names(self.weight_sizes(), shard_bytes):
+        writer = HFShardWriter(path) if self.rank == 0 else None
+        for names in bucket_names(self.weight_sizes(), shard_bytes):
             tensors = self.gather_weights(names)
             if writer is not None:
                 writer.add(tensors)
         if writer is not None:
             writer.finish()
-            self._write_hf_metadata(path)
+            policy, lm = self.config.policy, self.model.lm
+            write_hf_metadata(path, lm.config, policy.tokenizer or policy.model, self.compute_dtype,
+                              getattr(lm, "generation_config", None))
         dist.barrier()
-
-    def _write_hf_metadata(self, path: str) -> None:
-        from transformers import AutoTokenizer
-
-        lm = self.model.lm
-        hf_config = copy.deepcopy(lm.config)
-        hf_config.dtype = self.compute_dtype
-        hf_config.save_pretrained(path)
-        if getattr(lm, "generation_config", None) is not None:
-            lm.generation_config.save_pretrained(path)
-        tokenizer = AutoTokenizer.from_pretrained(self.config.policy.tokenizer or self.config.policy.model)
-        tokenizer.save_pretrained(path)
 
     # ------------------------------------------------------------------ placement
 

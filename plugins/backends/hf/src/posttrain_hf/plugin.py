@@ -1,19 +1,33 @@
-"""Hook implementations of posttrain-hf: the ``hf`` generation backend and its config section."""
+"""Hook implementations of posttrain-hf: the ``hf`` generation backend and its config section.
+
+Every Ray worker loads this module, so it imports nothing heavy: torch, transformers and
+Ray are imported by the factory when a run builds the backend.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain import hookimpl
 from posttrain_hf.config import SECTION, HFGenerationConfig
 
+if TYPE_CHECKING:
+    from posttrain.config.schema import RunConfig
+    from posttrain.distributed import VirtualCluster
+    from posttrain.interfaces import Generation
+
+
+def make_generation(config: RunConfig, cluster: VirtualCluster) -> Generation:
+    """Factory of the ``hf`` backend: start the engine worker group."""
+    from posttrain_hf.generation import create_hf_generation
+
+    return create_hf_generation(config, cluster)
+
 
 @hookimpl
 def posttrain_generation_backends() -> Mapping[str, Any]:
-    from posttrain_hf.generation import create_hf_generation
-
-    return {"hf": create_hf_generation}
+    return {"hf": make_generation}
 
 
 @hookimpl

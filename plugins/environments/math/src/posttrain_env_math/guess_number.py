@@ -19,20 +19,14 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import attrs
 import torch
 
 from posttrain.interfaces import Environment, EnvironmentReturn, Message
 from posttrain_env_math.math_env import last_assistant_text
-from posttrain_env_math.options import positive_int, read_options
+from posttrain_env_math.options import GuessNumberOptions, read_options
 
 STOP = "</guess>"
 _GUESS = re.compile(r"<guess>\s*(-?\d+)\s*</guess>")
-
-
-@attrs.frozen
-class GuessNumberOptions:
-    max_guesses: int = attrs.field(default=8, validator=positive_int)
 
 
 def guess_number_prompt(low: int, high: int) -> list[Message]:

@@ -19,18 +19,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import attrs
 import torch
 
 from posttrain.interfaces import Environment, EnvironmentReturn, Message
 from posttrain_env_math.deadline_pool import DeadlinePool
-from posttrain_env_math.options import positive, positive_int, read_options
-
-
-@attrs.frozen
-class MathOptions:
-    timeout_s: float = attrs.field(default=10.0, validator=positive)
-    num_workers: int = attrs.field(default=2, validator=positive_int)
+from posttrain_env_math.options import MathOptions, read_options
 
 
 class MathEnvironment(Environment):

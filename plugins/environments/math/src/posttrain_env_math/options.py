@@ -1,4 +1,5 @@
-"""Read an environment's options (the mapping under ``environments.<name>``) into an attrs class."""
+"""The environments' options (the mapping under ``environments.<name>``) as attrs classes,
+and how they are read. Torch-free: the plugin's config validation imports only this."""
 
 from __future__ import annotations
 
@@ -39,3 +40,18 @@ def positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     """attrs validator: an int (not a bool) greater than 0."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"'{attribute.name}' must be an integer greater than 0, found {value!r}")
+
+
+@attrs.frozen
+class MathOptions:
+    """``environments.math``: seconds to extract and verify one response, verifier processes."""
+
+    timeout_s: float = attrs.field(default=10.0, validator=positive)
+    num_workers: int = attrs.field(default=2, validator=positive_int)
+
+
+@attrs.frozen
+class GuessNumberOptions:
+    """``environments.guess_number``: guesses a game allows."""
+
+    max_guesses: int = attrs.field(default=8, validator=positive_int)

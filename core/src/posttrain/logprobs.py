@@ -1,0 +1,231 @@
+"""Token logprobs and top-k logits from hidden states, chunked over the vocabulary; shared
+by policy backends.
+
+The language-model head is applied here rather than inside the model, one slice of the
+vocabulary at a time, so no ``[tokens, vocab]`` float32 tensor ever exists whole: the
+largest temporary is ``[tokens, chunk]``. The backward pass recomputes each chunk's logits
+instead of keeping them, so training memory is bounded the same way.
+
+Logits are computed in float32 (float64 when the inputs are float64, for checks) whatever
+the model's compute dtype. Logprobs are those of ``logits / temperature`` (the sampler's
+distribution, see :mod:`posttrain.sampling`); each chunk of logits is divided as it is
+computed, in that dtype, so temperature 1 leaves every value unchanged. Top-k logits are
+raw (unscaled) logits.
+
+Vocabulary parallel: with a :class:`VocabShard`, ``weight`` holds only this rank's rows of
+the output embedding (tensor parallelism splits the vocabulary over ``shard.group``). The
+log-sum-exp and the target logits are combined over the group, so every rank returns the
+same full-vocabulary logprobs; the gradient of ``hidden`` is this rank's share only, and
+the caller sums it over the group (megatron-core's tensor-parallel region functions do).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.distributed as dist
+
+
+@attrs.frozen
+class VocabShard:
+    """This rank holds rows ``start .. start + weight.shape[0] - 1`` of the output embedding;
+    the other rows are on the other ranks of ``group``."""
+
+    group: dist.ProcessGroup
+    start: int
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _chunks(vocab: int, chunk_size: int) -> range:
+    if chunk_size <= 0:
+        raise ValueError(f"logprob chunk size must be positive, got {chunk_size}")
+    return range(0, vocab, chunk_size)
+
+
+def _group_logsumexp(lse: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``log(sum over ranks of exp(lse))``, stable (ranks without rows pass -inf)."""
+    peak = lse.clone()
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    total = torch.exp(lse - peak)
+    dist.all_reduce(total, group=group)
+    return peak + torch.log(total)
+
+
+class _ChunkedTargetLogprob(torch.autograd.Function):
+    """``log_softmax(hidden @ weight.T / temperature)[i, targets[i]]`` for every row ``i``."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk_size: int,
+        temperature: float,
+        shard: VocabShard | None,
+    ) -> torch.Tensor:
+        dtype = _compute_dtype(hidden, weight)
+        h = hidden.to(dtype)
+        lse_parts = [
+            torch.logsumexp(h @ weight[v0:v0 + chunk_size].to(dtype).T / temperature, dim=-1)
+            for v0 in _chunks(weight.shape[0], chunk_size)
+        ]
+        lse = torch.logsumexp(torch.stack(lse_parts), dim=0) if lse_parts else h.new_full(h.shape[:1], float("-inf"))
+        if shard is None:
+            local, inside = targets, None
+            target_logits = (h * weight[local].to(dtype)).sum(-1) / temperature
+        else:
+            lse = _group_logsumexp(lse, shard.group)
+            local = targets - shard.start
+            inside = (local >= 0) & (local < weight.shape[0])
+            local = torch.where(inside, local, 0)
+            target_logits = h.new_zeros(h.shape[:1])
+            if weight.shape[0]:
+                target_logits = torch.where(inside, (h * weight[local].to(dtype)).sum(-1) / temperature, 0.0)
+            dist.all_reduce(target_logits, group=shard.group)
+        ctx.save_for_backward(hidden, weight, local, lse, inside)
+        ctx.chunk_size = chunk_size
+        ctx.temperature = temperature
+        return target_logits - lse
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        hidden, weight, local, lse, inside = ctx.saved_tensors
+        chunk_size, temperature = ctx.chunk_size, ctx.temperature
+        dtype = lse.dtype
+        h = hidden.to(dtype)
+        # d(logprob)/d(raw logits) = (onehot - softmax) / temperature: fold 1/T into g.
+        g = grad_out.to(dtype) / temperature
+        # the onehot part: only for targets among this rank's rows
+        g_target = g if inside is None else torch.where(inside, g, 0.0)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
+        if weight.shape[0]:
+            if need_h:
+                grad_h = g_target[:, None] * weight[local].to(dtype)
+            if need_w:
+                grad_w.index_add_(0, local, g_target[:, None] * h)
+        for v0 in _chunks(weight.shape[0], chunk_size):
+            w = weight[v0:v0 + chunk_size].to(dtype)
+            # the softmax part of the gradient; the onehot part is added above.
+            grad_logits = -g[:, None] * torch.exp(h @ w.T / temperature - lse[:, None])
+            if need_h:
+                grad_h += grad_logits @ w
+            if need_w:
+                grad_w[v0:v0 + chunk_size] += grad_logits.T @ h
+        return (
+            grad_h.to(hidden.dtype) if need_h else None,
+            grad_w.to(weight.dtype) if need_w else None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def target_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int,
+    temperature: float = 1.0,
+    shard: VocabShard | None = None,
+) -> torch.Tensor:
+    """Logprob of ``targets[i]`` under ``softmax(hidden[i] @ weight.T / temperature)``.
+
+    ``hidden`` [N, H], ``weight`` [V, H] (the output embedding, or this rank's rows of it
+    with ``shard``), ``targets`` int64 [N] (full-vocabulary ids), ``temperature`` > 0.
+    Returns [N] in float32 (or float64 for float64 inputs), differentiable in ``hidden``
+    and ``weight``.
+    """
+    if not temperature > 0:
+        raise ValueError(f"logprob temperature must be > 0, got {temperature}")
+    return _ChunkedTargetLogprob.apply(hidden, weight, targets, chunk_size, temperature, shard)
+
+
+def sequence_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    predicted: torch.Tensor,
+    chunk_size: int,
+    temperature: float = 1.0,
+    shard: VocabShard | None = None,
+) -> torch.Tensor:
+    """Per-position logprobs of rows of tokens.
+
+    ``hidden`` [R, T, H] are the final hidden states of ``input_ids`` [R, T]; ``predicted``
+    bool [R, T] is True where token ``t`` is predicted from position ``t - 1`` of the same
+    sequence (never at ``t = 0``). Returns [R, T] with ``log p(input_ids[:, t] | ...)``,
+    ``p = softmax(logits / temperature)``, where ``predicted`` is True and 0 elsewhere;
+    only those positions go through the head.
+    """
+    src = predicted[:, 1:]
+    values = target_logprobs(hidden[:, :-1][src], weight, input_ids[:, 1:][src], chunk_size, temperature, shard)
+    shifted = values.new_zeros(src.shape).masked_scatter(src, values)
+    return torch.nn.functional.pad(shifted, (1, 0))
+
+
+@torch.no_grad()
+def topk_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, k: int, chunk_size: int, shard: VocabShard | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest raw logits of ``hidden @ weight.T`` per row (not divided by any
+    temperature) and their vocabulary ids.
+
+    ``hidden`` [N, H], ``weight`` [V, H] (this rank's rows with ``shard``); returns float32
+    values [N, k] (descending) and int64 indices [N, k] (full-vocabulary ids, the same on
+    every rank of the group). Each vocabulary chunk's top-k is merged into a running top-k.
+    """
+    vocab = weight.shape[0]
+    if shard is not None:
+        sizes = torch.tensor([vocab], device=weight.device)
+        dist.all_reduce(sizes, group=shard.group)
+        vocab = int(sizes)
+    if not 0 < k <= vocab:
+        raise ValueError(f"top-k needs 0 < k <= vocabulary size {vocab}, got k={k}")
+    dtype = _compute_dtype(hidden, weight)
+    h = hidden.to(dtype)
+    best_vals = h.new_empty((h.shape[0], 0))
+    best_idx = torch.empty((h.shape[0], 0), dtype=torch.long, device=h.device)
+    start = shard.start if shard is not None else 0
+    for v0 in _chunks(weight.shape[0], chunk_size):
+        logits = h @ weight[v0:v0 + chunk_size].to(dtype).T
+        vals, idx = logits.topk(min(k, logits.shape[1]), dim=-1)
+        best_vals, best_idx = _merge_topk(best_vals, best_idx, vals, idx + start + v0, k)
+    if shard is None:
+        return best_vals, best_idx
+    # every rank's top-k (padded to k with -inf), merged into the top-k of the whole vocabulary
+    missing = k - best_vals.shape[1]
+    best_vals = torch.nn.functional.pad(best_vals, (0, missing), value=float("-inf"))
+    best_idx = torch.nn.functional.pad(best_idx, (0, missing), value=-1)
+    world = dist.get_world_size(shard.group)
+    all_vals = [torch.empty_like(best_vals) for _ in range(world)]
+    all_idx = [torch.empty_like(best_idx) for _ in range(world)]
+    dist.all_gather(all_vals, best_vals, group=shard.group)
+    dist.all_gather(all_idx, best_idx, group=shard.group)
+    return _merge_topk(h.new_empty((h.shape[0], 0)), best_idx[:, :0], torch.cat(all_vals, -1), torch.cat(all_idx, -1), k)
+
+
+def _merge_topk(
+    best_vals: torch.Tensor, best_idx: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    merged_vals = torch.cat([best_vals, vals], dim=-1)
+    merged_idx = torch.cat([best_idx, idx], dim=-1)
+    top_vals, pos = merged_vals.topk(min(k, merged_vals.shape[1]), dim=-1)
+    return top_vals, merged_idx.gather(-1, pos)
+
+
+def loss_positions(lengths: torch.Tensor, width: int, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """Bool [B, width]: positions whose logprob is reported (1 <= t < length, and
+    ``token_mask`` where given)."""
+    t = torch.arange(width)
+    keep = (t[None, :] >= 1) & (t[None, :] < lengths[:, None])
+    return keep & token_mask.bool() if token_mask is not None else keep

@@ -1,0 +1,1 @@
+"""``posttrain quickstart``: the whole pipeline on an embedded tiny model and task, on CPU."""

@@ -1,0 +1,372 @@
+"""The GRPO training loop (``posttrain run grpo``), written once, against the interfaces only.
+
+One step, as data::
+
+    prompts (grpo.num_prompts_per_step, from the resumable data loader)
+      -> x grpo.num_generations_per_prompt -> rollout: generation backend + environments,
+         up to grpo.max_rollout_turns turns
+      -> rewards scaled and length-shaped -> group advantages
+      -> dynamic sampling: more rollouts until the step holds enough informative groups
+      -> overlong filtering
+      -> data plane partition "train/<step>"; every pass below reads its inputs from there
+      -> previous logprobs (and reference logprobs when grpo.loss.kl_penalty > 0)
+      -> policy.train(clipped_pg), one optimizer step per policy.train_global_batch_size
+      -> refit the generation backend -> clear the partition
+      -> metrics -> validation every grpo.val_period steps -> checkpoint every
+         checkpointing.save_period steps and at the end
+
+Resume: with ``checkpointing.resume`` and a checkpoint in ``checkpointing.dir``, the run
+restores the policy (weights, optimizer, scheduler), the data loader position and the
+driver's random states from the latest one, refits the generation backend, and continues
+with the next step. Sampling does not depend on the process: before each step the
+generation backend is reseeded from ``(seed, step)`` (:func:`~posttrain_grpo.step.step_seed`),
+so a resumed run samples exactly what an uninterrupted run would.
+
+A non-finite loss or gradient norm stops the run with :class:`~posttrain_grpo.step.TrainingDiverged`
+naming the step and the metric; no checkpoint is written after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from posttrain.batch import Batch
+from posttrain.config import dump_config
+from posttrain.data import (
+    TokenizedDataset,
+    dataloader_from_config,
+    dataset_from_config,
+    encoder_from_config,
+    require_dataset,
+)
+from posttrain.distributed.cluster import init_ray
+from posttrain.environments import start_environments
+from posttrain.errors import ConfigError
+from posttrain.interfaces import Algorithm
+from posttrain.refit import refit
+from posttrain.rollout import run_rollout
+from posttrain.run import RunContext, with_schedule_horizon
+from posttrain_grpo.config import GRPOConfig
+from posttrain_grpo.dynamic_sampling import DynamicSampler
+from posttrain_grpo.state import PromptStream, read_checkpoint, write_checkpoint
+from posttrain_grpo.step import (
+    LOGPROB_FIELDS,
+    TRAIN_FIELDS,
+    StageTimer,
+    TrainingDiverged,
+    batch_metrics,
+    combine_train_metrics,
+    first_nonfinite,
+    nonfinite_fields,
+    rollout_summary,
+    sample_keys,
+    score,
+    step_seed,
+    throughput,
+)
+
+#: Per-sample fields of a prompt batch that the rollout reads.
+PROMPT_FIELDS = ("messages", "task", "metadata", "answer")
+
+
+class GRPO(Algorithm):
+    """Group relative policy optimisation (options: the ``grpo`` config section).
+
+    ``environment_plugins`` are importable plugin modules that register environments not
+    installed as distributions (a project's own, or a test's); they are registered in every
+    environment actor, next to the installed plugins.
+    """
+
+    name = "grpo"
+    config_section = "grpo"
+
+    def __init__(self, environment_plugins: Sequence[str] = ()):
+        self.environment_plugins = tuple(environment_plugins)
+
+    def run(self, context: RunContext) -> dict[str, Any]:
+        with contextlib.ExitStack() as cleanup:
+            return GRPORun(context, self.environment_plugins, cleanup).train()
+
+
+class GRPORun:
+    """One run's services and loop state. The constructor starts everything and registers
+    its shutdown with ``cleanup``; :meth:`train` runs the steps."""
+
+    def __init__(self, ctx: RunContext, environment_plugins: Sequence[str], cleanup: contextlib.ExitStack):
+        self.ctx = ctx
+        self.config = config = ctx.config
+        self.grpo: GRPOConfig = config.section("grpo")
+        encoder = encoder_from_config(config)
+        self.tokenizer, self.chat_template, self.pad_token_id = encoder.tokenizer, encoder.template, encoder.pad_token_id
+        train_set = require_dataset(config, "train", "prompt", encoder)
+        val_set = dataset_from_config(config, "validation", "prompt", encoder)
+        names, self.default_task = environment_names(config, [train_set, val_set])
+        self.prompts = PromptStream(
+            dataloader_from_config(config, train_set, self.grpo.num_prompts_per_step), self.grpo.max_num_epochs
+        )
+        self.val_prompts = _validation_prompts(val_set, self.grpo.max_val_samples) if val_set is not None else None
+        self.total_steps = min(self.grpo.max_num_steps, self.prompts.total_batches)
+        updates_per_step = max(1, self.grpo.samples_per_step // config.policy.train_global_batch_size)
+        ctx.config = self.config = config = with_schedule_horizon(config, self.total_steps * updates_per_step)
+        self.loss_fn = ctx.build_loss("clipped_pg", self.grpo.loss)
+        self.needs_reference = self.grpo.loss.kl_penalty > 0 or not self.grpo.skip_reference_logprobs_when_kl_off
+
+        init_ray(config.cluster)  # with the run's cluster settings, before the first actor starts
+        self.environments = start_environments(names, config.environments, plugins=environment_plugins)
+        for env in self.environments.values():
+            cleanup.callback(env.shutdown)
+        self.policy = ctx.build_policy()
+        cleanup.callback(self.policy.shutdown)
+        self.generation = ctx.build_generation()
+        cleanup.callback(self.generation.shutdown)
+        self.plane = ctx.build_data_plane()
+        cleanup.callback(self.plane.shutdown)
+
+        self.colocated = config.generation.colocated
+        self.last_validation: dict[str, float] = {}
+        self.resumed_metrics: dict[str, float] = {}  # the checkpoint's step metrics, when resuming
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> dict[str, Any]:
+        """Run (or resume) to ``grpo.max_num_steps`` or the end of the data; return the
+        last step's metrics, with the last validation's under ``validation/``."""
+        step = self.resume()
+        start = step
+        if self.colocated:
+            self.policy.offload()
+        if step == 0 and self.grpo.val_at_start:
+            self.validate(0)
+        metrics = self.resumed_metrics
+        bar = self.ctx.progress(self.total_steps, "GRPO", initial=step)
+        try:
+            while step < self.grpo.max_num_steps:
+                step_metrics = self.train_step(step + 1)
+                if step_metrics is None:  # the data loader has run out of epochs
+                    break
+                step, metrics = step + 1, step_metrics
+                self.ctx.log_metrics(step, metrics)
+                bar.update(metrics)
+                if self.grpo.val_period and step % self.grpo.val_period == 0:
+                    self.validate(step)
+                if step % self.config.checkpointing.save_period == 0 or step == self.total_steps:
+                    self.save(step, metrics)
+        finally:
+            bar.close()
+        if step > start and self.ctx.checkpoints is not None and step not in self.ctx.checkpoints.steps():
+            self.save(step, metrics)
+        if self.grpo.export_dir:
+            self.policy.export_hf(self.grpo.export_dir)
+        return {"step": step, **metrics, **{f"validation/{k}": v for k, v in self.last_validation.items()}}
+
+    def train_step(self, step: int) -> dict[str, float] | None:
+        """One GRPO step; None when the data ran out before the step's batch was full."""
+        timer = StageTimer()
+        with timer("step"):
+            self.generation.set_sampling_seed(step_seed(self.config.seed, "train", step))
+            with timer("rollout"):
+                collected = self.collect_batch()
+            if collected is None:
+                return None
+            batch, rollout_metrics = collected
+
+            partition = f"train/{step}"
+            keys = sample_keys(len(batch) // self.grpo.num_generations_per_prompt, self.grpo.num_generations_per_prompt)
+            try:
+                with timer("data_plane"):
+                    self.plane.put(partition, keys, batch.fields(TRAIN_FIELDS))
+                with timer("logprobs"):
+                    if self.colocated:
+                        self.policy.prepare_for_training()
+                    self.add_logprobs(partition, keys)
+                with timer("data_plane"):
+                    fields = [*TRAIN_FIELDS, "prev_logprobs", *(["reference_logprobs"] if self.needs_reference else [])]
+                    train_batch = self.plane.get(partition, keys, fields)
+                with timer("training"):
+                    train_metrics = self.optimize(step, train_batch)
+                with timer("refit"):
+                    stats = refit(self.policy, self.generation, self.config.generation.refit_bucket_bytes)
+                    if self.colocated:
+                        self.policy.offload()
+            finally:
+                self.plane.clear(partition)
+
+        timings = timer.metrics()
+        return {
+            **rollout_metrics,
+            **batch_metrics(batch),
+            **train_metrics,
+            "refit/seconds": stats.seconds,
+            "refit/bytes": float(stats.bytes_moved),
+            **timings,
+            **throughput(float(batch["input_lengths"].sum()), rollout_metrics["rollout/generated_tokens"], timings),
+        }
+
+    # ------------------------------------------------------------------ stages
+
+    def collect_batch(self) -> tuple[Batch, dict[str, float]] | None:
+        """Roll out prompt batches and score them until the step's batch is full: one
+        rollout, or with dynamic sampling as many as it takes to collect
+        ``num_prompts_per_step`` groups whose rewards differ. None when the data runs out."""
+        grpo = self.grpo
+        sampler = (
+            DynamicSampler(grpo.num_prompts_per_step, grpo.num_generations_per_prompt, grpo.dynamic_sampling.max_gen_batches)
+            if grpo.dynamic_sampling.enabled
+            else None
+        )
+        rollouts: list[tuple[Batch, dict[str, float]]] = []
+        self.generation.prepare_for_generation()
+        try:
+            while True:
+                prompts = self.prompts.next()
+                if prompts is None:
+                    return None
+                batch, metrics = self.rollout(prompts, greedy=False, repeats=grpo.num_generations_per_prompt)
+                rollouts.append((batch, metrics))
+                signal = score(batch, grpo, self.config.generation.max_new_tokens)
+                if sampler is None:
+                    return batch, rollout_summary(rollouts)
+                sampler.add(batch, signal)
+                if sampler.done:
+                    taken = sampler.take({"input_ids": self.pad_token_id})
+                    return taken, {**rollout_summary(rollouts), **sampler.metrics()}
+        finally:
+            self.generation.finish_generation()
+
+    def rollout(self, prompts: Batch, *, greedy: bool, repeats: int) -> tuple[Batch, dict[str, float]]:
+        """Each prompt ``repeats`` times in a row, rolled out through the environments."""
+        samples = prompts.fields(PROMPT_FIELDS)
+        samples["task"] = [task or self.default_task for task in samples["task"]]
+        return run_rollout(
+            samples.repeat_interleave(repeats),
+            self.generation,
+            self.environments,
+            self.tokenizer,
+            max_total_length=self.config.policy.max_total_sequence_length,
+            max_turns=self.grpo.max_rollout_turns,
+            greedy=greedy,
+            chat_template=self.chat_template,
+        )
+
+    def add_logprobs(self, partition: str, keys: list[str]) -> None:
+        """Write ``prev_logprobs`` (and ``reference_logprobs``) of the partition's samples."""
+        inputs = self.plane.get(partition, keys, LOGPROB_FIELDS)
+        self.plane.put(partition, keys, {"prev_logprobs": self.policy.get_logprobs(inputs)["logprobs"]})
+        if self.needs_reference:
+            reference = self.policy.get_reference_policy_logprobs(inputs)["reference_logprobs"]
+            self.plane.put(partition, keys, {"reference_logprobs": reference})
+
+    def optimize(self, step: int, batch: Batch) -> dict[str, float]:
+        """One optimizer step per ``policy.train_global_batch_size`` samples, in order;
+        raises :class:`TrainingDiverged` at the first non-finite loss or gradient norm."""
+        parts = []
+        for chunk in batch.microbatches(self.config.policy.train_global_batch_size):
+            metrics = self.policy.train(chunk, self.loss_fn)
+            bad = first_nonfinite(metrics, ("loss", "grad_norm"))
+            if bad is not None:
+                raise self.diverged(step, bad, metrics[bad], chunk)
+            parts.append(metrics)
+        return combine_train_metrics(parts, self.loss_fn.metric_reductions)
+
+    def diverged(self, step: int, metric: str, value: float, batch: Batch) -> TrainingDiverged:
+        latest = self.ctx.checkpoints.latest() if self.ctx.checkpoints is not None else None
+        inputs = nonfinite_fields(batch)
+        return TrainingDiverged(
+            f"GRPO step {step}: the training metric '{metric}' is {value}. The optimizer step has run with it, "
+            f"so the run stops here without saving; the last checkpoint "
+            f"({latest if latest is not None else 'none was saved yet'}) is left as it was. "
+            f"Non-finite inputs in the step's batch: {', '.join(inputs) if inputs else 'none'}. "
+            "Lower policy.optimizer.lr or set policy.max_grad_norm, check the environments' rewards, "
+            "then resume from the checkpoint."
+        )
+
+    # ------------------------------------------------------------------ validation and checkpoints
+
+    def validate(self, step: int) -> None:
+        """Greedy rollouts of the validation prompts; logs ``accuracy`` (mean environment
+        reward) and the rollout and environment metrics under phase ``validation``."""
+        if self.val_prompts is None:
+            return
+        timer = StageTimer()
+        partition = f"validation/{step}"
+        with timer("validation"):
+            self.generation.set_sampling_seed(step_seed(self.config.seed, "validation", step))
+            self.generation.prepare_for_generation()
+            try:
+                batch, metrics = self.rollout(self.val_prompts, greedy=True, repeats=1)
+            finally:
+                self.generation.finish_generation()
+            keys = sample_keys(len(batch), 1)
+            self.plane.put(partition, keys, batch.fields(("rewards", "response_lengths")))
+            try:
+                results = self.plane.get(partition, keys, ("rewards", "response_lengths"))
+            finally:
+                self.plane.clear(partition)
+        self.last_validation = {
+            "accuracy": float(results["rewards"].float().mean()),
+            "mean_response_length": float(results["response_lengths"].float().mean()),
+            **metrics,
+            **timer.metrics(),
+        }
+        self.ctx.log_metrics(step, self.last_validation, phase="validation")
+
+    def save(self, step: int, metrics: dict[str, float]) -> None:
+        """Checkpoint ``step``, scored by its metrics and the last validation's
+        (``validation/<name>``) for ``checkpointing.keep_top_k``."""
+        if self.ctx.checkpoints is None:
+            return
+        scored = {**metrics, **{f"validation/{k}": v for k, v in self.last_validation.items()}}
+        self.ctx.checkpoints.save(
+            step,
+            lambda folder: write_checkpoint(folder, self.policy, self.prompts),
+            metrics=scored,
+            config_yaml=dump_config(self.config),
+        )
+
+    def resume(self) -> int:
+        """Restore the latest checkpoint when resuming is on; return its step (0: fresh run)."""
+        manager = self.ctx.checkpoints
+        if manager is None or not self.config.checkpointing.resume:
+            return 0
+        folder = manager.latest()
+        if folder is None:
+            return 0
+        info = manager.info(folder)
+        read_checkpoint(Path(folder), self.policy, self.prompts)
+        for name, value in info.get("metrics", {}).items():
+            if name.startswith("validation/"):
+                self.last_validation[name.removeprefix("validation/")] = value
+            else:
+                self.resumed_metrics[name] = value
+        refit(self.policy, self.generation, self.config.generation.refit_bucket_bytes)
+        self.ctx.log.info("resumed GRPO", checkpoint=str(folder), step=info["step"])
+        return int(info["step"])
+
+
+def environment_names(config: Any, datasets: Sequence[TokenizedDataset | None]) -> tuple[list[str], str | None]:
+    """The environments to start (every ``task`` named by the data plus every name under
+    ``environments``) and the task of rows that name none (the only environment, or None
+    when every row names its task)."""
+    tasks = {task for dataset in datasets if dataset is not None for task in dataset.table["task"]}
+    names = sorted({*config.environments, *(task for task in tasks if task)})
+    if not names:
+        raise ConfigError(
+            "GRPO needs an environment to score responses, but the data rows name no 'task' and the config has "
+            "no 'environments' section; add e.g. 'environments: {math: {}}' or a 'task' to every data row"
+        )
+    if None not in tasks and "" not in tasks:
+        return names, None
+    if len(names) > 1:
+        raise ConfigError(
+            f"some data rows have no 'task', and there are {len(names)} environments ({', '.join(names)}) they "
+            "could go to; give every row a 'task', or configure exactly one environment under 'environments'"
+        )
+    return names, names[0]
+
+
+def _validation_prompts(dataset: TokenizedDataset, max_samples: int | None) -> Batch:
+    count = len(dataset) if max_samples is None else min(max_samples, len(dataset))
+    return dataset.collate(list(range(count)))

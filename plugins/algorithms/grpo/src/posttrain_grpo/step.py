@@ -1,0 +1,182 @@
+"""The arithmetic of one GRPO step on rollout batches, and its metrics.
+
+Pure functions of :class:`~posttrain.batch.Batch` es and tensors: no backend is called here.
+:func:`score` turns a rollout batch's environment rewards into advantages;
+:func:`combine_train_metrics`, :func:`rollout_summary` and :func:`batch_metrics` build the
+step's logged metrics; :func:`nonfinite_fields` diagnoses a diverged step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from posttrain.batch import Batch
+from posttrain.errors import PosttrainError
+from posttrain_grpo.advantages import consecutive_group_ids, grpo_advantages
+from posttrain_grpo.config import GRPOConfig
+from posttrain_grpo.rewards import mask_truncated, overlong_penalty, scale_rewards
+
+#: What the logprob passes read from the data plane.
+LOGPROB_FIELDS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
+#: What a step puts into the data plane; ``policy.train`` reads these back, with
+#: ``prev_logprobs`` and (with a KL penalty) ``reference_logprobs`` added by the logprob passes.
+TRAIN_FIELDS = (*LOGPROB_FIELDS, "advantages", "generation_logprobs")
+#: Rollout metrics that are counts: summed over a step's rollouts; every other one is averaged.
+_COUNT_SUFFIXES = ("/errors", "/timeouts", "/generated_tokens")
+
+
+class TrainingDiverged(PosttrainError):
+    """A training step produced a non-finite loss or gradient norm."""
+
+
+def score(batch: Batch, grpo: GRPOConfig, max_new_tokens: int) -> torch.Tensor:
+    """Add ``shaped_rewards`` and ``advantages`` (float32 [B]) to a rollout batch laid out as
+    consecutive groups of ``grpo.num_generations_per_prompt`` samples, and apply overlong
+    filtering to ``sample_mask``. ``rewards`` (the environments' sum) is left unchanged.
+
+    Order: reward scaling, then the overlong length penalty (``shaped_rewards``), then group
+    advantages of the shaped rewards. Returns the scaled rewards *before* shaping: the
+    signal dynamic sampling decides on (a length penalty must not make a group of equally
+    wrong answers look informative).
+    """
+    scaled = scale_rewards(batch["rewards"].float(), grpo.reward_scaling)
+    shaped = scaled
+    shaping = grpo.overlong_reward_shaping
+    if shaping.enabled:
+        shaped = scaled + overlong_penalty(
+            batch["response_lengths"],
+            max_response_length=shaping.max_response_length or max_new_tokens,
+            buffer_length=shaping.buffer_length,
+            penalty=shaping.penalty,
+        )
+    groups = consecutive_group_ids(len(batch), grpo.num_generations_per_prompt)
+    batch["shaped_rewards"] = shaped
+    batch["advantages"] = grpo_advantages(shaped, groups, grpo)
+    if grpo.overlong_filtering:
+        batch["sample_mask"] = mask_truncated(batch["sample_mask"], batch["truncated"])
+    return scaled
+
+
+def sample_keys(num_prompts: int, group_size: int) -> list[str]:
+    """Data-plane keys of a step's samples: ``"<prompt>_g<generation>"`` in batch order."""
+    return [f"{prompt}_g{gen}" for prompt in range(num_prompts) for gen in range(group_size)]
+
+
+def step_seed(seed: int, phase: str, step: int) -> int:
+    """A 31-bit sampling seed for ``phase`` (``train`` or ``validation``) of ``step``,
+    derived from the run's seed alone, so a resumed run draws what an uninterrupted one would."""
+    digest = hashlib.blake2b(f"{seed}:{phase}:{step}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+class StageTimer:
+    """Wall-clock seconds per named stage; ``with timer("generation"): ...`` adds to it."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """``timing/<stage>`` in seconds."""
+        return {f"timing/{stage}": seconds for stage, seconds in self.seconds.items()}
+
+
+def combine_train_metrics(parts: Sequence[Mapping[str, float]], reductions: Mapping[str, str]) -> dict[str, float]:
+    """Metrics of several ``policy.train`` calls (one per global batch of the step): the
+    max or min for names in ``reductions`` (the loss's ``metric_reductions``), the sum of
+    ``num_tokens`` and ``step_time_s``, the mean of everything else (each call's metrics
+    are already normalised over its own global batch)."""
+    out: dict[str, float] = {}
+    for name in dict.fromkeys(n for part in parts for n in part):
+        values = [float(part[name]) for part in parts if name in part]
+        kind = reductions.get(name)
+        if kind == "max":
+            out[name] = max(values)
+        elif kind == "min":
+            out[name] = min(values)
+        elif name in ("num_tokens", "step_time_s"):
+            out[name] = sum(values)
+        else:
+            out[name] = sum(values) / len(values)
+    return out
+
+
+def rollout_summary(rollouts: Sequence[tuple[Batch, Mapping[str, float]]]) -> dict[str, float]:
+    """The step's rollout metrics over every rollout it ran (one, or several with dynamic
+    sampling): counts (``.../errors``, ``.../timeouts``, ``rollout/generated_tokens``) are
+    summed, other metrics averaged weighted by each rollout's samples; ``reward`` is the mean
+    environment reward over every generated sample."""
+    sizes = [len(batch) for batch, _ in rollouts]
+    total = sum(sizes)
+    out: dict[str, float] = {}
+    for name in dict.fromkeys(n for _, metrics in rollouts for n in metrics):
+        present = [(size, metrics[name]) for size, (_, metrics) in zip(sizes, rollouts, strict=True) if name in metrics]
+        if name.endswith(_COUNT_SUFFIXES):
+            out[name] = float(sum(value for _, value in present))
+        else:
+            out[name] = sum(size * value for size, value in present) / sum(size for size, _ in present)
+    out["reward"] = float(torch.cat([batch["rewards"].float() for batch, _ in rollouts]).sum()) / total
+    return out
+
+
+def batch_metrics(batch: Batch) -> dict[str, float]:
+    """Metrics of the batch the step trains on (after dynamic sampling and filtering)."""
+    valid = batch["sample_mask"] > 0
+    advantages = batch["advantages"].float()
+    lengths = batch["input_lengths"].float()
+    return {
+        "trained_reward": float(batch["shaped_rewards"].float().mean()),
+        "advantages/mean": float(advantages.mean()),
+        "advantages/min": float(advantages.min()),
+        "advantages/max": float(advantages.max()),
+        "num_valid_samples": float(valid.sum()),
+        "mean_prompt_length": float(batch["prompt_lengths"].float().mean()),
+        "mean_response_length": float(batch["response_lengths"].float().mean()),
+        "max_sequence_length": float(lengths.max()),
+        "total_num_tokens": float(lengths.sum()),
+    }
+
+
+def throughput(num_tokens: float, generated_tokens: float, timings: Mapping[str, float]) -> dict[str, float]:
+    """Tokens per second: ``throughput/tokens_per_s`` (all tokens of the trained batch over
+    the whole step), ``throughput/generated_tokens_per_s`` (over the rollout stage) and
+    ``throughput/training_tokens_per_s`` (over the training stage)."""
+    out = {}
+    for name, tokens, stage in (
+        ("tokens_per_s", num_tokens, "timing/step"),
+        ("generated_tokens_per_s", generated_tokens, "timing/rollout"),
+        ("training_tokens_per_s", num_tokens, "timing/training"),
+    ):
+        if timings.get(stage):
+            out[f"throughput/{name}"] = tokens / timings[stage]
+    return out
+
+
+def nonfinite_fields(batch: Batch) -> list[str]:
+    """Names of the batch's floating-point tensor fields that hold a NaN or an infinity."""
+    return [
+        name
+        for name, value in batch.items()
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all())
+    ]
+
+
+def first_nonfinite(metrics: Mapping[str, float], names: Sequence[str]) -> str | None:
+    """The first of ``names`` whose value in ``metrics`` is NaN or infinite, or None."""
+    for name in names:
+        if name in metrics and not math.isfinite(metrics[name]):
+            return name
+    return None

@@ -1,0 +1,244 @@
+"""Whole GRPO runs on CPU: the dtensor policy, the hf generation backend and environments in
+Ray actors, with the tiny character-level model.
+
+- the example config runs through the CLI and leaves metrics, validation and a checkpoint;
+- a task a random tiny model can learn by RL alone (answer "7": the math environment reads
+  the last number of the response) gets a measurably higher reward after 20 steps;
+- a run stopped after step 2 and resumed logs exactly the step-3 metrics of an
+  uninterrupted run (with dynamic sampling on, so the data position is not the step);
+- a multi-turn game (guess_number) trains through the same loop;
+- samples an environment fails on score 0 and are counted; a NaN reward makes the loss
+  NaN: the run stops naming the step and the metric, and the last checkpoint stays as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+from posttrain import cli
+from posttrain.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    GenerationConfig,
+    LoggerConfig,
+    OptimizerConfig,
+    PolicyConfig,
+    RunConfig,
+    WorkerResources,
+)
+from posttrain.metrics import read_metrics
+from posttrain.run import RunContext, run_algorithm, seed_everything
+from posttrain_env_math.guess_number import guess_number_prompt
+from posttrain_grpo.algorithm import GRPO
+from posttrain_grpo.config import DynamicSamplingConfig, GRPOConfig
+from posttrain_grpo.step import TrainingDiverged
+
+pytestmark = pytest.mark.ray
+
+REPO = Path(__file__).resolve().parents[2]
+TEST_ENVIRONMENTS = "tests.e2e.grpo_environments"
+#: Metrics that measure time, not what was computed.
+TIMING_PREFIXES = ("timing/", "throughput/", "refit/seconds", "step_time_s", "time")
+
+
+def write_rows(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def seven_rows(count: int) -> list[dict]:
+    """Prompts whose answer is always 7: learnable without understanding the prompt."""
+    return [{"messages": [{"role": "user", "content": f"Say seven. ({i})"}], "answer": "7", "task": "math"} for i in range(count)]
+
+
+def make_config(model: str, run_dir: Path, train: str, grpo: GRPOConfig, **overrides) -> RunConfig:
+    """A CPU GRPO run: one policy worker, one generation engine, math verified in-actor."""
+    samples = grpo.samples_per_step
+    fields = dict(
+        seed=3,
+        run_dir=str(run_dir),
+        algorithm="grpo",
+        policy=PolicyConfig(
+            model=model,
+            train_global_batch_size=samples,
+            train_micro_batch_size=samples,
+            logprob_micro_batch_size=samples,
+            max_total_sequence_length=64,
+            optimizer=OptimizerConfig(lr=3e-3),
+            resources=WorkerResources(cpus=1),
+        ),
+        generation=GenerationConfig(max_new_tokens=8, resources=WorkerResources(cpus=1)),
+        data=DataConfig(train=train, shuffle=False),
+        environments={"math": {"num_workers": 1}},
+        checkpointing=CheckpointConfig(save_period=100),
+        logger=LoggerConfig(progress_bar=False),
+        sections={"grpo": grpo},
+    )
+    fields.update(overrides)
+    return RunConfig(**fields)
+
+
+def comparable(record: dict) -> dict:
+    """The numeric metrics of a record that do not measure time."""
+    return {k: v for k, v in record.items() if k != "phase" and not k.startswith(TIMING_PREFIXES)}
+
+
+def assert_finite(record: dict) -> None:
+    bad = {k: v for k, v in record.items() if k != "phase" and not (isinstance(v, float | int) and math.isfinite(v))}
+    assert not bad, f"non-finite metrics at step {record['step']}: {bad}"
+
+
+# ----------------------------------------------------------------------------- the example config
+
+
+def test_example_config_runs_through_the_cli(ray_cluster, tiny_model_path, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)  # the example's data paths are relative to the repository root
+    run_dir = tmp_path / "run"
+    code = cli.main([
+        "run", "grpo", "--config", "examples/configs/grpo_math_tiny.yaml",
+        f"policy.model={tiny_model_path}", f"run_dir={run_dir}", "grpo.max_num_steps=2", "grpo.val_period=2",
+        "grpo.max_val_samples=4", "checkpointing.save_period=2", "logger.progress_bar=false",
+    ])
+    assert code == 0
+
+    train = read_metrics(run_dir / "metrics.jsonl", "train")
+    assert [r["step"] for r in train] == [1, 2]
+    for record in train:
+        assert_finite(record)
+        for name in ("reward", "loss", "grad_norm", "env/math/accuracy", "env/math/errors", "advantages/mean",
+                     "timing/rollout", "timing/logprobs", "timing/training", "timing/refit", "throughput/tokens_per_s"):
+            assert name in record, f"step {record['step']} did not log {name}"
+        assert record["num_valid_samples"] == 32
+        assert record["reward"] == pytest.approx(record["env/math/accuracy"])  # both: mean 0/1 reward
+        # Generation and trainer compute the same float32 logprobs: the sampled tokens'
+        # probabilities agree to within 0.1%.
+        assert 1.0 <= record["token_mult_prob_error"] < 1.001
+    validation = read_metrics(run_dir / "metrics.jsonl", "validation")
+    assert [r["step"] for r in validation] == [0, 2]  # val_at_start, then every 2 steps
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in validation)
+
+    step_2 = run_dir / "checkpoints" / "step_2"
+    assert sorted(p.name for p in step_2.iterdir()) == [
+        "config.yaml", "dataloader.pt", "policy", "rng.pt", "training_info.json"
+    ]
+    assert torch.load(step_2 / "dataloader.pt")["position"] == 2  # one prompt batch per step
+    assert json.loads((step_2 / "training_info.json").read_text())["metrics"]["validation/accuracy"] == validation[-1]["accuracy"]
+
+
+# ----------------------------------------------------------------------------- learning
+
+
+def test_reward_rises_on_a_learnable_task(ray_cluster, tiny_model_path, tmp_path):
+    train = write_rows(tmp_path / "train.jsonl", seven_rows(80))
+    grpo = GRPOConfig(num_prompts_per_step=4, num_generations_per_prompt=8, max_num_steps=20)
+    run_algorithm(make_config(tiny_model_path, tmp_path / "run", train, grpo))
+
+    rewards = [r["reward"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl", "train")]
+    assert len(rewards) == 20
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    # A random model answers 7 about one time in eight; RL alone should at least triple it.
+    assert last > first + 0.2, f"mean reward of the first 4 steps {first:.3f}, of the last 4 {last:.3f}: {rewards}"
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+@pytest.mark.slow
+def test_resumed_run_matches_an_uninterrupted_one(ray_cluster, tiny_model_path, tmp_path):
+    train = write_rows(tmp_path / "train.jsonl", seven_rows(160))
+    grpo = GRPOConfig(
+        num_prompts_per_step=2, num_generations_per_prompt=8, max_num_steps=3,
+        dynamic_sampling=DynamicSamplingConfig(enabled=True, max_gen_batches=20),
+    )
+    checkpoints = CheckpointConfig(save_period=2)
+    run_algorithm(make_config(tiny_model_path, tmp_path / "full", train, grpo, checkpointing=checkpoints))
+
+    two_steps = attrs.evolve(grpo, max_num_steps=2)
+    run_algorithm(make_config(tiny_model_path, tmp_path / "stopped", train, two_steps, checkpointing=checkpoints))
+    assert [p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir()] == ["step_2"]
+    saved = torch.load(tmp_path / "stopped" / "checkpoints" / "step_2" / "dataloader.pt")
+    consumed = sum(r["dynamic_sampling/gen_batches"] for r in read_metrics(tmp_path / "stopped" / "metrics.jsonl"))
+    assert saved["position"] == consumed > 2  # dynamic sampling drew more than one prompt batch per step
+    run_algorithm(make_config(tiny_model_path, tmp_path / "stopped", train, grpo, checkpointing=checkpoints))
+
+    full = read_metrics(tmp_path / "full" / "metrics.jsonl", "train")
+    resumed = read_metrics(tmp_path / "stopped" / "metrics.jsonl", "train")
+    assert [r["step"] for r in resumed] == [1, 2, 3]  # the resumed run appended step 3 only
+    expected, found = comparable(full[2]), comparable(resumed[2])
+    assert found.keys() == expected.keys()
+    for name, value in expected.items():
+        assert found[name] == pytest.approx(value, rel=1e-6, abs=1e-6), name
+    full_position = torch.load(tmp_path / "full" / "checkpoints" / "step_3" / "dataloader.pt")
+    assert torch.load(tmp_path / "stopped" / "checkpoints" / "step_3" / "dataloader.pt") == full_position
+
+
+# ----------------------------------------------------------------------------- multi-turn
+
+
+def test_multi_turn_game_trains_through_the_loop(ray_cluster, tiny_model_path, tmp_path):
+    rows = [
+        {"messages": guess_number_prompt(1, 5), "metadata": {"target": 1 + i % 5, "low": 1, "high": 5}, "task": "guess_number"}
+        for i in range(4)
+    ]
+    train = write_rows(tmp_path / "train.jsonl", rows)
+    grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=2, max_rollout_turns=3)
+    config = make_config(
+        tiny_model_path, tmp_path / "run", train, grpo,
+        environments={"guess_number": {"max_guesses": 3}},
+    )
+    config.policy.max_total_sequence_length = 384
+    result = run_algorithm(config)
+
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
+    assert [r["step"] for r in records] == [1, 2] and result["step"] == 2
+    for record in records:
+        assert_finite(record)
+        # A random model writes no <guess>N</guess>: each game gets reminders until its 3 turns are spent.
+        assert record["rollout/mean_turns"] == 3.0
+        assert record["env/guess_number/mean_guesses"] == 3.0
+        # The trainer's logprobs of every turn's generated tokens match the generation
+        # backend's: the multi-turn token sequence and its loss mask line up.
+        assert 1.0 <= record["token_mult_prob_error"] < 1.001
+
+
+# ----------------------------------------------------------------------------- divergence
+
+
+def test_failed_samples_score_zero_and_a_nan_loss_stops_the_run(ray_cluster, tiny_model_path, tmp_path):
+    # One prompt (4 samples) per step: step 1's environment fails on every sample, step 2
+    # scores 0, step 3's rewards are NaN.
+    metadata = [{"reward": "1.0", "error": "cannot score this"}, {"reward": "0.0"}, {"reward": "nan"}]
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}], "metadata": meta, "task": "scripted"}
+            for i, meta in enumerate(metadata)]
+    train = write_rows(tmp_path / "train.jsonl", rows)
+    grpo = GRPOConfig(num_prompts_per_step=1, num_generations_per_prompt=4, max_num_steps=3)
+    config = make_config(
+        tiny_model_path, tmp_path / "run", train, grpo, environments={}, checkpointing=CheckpointConfig(save_period=1)
+    )
+    seed_everything(config.seed)
+    ctx = RunContext(config)
+    try:
+        with pytest.raises(TrainingDiverged) as failure:
+            GRPO(environment_plugins=[TEST_ENVIRONMENTS]).run(ctx)
+    finally:
+        ctx.close()
+
+    message = str(failure.value)
+    assert "GRPO step 3: the training metric 'loss' is nan" in message
+    assert "Non-finite inputs in the step's batch: advantages" in message
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert f"the last checkpoint ({checkpoints / 'step_2'})" in message
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_1", "step_2"]
+    assert json.loads((checkpoints / "step_2" / "training_info.json").read_text())["step"] == 2
+    assert (checkpoints / "step_2" / "policy").is_dir() and (checkpoints / "step_2" / "rng.pt").is_file()
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
+    assert [r["step"] for r in records] == [1, 2]
+    # Failed samples get reward 0 (not the 1.0 the data asked for) and are counted; the run goes on.
+    assert (records[0]["reward"], records[0]["env/scripted/errors"]) == (0.0, 4.0)
+    assert (records[1]["reward"], records[1]["env/scripted/errors"]) == (0.0, 0.0)
