@@ -14,17 +14,16 @@ NumPy and torch random states) and the manager's ``training_info.json`` / ``conf
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import torch
 
 from posttrain.batch import Batch
-from posttrain.config import RunConfig, dump_config
+from posttrain.checkpoint import rng_state, set_rng_state
+from posttrain.config import dump_config
 from posttrain.data import (
     StatefulDataLoader,
     dataloader_from_config,
@@ -35,6 +34,7 @@ from posttrain.data import (
 from posttrain.interfaces.algorithm import Algorithm
 from posttrain.interfaces.loss import LossFunction, LossType
 from posttrain.interfaces.policy import Policy
+from posttrain.run import with_schedule_horizon
 from posttrain_sft.config import SFTConfig
 
 if TYPE_CHECKING:
@@ -217,16 +217,6 @@ def planned_steps(options: SFTConfig, batches_per_epoch: int) -> int:
     return steps if options.max_num_steps is None else min(steps, options.max_num_steps)
 
 
-def with_schedule_horizon(config: RunConfig, steps: int) -> RunConfig:
-    """``config`` with ``policy.scheduler.total_steps`` set to ``steps`` when unset (the
-    documented default: the run's length)."""
-    scheduler = config.policy.scheduler
-    if scheduler.total_steps is not None:
-        return config
-    policy = attrs.evolve(config.policy, scheduler=attrs.evolve(scheduler, total_steps=steps))
-    return attrs.evolve(config, policy=policy)
-
-
 def pad_rows(batch: Batch, multiple: int) -> Batch:
     """``batch`` grown to a multiple of ``multiple`` rows by repeating its leading rows with
     ``sample_mask`` 0 (no loss, no metric weight). ``multiple`` must be a multiple of the row
@@ -265,25 +255,3 @@ def weighted_metrics(
         else:
             out[name] = sum(weight * v for weight, v in values) / total
     return out
-
-
-def rng_state() -> dict[str, Any]:
-    """The driver's random states (Python, NumPy's global generator, torch CPU)."""
-    import numpy as np
-
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": [name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss],
-        "torch": torch.get_rng_state(),
-    }
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Inverse of :func:`rng_state`."""
-    import numpy as np
-
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
