@@ -88,11 +88,19 @@ def test_each_call_draws_new_samples(contract):
 
 
 def test_context_limit_caps_the_budget_and_refuses_longer_prompts(contract):
-    prompt = [1] + [20 + i % 50 for i in range(250)]  # 251 tokens of a 256-token context: 5 new at most
+    # 251 tokens of a 256-token context: 5 new at most. Use a prompt whose greedy continuation
+    # (by transformers) runs past 5 tokens without hitting a configured stop or EOS token.
+    stops = [*contract.eos_token_ids, *contract.stop_token_ids]
+
+    def reference(prompt):
+        out = contract.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=5, pad_token_id=0, eos_token_id=stops)
+        return out[0, len(prompt) :].tolist()
+
+    candidates = ([1] + [20 + (i * step) % 50 for i in range(250)] for step in (1, 3, 7, 11, 13, 17))
+    prompt, expected = next((p, r) for p in candidates if len(r := reference(p)) == 5 and not set(r) & set(stops))
     out = contract.generation.generate(prompt_batch([prompt]), greedy=True)
     assert out["generation_lengths"].tolist() == [5] and out["truncated"].tolist() == [True]
-    expected = contract.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=5, pad_token_id=0, eos_token_id=EOS)
-    assert generated_tokens(out, [prompt])[0] == expected[0, len(prompt) :].tolist()
+    assert generated_tokens(out, [prompt])[0] == expected
     with pytest.raises(DataError, match=r"row 0 has a 256-token prompt, but the engine context is 256 tokens \(generation.vllm.max_model_len"):
         contract.generation.generate(prompt_batch([[1] * 256]))
 
