@@ -2,7 +2,8 @@
 
 Shared by policy backends: weight export for refitting generation engines goes bucket by
 bucket (:func:`bucket_names`), and a Hugging Face folder is one safetensors shard per
-bucket plus ``model.safetensors.index.json`` (:class:`HFShardWriter`), with the model's
+bucket plus ``model.safetensors.index.json`` (:class:`HFShardWriter`, driven collectively by
+:func:`write_hf_shards`), with the model's
 config, generation config and tokenizer beside them (:func:`write_hf_metadata`).
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,30 @@ class HFShardWriter:
             "weight_map": {k: renamed[v] for k, v in sorted(self.weight_map.items())},
         }
         (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_hf_shards(
+    path: str,
+    sizes: Sequence[tuple[str, int]],
+    gather: Callable[[list[str]], dict[str, torch.Tensor] | None],
+    shard_bytes: int,
+    writer: bool,
+) -> bool:
+    """Export full weights bucket by bucket as safetensors shards of at most ``shard_bytes``.
+
+    Collective when ``gather`` is: every rank calls it with the same ``sizes`` (``(name,
+    nbytes)`` in export order) and calls ``gather(names)`` once per bucket; the one rank
+    with ``writer`` true (its ``gather`` returns the tensors) writes the shards and the
+    index under ``path``. Returns ``writer``, so the caller adds the metadata there.
+    """
+    shards = HFShardWriter(path) if writer else None
+    for names in bucket_names(sizes, shard_bytes):
+        tensors = gather(names)
+        if shards is not None:
+            shards.add(tensors)
+    if shards is not None:
+        shards.finish()
+    return writer
 
 
 def write_hf_metadata(

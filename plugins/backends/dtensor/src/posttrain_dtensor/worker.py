@@ -36,7 +36,7 @@ from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
 from posttrain.distributed import Worker
 from posttrain.errors import ConfigError
-from posttrain.hf_export import HFShardWriter, bucket_names, write_hf_metadata
+from posttrain.hf_export import write_hf_metadata, write_hf_shards
 from posttrain.interfaces.loss import LossFunction, combine_metrics, global_valid_counts
 from posttrain.logprobs import loss_positions, sequence_logprobs, topk_logits
 from posttrain.lr_schedule import build_scheduler
@@ -270,13 +270,7 @@ class DTensorPolicyWorker(Worker):
 
     def export_hf(self, path: str, shard_bytes: int) -> None:
         """Collective: a Hugging Face folder at ``path`` (written by rank 0)."""
-        writer = HFShardWriter(path) if self.rank == 0 else None
-        for names in bucket_names(self.weight_sizes(), shard_bytes):
-            tensors = self.gather_weights(names)
-            if writer is not None:
-                writer.add(tensors)
-        if writer is not None:
-            writer.finish()
+        if write_hf_shards(path, self.weight_sizes(), self.gather_weights, shard_bytes, writer=self.rank == 0):
             policy, lm = self.config.policy, self.model.lm
             write_hf_metadata(path, lm.config, policy.tokenizer or policy.model, self.compute_dtype,
                               getattr(lm, "generation_config", None))

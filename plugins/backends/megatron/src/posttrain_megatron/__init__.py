@@ -1,0 +1,1 @@
+"""posttrain policy backend 'megatron': megatron-core GPTModel with tensor, pipeline and context parallelism."""

@@ -1,0 +1,191 @@
+"""This rank's megatron-core ``GPTModel`` for a Hugging Face folder, and its weights in
+Hugging Face terms.
+
+The model is built from :class:`~posttrain_megatron.convert.Architecture` with megatron-core's
+local layers (runs on any device; :class:`RMSNorm` as its layer norm) or Transformer Engine's, holds
+this rank's pipeline stage (``pre_process`` on the first, ``post_process`` on the last) and
+its tensor-parallel slices. Its forward stops after the final layer norm
+(:class:`HiddenStateGPTModel`): the vocabulary-chunked head of :mod:`posttrain.logprobs`
+replaces the logits layer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from safetensors import safe_open
+
+from posttrain.config.schema import PolicyConfig
+from posttrain.errors import ConfigError
+from posttrain_megatron.config import MegatronConfig
+from posttrain_megatron.convert import Architecture, hf_sources, to_megatron, tp_shard
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+class HiddenStateGPTModel(GPTModel):
+    """A ``GPTModel`` whose forward returns the final hidden states ``[s, b, h]`` (after the
+    final layer norm; ``s`` split over tensor-parallel ranks with sequence parallelism)
+    instead of logits; the output layer's weight is still its parameter."""
+
+    def _postprocess(self, hidden_states, **_):
+        return hidden_states
+
+
+def check_parallel_sizes(arch: Architecture, policy: PolicyConfig) -> None:
+    """Refuse parallel sizes the model's shape does not divide, naming both numbers."""
+    tp, pp = policy.tensor_parallel_size, policy.pipeline_parallel_size
+    for key, value in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
+                       ("intermediate_size", arch.ffn_hidden_size)):
+        if value % tp:
+            raise ConfigError(
+                f"policy.tensor_parallel_size={tp} does not divide the model's {key}={value}; choose a "
+                "tensor-parallel size that divides it"
+            )
+    if arch.num_layers % pp:
+        raise ConfigError(
+            f"policy.pipeline_parallel_size={pp} does not divide the model's num_hidden_layers={arch.num_layers}; "
+            "each pipeline stage holds the same number of layers"
+        )
+
+
+def transformer_config(arch: Architecture, policy: PolicyConfig, options: MegatronConfig, *,
+                       on_gpu: bool) -> TransformerConfig:
+    """megatron-core's config: the architecture, the parallel layout and posttrain's choices
+    (no fused kernels that need Apex; the loss normalised by posttrain, so gradients are
+    summed, not averaged, over data-parallel ranks and microbatches)."""
+    dtype = getattr(torch, policy.dtype)
+    return TransformerConfig(
+        **arch.transformer_config_kwargs(),
+        tensor_model_parallel_size=policy.tensor_parallel_size,
+        pipeline_model_parallel_size=policy.pipeline_parallel_size,
+        context_parallel_size=policy.context_parallel_size,
+        sequence_parallel=options.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not on_gpu,
+        # the Hugging Face weights overwrite the initial ones, but megatron-core marks its
+        # tensor-parallel parameters (which gradient norms and checkpoints rely on) only while
+        # initialising them
+        perform_initialization=True,
+        calculate_per_token_loss=True,
+        variable_seq_lengths=True,  # microbatches of one pass differ in length
+        moe_token_dispatcher_type="alltoall",  # (dense models; the default refuses variable lengths)
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+class RMSNorm(torch.nn.Module):
+    """The RMS layer norm of posttrain's local layer spec: ``torch.nn.RMSNorm`` arithmetic,
+    usable with sequence parallelism (megatron-core's own torch norm refuses it; its fused
+    ones need Apex). Under sequence parallelism each tensor-parallel rank normalises its part
+    of the sequence, so the weight is marked ``sequence_parallel`` and megatron-core sums its
+    gradient over those ranks."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object):
+        super().__init__()
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=device))
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(hidden, (hidden.shape[-1],), self.weight, self.eps)
+
+
+def layer_spec(config: TransformerConfig, options: MegatronConfig) -> TransformerBlockSubmodules:
+    """The decoder's layers: Transformer Engine's, or megatron-core's local layers with
+    :class:`RMSNorm`."""
+    if options.transformer_impl == "transformer_engine":
+        try:
+            return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
+        except (ImportError, AssertionError) as exc:
+            raise ConfigError(
+                "policy.megatron.transformer_impl=transformer_engine, but Transformer Engine cannot be used in "
+                f"the policy workers' environment ({exc}); install transformer-engine there or use 'local'"
+            ) from exc
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+
+
+def build_model(arch: Architecture, config: TransformerConfig, options: MegatronConfig) -> HiddenStateGPTModel:
+    """This rank's pipeline stage of the model, randomly initialised (load weights next)."""
+    return HiddenStateGPTModel(
+        config,
+        layer_spec(config, options),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        **arch.gpt_model_kwargs(config.tensor_model_parallel_size),
+    )
+
+
+def fused_norms(options: MegatronConfig) -> bool:
+    """Whether layer norms live inside the next linear layer (Transformer Engine spec)."""
+    return options.transformer_impl == "transformer_engine"
+
+
+def output_weight(model: GPTModel) -> torch.Tensor:
+    """This rank's rows of the output embedding (padded vocabulary) on the last stage."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def named_parameters(model: GPTModel) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """``(global megatron name, parameter)``: layer numbers counted over all pipeline stages."""
+    offsets = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+    for name, param in model.named_parameters():
+        yield _LAYER.sub(lambda m: f"decoder.layers.{offsets[int(m.group(1))]}.", name), param
+
+
+class HFTensors:
+    """Read single tensors of a Hugging Face safetensors folder (one file or an index)."""
+
+    def __init__(self, folder: str):
+        root = Path(folder)
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: root / file for name, file in weight_map.items()}
+        elif (root / "model.safetensors").is_file():
+            with safe_open(root / "model.safetensors", "pt") as f:
+                self.files = {name: root / "model.safetensors" for name in f.keys()}  # noqa: SIM118
+        else:
+            raise ConfigError(
+                f"policy.model: '{folder}' holds no model.safetensors or model.safetensors.index.json; the "
+                "megatron backend reads safetensors weights (save the model with safe_serialization=True)"
+            )
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise ConfigError(f"policy.model: the weights have no tensor '{name}', which the model config implies")
+        with safe_open(self.files[name], "pt") as f:
+            return f.get_tensor(name)
+
+
+@torch.no_grad()
+def load_hf_weights(model: GPTModel, arch: Architecture, folder: str, *, fused: bool) -> None:
+    """Copy the Hugging Face weights of ``folder`` into this rank's parameters."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tensors = HFTensors(folder)
+    for name, param in named_parameters(model):
+        sources = [tensors.get(s) for s in hf_sources(arch, name, fused_norms=fused)]
+        whole = to_megatron(arch, name, sources, tp_size=tp_size)
+        param.copy_(tp_shard(name, whole, tp_rank, tp_size))
