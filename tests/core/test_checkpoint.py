@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from posttrain.checkpoint import CheckpointManager
+from posttrain.checkpoint import CheckpointManager, check_checkpoint_fits
+from posttrain.config import config_from_dict, dump_config
 from posttrain.errors import CheckpointError
 
 
@@ -101,3 +102,55 @@ def test_invalid_keep_top_k(tmp_path):
 def test_training_info_is_json(tmp_path):
     path = CheckpointManager(tmp_path).save(7, _writer("x"), metrics={"a": 1})
     assert json.loads((path / "training_info.json").read_text())["step"] == 7
+
+
+# ----------------------------------------------------------------------------- config fit
+
+
+def _model_folder(path, **shape):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "vocab_size": 103, **shape}))
+    return str(path)
+
+
+def _config(model, **policy):
+    return config_from_dict({"algorithm": "sft", "policy": {"model": model, **policy}})
+
+
+def _saved_by(tmp_path, config):
+    return CheckpointManager(tmp_path / "ckpt").save(1, _writer("x"), config_yaml=dump_config(config))
+
+
+def test_a_checkpoint_of_the_same_config_fits(tmp_path):
+    model = _model_folder(tmp_path / "m")
+    folder = _saved_by(tmp_path, _config(model))
+    check_checkpoint_fits(folder, _config(model, train_global_batch_size=16))  # batch size may change
+    moved = _model_folder(tmp_path / "moved")  # same shape, another folder
+    check_checkpoint_fits(folder, _config(moved))
+
+
+def test_a_checkpoint_of_another_backend_algorithm_or_dtype_is_refused(tmp_path):
+    model = _model_folder(tmp_path / "m")
+    folder = _saved_by(tmp_path, _config(model))
+    other = config_from_dict({"algorithm": "dpo", "policy": {"model": model, "backend": "megatron", "dtype": "bfloat16"}})
+    with pytest.raises(CheckpointError) as err:
+        check_checkpoint_fits(folder, other)
+    assert str(err.value) == (
+        f"cannot resume from {folder}: it was written by a different config. Differences: "
+        "algorithm: checkpoint 'sft', config 'dpo'; policy.backend: checkpoint 'dtensor', config 'megatron'; "
+        "policy.dtype: checkpoint 'float32', config 'bfloat16'. Start the new run in another checkpointing.dir "
+        "(or run_dir), or resume with the checkpoint's settings"
+    )
+
+
+def test_a_checkpoint_of_a_model_of_another_shape_is_refused(tmp_path):
+    saved_model = _model_folder(tmp_path / "m")
+    folder = _saved_by(tmp_path, _config(saved_model))
+    wider = _model_folder(tmp_path / "wide", hidden_size=128)
+    with pytest.raises(CheckpointError) as err:
+        check_checkpoint_fits(folder, _config(wider))
+    assert str(err.value) == (
+        f"cannot resume from {folder}: it was written by a different config. Differences: policy.model config.json "
+        f"hidden_size: checkpoint 64 ({saved_model}), config 128 ({wider}). Start the new run in another "
+        "checkpointing.dir (or run_dir), or resume with the checkpoint's settings"
+    )

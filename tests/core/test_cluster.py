@@ -14,12 +14,15 @@ from posttrain.distributed.worker_group import merged_runtime_env
 from posttrain.errors import ConfigError
 
 PROBE = (
-    "import os, ray\n"
+    "import os, signal, ray\n"
     "from posttrain.config.schema import ClusterConfig\n"
     "from posttrain.distributed import init_ray\n"
+    "def mine(signum, frame): pass\n"
+    "signal.signal(signal.SIGTERM, mine)  # e.g. a run's graceful stop: ray.init must not replace it\n"
     "init_ray(ClusterConfig(num_cpus=3))\n"
     "init_ray(ClusterConfig(num_cpus=1))  # idempotent: no second cluster\n"
-    "print(ray.cluster_resources()['CPU'], ray.get_runtime_context().gcs_address, os.environ['RAY_AUTH_MODE'])\n"
+    "print(ray.cluster_resources()['CPU'], ray.get_runtime_context().gcs_address, os.environ['RAY_AUTH_MODE'],\n"
+    "      signal.getsignal(signal.SIGTERM) is mine)\n"
     "ray.shutdown()\n"
 )
 
@@ -37,9 +40,9 @@ def _probe(**env: str) -> list[str]:
 def test_init_ray_joins_ray_address_else_starts_a_local_cluster(ray_cluster):
     address = ray_cluster.get_runtime_context().gcs_address
     joined = _probe(RAY_ADDRESS=address, RAY_AUTH_MODE="disabled")
-    assert joined == [str(ray_cluster.cluster_resources()["CPU"]), address, "disabled"]
+    assert joined == [str(ray_cluster.cluster_resources()["CPU"]), address, "disabled", "True"]
     started = _probe()
-    assert started[0] == "3.0" and started[1] != address and started[2] == "disabled"
+    assert started[0] == "3.0" and started[1] != address and started[2:] == ["disabled", "True"]
     init_ray(ClusterConfig(num_cpus=1))  # this process is already connected: nothing changes
     assert ray_cluster.get_runtime_context().gcs_address == address
 

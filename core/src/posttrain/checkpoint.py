@@ -109,6 +109,75 @@ class CheckpointManager:
         return (value if self.higher_is_better else -value, step)
 
 
+#: Config keys a checkpoint's state depends on: resuming with another value is refused.
+RESUME_KEYS = ("algorithm", "policy.backend", "policy.dtype")
+#: ``config.json`` fields that fix the shape of the model's weights.
+MODEL_SHAPE_KEYS = (
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "intermediate_size", "tie_word_embeddings",
+)
+
+
+def check_checkpoint_fits(folder: str | Path, config: Any) -> None:
+    """Refuse to resume ``config`` from the checkpoint ``folder`` when its saved
+    ``config.yaml`` differs on :data:`RESUME_KEYS`, or its model (``policy.model``, when
+    that folder still exists) differs in shape on :data:`MODEL_SHAPE_KEYS`.
+
+    Raises :class:`CheckpointError` naming every differing key, the saved and the current
+    value, and the ways out.
+    """
+    import yaml
+
+    file = Path(folder) / "config.yaml"
+    if not file.is_file():
+        return
+    saved = yaml.safe_load(file.read_text()) or {}
+    differences = [
+        f"{key}: checkpoint {_lookup(saved, key)!r}, config {_lookup_attr(config, key)!r}"
+        for key in RESUME_KEYS
+        if _lookup(saved, key) != _lookup_attr(config, key)
+    ]
+    saved_model, model = _lookup(saved, "policy.model"), config.policy.model
+    if isinstance(saved_model, str) and saved_model != model:
+        before, now = _model_shape(saved_model), _model_shape(model)
+        if before is not None and now is not None:
+            differences += [
+                f"policy.model config.json {key}: checkpoint {before.get(key)!r} ({saved_model}), "
+                f"config {now.get(key)!r} ({model})"
+                for key in MODEL_SHAPE_KEYS
+                if before.get(key) != now.get(key)
+            ]
+    if differences:
+        raise CheckpointError(
+            f"cannot resume from {folder}: it was written by a different config. Differences: "
+            f"{'; '.join(differences)}. Start the new run in another checkpointing.dir (or run_dir), "
+            "or resume with the checkpoint's settings"
+        )
+
+
+def _lookup(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(part)
+    return tree
+
+
+def _lookup_attr(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = getattr(config, part, None)
+    return config
+
+
+def _model_shape(path: str) -> dict[str, Any] | None:
+    file = Path(path) / "config.json"
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return {key: data.get(key) for key in MODEL_SHAPE_KEYS} if isinstance(data, dict) else None
+
+
 def _fsync_tree(root: Path) -> None:
     for path in sorted(root.rglob("*"), reverse=True):
         if path.is_file():

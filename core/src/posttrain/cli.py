@@ -5,6 +5,9 @@
     posttrain quickstart [--run-dir DIR]
 
 Errors posttrain raises on purpose print as one ``error:`` paragraph and exit with status 2.
+A run stopped by SIGINT / SIGTERM saves a checkpoint at the step boundary, prints one
+``stopped:`` line and exits with 128 + the signal number (130, 143); a second signal stops
+at once with 130. ``posttrain run`` shuts down the Ray it started before exiting.
 Heavy modules (torch, ray) are imported only by the commands that need them.
 """
 
@@ -13,9 +16,9 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
-from posttrain.errors import PosttrainError
+from posttrain.errors import PosttrainError, RunStopped
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -38,8 +41,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from posttrain.run import run_algorithm
 
     config = load_config(args.config, [*args.overrides, f"algorithm={args.algorithm}"])
-    run_algorithm(config)
+    try:
+        run_algorithm(config)
+    finally:
+        _shutdown_ray()
     return 0
+
+
+def _shutdown_ray() -> None:
+    """Stop this process's Ray connection (and the local cluster it started), if any."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> int:
@@ -85,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:
         return args.func(args)
+    except RunStopped as stop:
+        print(f"stopped: {stop}", file=sys.stderr)
+        return stop.exit_code
     except PosttrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

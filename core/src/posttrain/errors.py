@@ -34,6 +34,18 @@ class WorkerError(PosttrainError):
     """A Ray worker died or failed; the message names its group and rank."""
 
 
+class RunStopped(Exception):
+    """A run stopped early on a signal, after saving what it could (not an error: the run
+    resumes from ``checkpoint`` when started again with the same config)."""
+
+    def __init__(self, signal_name: str, exit_code: int, step: int, checkpoint: str | None):
+        self.signal_name, self.exit_code, self.step, self.checkpoint = signal_name, exit_code, step, checkpoint
+        saved = f"the checkpoint {checkpoint}" if checkpoint else "no checkpoint (checkpointing is off or no step finished)"
+        super().__init__(
+            f"stopped by {signal_name} after step {step}; the run resumes from {saved} when started again"
+        )
+
+
 def did_you_mean(word: str, candidates: Iterable[str], prefix: str = "") -> str:
     """Return ``" Did you mean 'x'?"`` for the closest candidate, or ``""`` if none is close.
 

@@ -10,16 +10,23 @@ from typing import Any
 
 import attrs
 
-from posttrain.checkpoint import CheckpointManager
+from posttrain.checkpoint import CheckpointManager, check_checkpoint_fits
 from posttrain.config.schema import RunConfig
+from posttrain.errors import RunStopped
 from posttrain.log import configure_logging, get_logger
 from posttrain.metrics import MetricLogger, ProgressBar
+from posttrain.model_folder import check_model_folders
 from posttrain.plugins import PluginHost, plugin_host
+from posttrain.stop import StopRequest, stop_on_signals
 
 
 class RunContext:
     """One run's services. Backends are built on request; the algorithm owns and shuts
-    down what it builds. The Ray cluster starts on first use."""
+    down what it builds. The Ray cluster starts on first use.
+
+    ``stop`` is set by SIGINT / SIGTERM during :func:`run_algorithm`: a training loop checks
+    :attr:`stop_requested` before each step and, once it is set, saves a checkpoint of the
+    last finished step and returns."""
 
     def __init__(self, config: RunConfig, host: PluginHost | None = None):
         self.config = config
@@ -35,6 +42,12 @@ class RunContext:
             else None
         )
         self._cluster: Any = None
+        self.stop = StopRequest()
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once a stop signal arrived: end the loop at this step boundary and save."""
+        return self.stop.requested
 
     @property
     def cluster(self) -> Any:
@@ -99,21 +112,47 @@ def with_schedule_horizon(config: RunConfig, optimizer_steps: int) -> RunConfig:
     return attrs.evolve(config, policy=policy)
 
 
+def check_inputs(config: RunConfig, context: RunContext) -> None:
+    """What the driver checks before any worker starts: the model folders, and that the
+    checkpoint a run would resume from was written by a compatible config."""
+    check_model_folders(config)
+    manager = context.checkpoints
+    latest = manager.latest() if manager is not None and config.checkpointing.resume else None
+    if latest is not None:
+        check_checkpoint_fits(latest, config)
+
+
 def run_algorithm(config: RunConfig, host: PluginHost | None = None) -> dict[str, Any]:
     """Run ``config.algorithm`` to completion and return its final metrics.
 
-    Calls the ``posttrain_run_start`` / ``posttrain_run_end`` hooks around the run; the end
-    hook learns whether the run completed, was interrupted or failed.
+    Inputs are checked first (:func:`check_inputs`). While the algorithm runs, SIGINT and
+    SIGTERM request a stop (:mod:`posttrain.stop`); a run that stopped early on one raises
+    :class:`~posttrain.errors.RunStopped` after the algorithm saved and shut down. Calls the
+    ``posttrain_run_start`` / ``posttrain_run_end`` hooks around the run; the end hook
+    learns whether the run completed, was interrupted or failed.
     """
     host = host or plugin_host()
     algorithm = host.algorithms[config.algorithm or ""]()
     configure_logging(config.logger.level, Path(config.run_dir) / "events.jsonl")
     seed_everything(config.seed, config.deterministic)
     context = RunContext(config, host)
+    try:
+        check_inputs(config, context)
+    except BaseException:
+        context.close()
+        raise
     host.hook.posttrain_run_start(config=config, run_dir=str(context.run_dir))
     status = "failed"
     try:
-        result = algorithm.run(context)
+        with stop_on_signals(context.stop):
+            result = algorithm.run(context)
+        if context.stop_requested:
+            status = "interrupted"
+            latest = context.checkpoints.latest() if context.checkpoints is not None else None
+            stop = context.stop
+            raise RunStopped(
+                stop.signal_name, 128 + (stop.signum or 0), int(result.get("step", 0)), None if latest is None else str(latest)
+            )
         status = "completed"
         return result
     except KeyboardInterrupt:

@@ -9,6 +9,8 @@ each ask for a fraction (e.g. ``gpus=0.5``); logical CPUs may exceed physical co
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from typing import Any
 
 import ray
@@ -24,20 +26,27 @@ def init_ray(config: ClusterConfig) -> None:
     Joins ``config.ray_address`` or ``$RAY_ADDRESS`` when either is set; otherwise starts
     a local cluster with ``config.num_cpus`` logical CPUs (all cores when None) and no
     dashboard. ``RAY_AUTH_MODE`` defaults to ``disabled`` (no token file is written).
+
+    ``ray.init`` replaces the SIGTERM handler with one that exits at once; a handler the
+    program installed before (a run's graceful stop, :mod:`posttrain.stop`) is put back.
     """
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if on_main_thread else None
     address = config.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
-        return
-    ray.init(
-        address="local",
-        num_cpus=config.num_cpus if config.num_cpus is not None else os.cpu_count(),
-        num_gpus=config.num_gpus,
-        include_dashboard=False,
-    )
+    else:
+        ray.init(
+            address="local",
+            num_cpus=config.num_cpus if config.num_cpus is not None else os.cpu_count(),
+            num_gpus=config.num_gpus,
+            include_dashboard=False,
+        )
+    if callable(previous):
+        signal.signal(signal.SIGTERM, previous)
 
 
 def bundle_of(resources: WorkerResources) -> dict[str, float]:

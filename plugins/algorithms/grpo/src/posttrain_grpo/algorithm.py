@@ -15,6 +15,9 @@ One step, as data::
       -> metrics -> validation every grpo.val_period steps -> checkpoint every
          checkpointing.save_period steps and at the end
 
+Stop: after SIGINT / SIGTERM (``ctx.stop_requested``) no new step starts; the last finished
+step is checkpointed and the run returns without exporting.
+
 Resume: with ``checkpointing.resume`` and a checkpoint in ``checkpointing.dir``, the run
 restores the policy (weights, optimizer, scheduler), the data loader position and the
 driver's random states from the latest one, refits the generation backend, and continues
@@ -143,7 +146,7 @@ class GRPORun:
         metrics = self.resumed_metrics
         bar = self.ctx.progress(self.total_steps, "GRPO", initial=step)
         try:
-            while step < self.grpo.max_num_steps:
+            while step < self.grpo.max_num_steps and not self.ctx.stop_requested:
                 step_metrics = self.train_step(step + 1)
                 if step_metrics is None:  # the data loader has run out of epochs
                     break
@@ -158,7 +161,7 @@ class GRPORun:
             bar.close()
         if step > start and self.ctx.checkpoints is not None and step not in self.ctx.checkpoints.steps():
             self.save(step, metrics)
-        if self.grpo.export_dir:
+        if self.grpo.export_dir and not self.ctx.stop_requested:
             self.policy.export_hf(self.grpo.export_dir)
         return {"step": step, **metrics, **{f"validation/{k}": v for k, v in self.last_validation.items()}}
 

@@ -5,7 +5,9 @@ One step: the next global batch from the resumable data loader -> the algorithm'
 metrics to every sink and the progress bar. Around the steps: validation every
 ``val_period`` steps (and at the start / end when asked), a checkpoint every
 ``checkpointing.save_period`` steps and after the last step, resume from the latest
-checkpoint, and an optional Hugging Face export of the final weights.
+checkpoint, and an optional Hugging Face export of the final weights. After SIGINT / SIGTERM
+(``context.stop_requested``) no new step starts: the last finished step is checkpointed and
+the run returns without the end-of-run validation and export.
 
 A checkpoint ``step_N/`` holds ``policy/`` (what the backend saves: weights, optimizer,
 scheduler), ``dataloader.pt`` (the loader's position), ``rng.pt`` (the driver's Python,
@@ -107,7 +109,7 @@ class SupervisedRun:
             bar = context.progress(self.total_steps, self.algorithm.name, initial=self.step)
             batches = self._batches()
             try:
-                while self.step < self.total_steps:
+                while self.step < self.total_steps and not context.stop_requested:
                     metrics = self.train_step(*next(batches))
                     bar.update(metrics)
                     if options.val_period and self.step % options.val_period == 0:
@@ -116,11 +118,11 @@ class SupervisedRun:
                         self.save(metrics)
             finally:
                 bar.close()
-            if options.val_at_end and self.validated_step != self.step:
+            if options.val_at_end and self.validated_step != self.step and not context.stop_requested:
                 self.validate()
             if self.step and self.saved_step != self.step:
                 self.save(metrics)
-            if options.export_dir:
+            if options.export_dir and not context.stop_requested:
                 self.policy.export_hf(options.export_dir)
                 context.log.info("exported Hugging Face weights", path=options.export_dir, step=self.step)
             return {"step": self.step, **metrics, **{f"validation/{k}": v for k, v in self.validation.items()}}

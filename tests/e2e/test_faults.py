@@ -1,0 +1,253 @@
+"""Faults during whole SFT runs on the dtensor backend, and what the run does about them.
+
+- a policy worker killed mid-run (SIGKILL, as the OOM killer does) stops the run within
+  seconds with an error naming the worker group and rank; the checkpoint before it stays
+  intact, and running again resumes from it to the uninterrupted run's metrics;
+- SIGTERM mid-run finishes the step, checkpoints it and stops; running again resumes to the
+  uninterrupted run's metrics;
+- through ``posttrain run`` (slow): the same two faults as a user sees them: the exit
+  status, the message, and no Ray process left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import string
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from posttrain import hookimpl
+from posttrain.config import config_from_dict
+from posttrain.errors import RunStopped, WorkerError
+from posttrain.metrics import read_metrics
+from posttrain.plugins import new_plugin_host
+from posttrain.run import run_algorithm
+
+pytestmark = pytest.mark.ray
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 6
+#: Metrics that measure time, not what was computed.
+TIMING = ("step_time_s", "tokens_per_s", "time_s")
+WORKER_CLASS = "DTensorPolicyWorker"
+
+
+def write_corpus(path: Path, rows: int) -> str:
+    """Four random letters answered reversed."""
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            word = "".join(rng.choices(string.ascii_lowercase, k=4))
+            f.write(json.dumps({"messages": [{"role": "user", "content": word}, {"role": "assistant", "content": word[::-1]}]}) + "\n")
+    return str(path)
+
+
+def sft_config(model: str, train: str, run_dir: Path, save_period: int = 2):
+    return config_from_dict({
+        "algorithm": "sft",
+        "seed": 0,
+        "run_dir": str(run_dir),
+        "policy": {
+            "model": model,
+            "train_global_batch_size": 8,
+            "train_micro_batch_size": 8,
+            "max_total_sequence_length": 64,
+            "optimizer": {"name": "adamw", "lr": 3e-3},
+            "resources": {"cpus": 1},
+        },
+        "data": {"train": train},
+        "logger": {"progress_bar": False},
+        "checkpointing": {"save_period": save_period, "keep_top_k": None},
+        "sft": {"max_num_steps": STEPS},
+    })
+
+
+def train_metrics(run_dir: Path) -> dict[int, dict]:
+    """Each step's last logged training metrics, without timings (a step logged before a
+    fault and again after resuming counts once, as resumed)."""
+    return {
+        r["step"]: {k: v for k, v in r.items() if k != "phase" and k not in TIMING}
+        for r in read_metrics(run_dir / "metrics.jsonl", "train")
+    }
+
+
+def checkpoint_steps(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+def policy_workers() -> list[psutil.Process]:
+    """This process's live policy worker actors (Ray runs them under the raylet we started)."""
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if WORKER_CLASS in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
+class AtTrainStep:
+    """A plugin that runs ``action`` once, right after training step ``step`` is logged."""
+
+    def __init__(self, step: int, action: Callable[[], None]):
+        self.step, self.action, self.fired_at = step, action, None
+
+    @hookimpl
+    def posttrain_step_end(self, step, metrics, phase):
+        if phase == "train" and step == self.step and self.fired_at is None:
+            self.fired_at = time.monotonic()
+            self.action()
+
+
+def with_plugin(plugin: object):
+    host = new_plugin_host()
+    host.register(plugin, name="fault")
+    return host
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return write_corpus(tmp_path_factory.mktemp("faults") / "train.jsonl", 8 * STEPS)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_path, corpus, ray_cluster, tmp_path_factory) -> dict[int, dict]:
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    run_algorithm(sft_config(tiny_model_path, corpus, run_dir))
+    metrics = train_metrics(run_dir)
+    assert sorted(metrics) == list(range(1, STEPS + 1))
+    return metrics
+
+
+def assert_same_metrics(found: dict[int, dict], expected: dict[int, dict]) -> None:
+    assert sorted(found) == sorted(expected)
+    for step, values in expected.items():
+        assert found[step].keys() == values.keys()
+        for name, value in values.items():
+            assert found[step][name] == pytest.approx(value, rel=1e-6, abs=1e-7), (step, name)
+
+
+def test_a_killed_worker_stops_the_run_naming_it_and_resume_matches(tiny_model_path, corpus, uninterrupted, tmp_path):
+    def kill_worker():
+        (worker,) = policy_workers()
+        worker.kill()  # SIGKILL
+
+    killer = AtTrainStep(3, kill_worker)  # after step 3; step_2 is the last checkpoint
+    config = sft_config(tiny_model_path, corpus, tmp_path)
+    with pytest.raises(WorkerError) as failure:
+        run_algorithm(config, with_plugin(killer))
+    stopped_after = time.monotonic() - killer.fired_at
+    assert stopped_after < 30, f"the run took {stopped_after:.1f} s to notice the dead worker"
+    assert str(failure.value).startswith("worker group 'policy' rank 0 died: ")
+    assert checkpoint_steps(tmp_path) == ["step_2"]
+    assert not policy_workers()  # the run shut its worker group down
+
+    result = run_algorithm(config)
+    assert result["step"] == STEPS
+    assert_same_metrics(train_metrics(tmp_path), uninterrupted)
+
+
+def test_sigterm_checkpoints_the_finished_step_and_resume_matches(tiny_model_path, corpus, uninterrupted, tmp_path):
+    term = AtTrainStep(3, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    config = sft_config(tiny_model_path, corpus, tmp_path)
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(RunStopped) as stopped:
+        run_algorithm(config, with_plugin(term))
+    step_3 = tmp_path / "checkpoints" / "step_3"
+    assert str(stopped.value) == f"stopped by SIGTERM after step 3; the run resumes from the checkpoint {step_3} when started again"
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    assert checkpoint_steps(tmp_path) == ["step_2", "step_3"]  # no step 4 was started
+    assert sorted(train_metrics(tmp_path)) == [1, 2, 3]
+    assert signal.getsignal(signal.SIGTERM) is handler  # the run's handler is gone
+
+    result = run_algorithm(config)
+    assert result["step"] == STEPS
+    assert_same_metrics(train_metrics(tmp_path), uninterrupted)
+
+
+# ----------------------------------------------------------------------------- through the CLI
+
+
+def cli_command(model: str, train: str, run_dir: Path, steps: int = 1000) -> list[str]:
+    return [
+        sys.executable, "-m", "posttrain.cli", "run", "sft", "--config", "examples/configs/sft.yaml",
+        f"policy.model={model}", f"run_dir={run_dir}", f"data.train={train}", "data.validation=null",
+        f"sft.max_num_steps={steps}", "sft.max_num_epochs=1000", "sft.export_dir=null", "sft.val_at_end=false",
+        "checkpointing.save_period=2", "checkpointing.keep_top_k=null", "logger.progress_bar=false",
+    ]
+
+
+def start_cli(command: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "RAY_ADDRESS": ""}  # a cluster of its own, not the test session's
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition: Callable[[], bool], proc: subprocess.Popen, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run exited ({proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"no {what} within {timeout_s} s")
+        time.sleep(0.2)
+
+
+def logged_steps(run_dir: Path) -> int:
+    file = run_dir / "metrics.jsonl"
+    return len(read_metrics(file, "train")) if file.exists() else 0
+
+
+@pytest.mark.slow
+def test_cli_sigterm_saves_exits_143_and_leaves_no_ray_process(tiny_model_path, corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_cli(cli_command(tiny_model_path, corpus, run_dir))
+    wait_for(lambda: logged_steps(run_dir) >= 3, proc, 300, "third training step")
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert any(WORKER_CLASS in " ".join(p.cmdline()) for p in children)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+
+    assert proc.returncode == 143, stderr[-3000:]
+    last = max(train_metrics(run_dir))
+    checkpoint = run_dir / "checkpoints" / f"step_{last}"
+    assert f"stopped: stopped by SIGTERM after step {last}; the run resumes from the checkpoint {checkpoint}" in stderr
+    assert (checkpoint / "training_info.json").is_file()
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, f"left running: {[p.cmdline() for p in alive]}"
+
+
+@pytest.mark.slow
+def test_cli_killed_worker_exits_within_30_s_and_the_same_command_resumes(tiny_model_path, tmp_path):
+    train = write_corpus(tmp_path / "train.jsonl", 8 * STEPS)
+    full_dir, run_dir = tmp_path / "full", tmp_path / "run"
+    full = subprocess.run(cli_command(tiny_model_path, train, full_dir, steps=40), cwd=REPO, env={**os.environ, "RAY_ADDRESS": ""},
+                          capture_output=True, text=True, timeout=400)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    command = cli_command(tiny_model_path, train, run_dir, steps=40)
+    proc = start_cli(command)
+    wait_for(lambda: (run_dir / "checkpoints" / "step_2").is_dir(), proc, 300, "checkpoint step_2")
+    (worker,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if WORKER_CLASS in " ".join(p.cmdline())]
+    worker.kill()
+    killed = time.monotonic()
+    _, stderr = proc.communicate(timeout=120)
+    took = time.monotonic() - killed
+
+    assert proc.returncode == 2 and took < 30, (proc.returncode, took, stderr[-3000:])
+    assert "error: worker group 'policy' rank 0 died: " in stderr
+    resumed = start_cli(command)
+    _, stderr = resumed.communicate(timeout=400)
+    assert resumed.returncode == 0, stderr[-3000:]
+    assert "resumed" in (run_dir / "events.jsonl").read_text()
+    assert_same_metrics(train_metrics(run_dir), train_metrics(full_dir))
