@@ -14,11 +14,21 @@ The worker class of a :class:`ShardedPolicy` provides: ``logprobs(work, referenc
 ``load_checkpoint(path)``, ``export_hf(path, shard_bytes)``, ``weight_sizes()``,
 ``gather_weights(names)`` (collective; the tensors on rank 0), ``prepare_for_training()``,
 ``offload()`` and ``info()``.
+
+Data from a plane: when an algorithm passes :class:`~posttrain.interfaces.PlaneSamples` and
+the plane has a :meth:`~posttrain.interfaces.DataPlane.worker_handle`, the driver reads only
+the samples' ``input_lengths`` to plan, and each rank's :class:`RankWork` names its keys
+(:class:`ShardRef`) instead of carrying tensors: ``work.batch`` fetches them in the worker
+on first use. A logprob pass then also carries a :class:`ResultSink`, and the worker writes
+its results back to the plane (through :meth:`posttrain.distributed.Worker.run_work`, which
+calls :meth:`RankWork.run`), so no logprob tensor reaches the driver. Workers need no code
+for this: they read ``work.batch`` as always. Without a handle (the in-memory plane) the
+driver materialises the batch and runs the ordinary pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -35,6 +45,7 @@ from posttrain.batch import (
 from posttrain.config.schema import PolicyConfig, RunConfig
 from posttrain.distributed import WorkerGroup
 from posttrain.hf_export import bucket_names
+from posttrain.interfaces.data_plane import PlaneSamples, WorkerPlaneHandle
 from posttrain.interfaces.loss import LossFunction, combine_metrics
 from posttrain.interfaces.policy import Policy
 
@@ -88,15 +99,98 @@ class PassPlan:
             for idx, mbs in zip(self.shards, self.microbatches, strict=True)
         ]
 
+    def work_by_reference(
+        self,
+        handle: WorkerPlaneHandle,
+        samples: PlaneSamples,
+        sink: Callable[[int, list[int]], ResultSink] | None = None,
+    ) -> list[RankWork]:
+        """What each data-parallel rank receives when it fetches ``samples`` (whose keys
+        the plan's global indices index) itself; ``sink(d, shard)`` gives rank ``d``'s
+        :class:`ResultSink`, if any."""
+        return [
+            RankWork(
+                ShardRef(handle, samples.partition, [samples.keys[i] for i in idx], samples.fields),
+                mbs,
+                self.batching,
+                sink(d, idx) if sink is not None else None,
+            )
+            for d, (idx, mbs) in enumerate(zip(self.shards, self.microbatches, strict=True))
+        ]
+
+
+@attrs.frozen
+class ShardRef:
+    """One rank's samples in a data plane: ``keys`` (in shard order; a key may repeat, e.g.
+    padding to a multiple of the data-parallel size) of ``partition``, read as ``fields``."""
+
+    handle: WorkerPlaneHandle
+    partition: str
+    keys: tuple[str, ...] = attrs.field(converter=tuple)
+    fields: tuple[str, ...] = attrs.field(converter=tuple)
+
+    def fetch(self) -> Batch:
+        """The shard, fetched by this process from the plane (each distinct key once)."""
+        distinct = list(dict.fromkeys(self.keys))
+        batch = self.handle.open().get(self.partition, distinct, self.fields)
+        if len(distinct) == len(self.keys):
+            return batch
+        row = {key: i for i, key in enumerate(distinct)}
+        return batch.select([row[key] for key in self.keys])
+
+
+@attrs.frozen
+class ResultSink:
+    """Where a worker stores a pass's result instead of returning it: field ``source`` of
+    the result, rows ``rows`` of the shard, is written as ``field`` under those rows' keys.
+    Only worker ``writer_rank`` writes (the others of its replica compute the same rows)."""
+
+    field: str
+    source: str
+    rows: tuple[int, ...] = attrs.field(converter=tuple)
+    writer_rank: int
+
 
 @attrs.frozen
 class RankWork:
     """One data-parallel rank's samples, its microbatches (index lists into ``batch``) and
-    the batching they were planned with (a packed plan is run as packed rows)."""
+    the batching they were planned with (a packed plan is run as packed rows).
 
-    batch: Batch
+    ``data`` is the samples themselves, or a :class:`ShardRef` that :attr:`batch` fetches in
+    the worker on first use. ``sink``, with a :class:`ShardRef`, makes :meth:`run` store the
+    pass's result in the plane."""
+
+    data: Batch | ShardRef
     microbatches: list[list[int]]
     batching: Batching
+    sink: ResultSink | None = None
+    _fetched: dict[str, Batch] = attrs.field(factory=dict, eq=False, repr=False, alias="_fetched")
+
+    @property
+    def batch(self) -> Batch:
+        """The rank's samples (fetched from the plane once, when ``data`` is a reference)."""
+        if isinstance(self.data, Batch):
+            return self.data
+        if "batch" not in self._fetched:
+            self._fetched["batch"] = self.data.fetch()
+        return self._fetched["batch"]
+
+    def run(self, worker: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``worker.<method>(self, *args, **kwargs)`` in the worker's process; with a
+        :attr:`sink`, store the result in the plane and return None instead."""
+        result = getattr(worker, method)(self, *args, **kwargs)
+        if self.sink is None:
+            return result
+        if worker.rank == self.sink.writer_rank:
+            if result is None:
+                raise RuntimeError(f"{method}() returned nothing on rank {worker.rank}, the rank meant to store it")
+            if not isinstance(self.data, ShardRef):
+                raise TypeError("a RankWork with a result sink must refer to its samples with a ShardRef")
+            rows = list(self.sink.rows)
+            self.data.handle.open().put(
+                self.data.partition, [self.data.keys[i] for i in rows], {self.sink.field: result[self.sink.source][rows]}
+            )
+        return None
 
 
 def plan_pass(lengths: Sequence[int], dp_size: int, batching: Batching, row_group_size: int = 1) -> PassPlan:
@@ -158,6 +252,11 @@ def _plan_groups(lengths: list[int], dp_size: int, batching: Batching, g: int) -
     return PassPlan([expand(s) for s in plan.shards], [[expand(mb) for mb in mbs] for mbs in plan.microbatches], batching)
 
 
+def _padded_order(n: int, dp_size: int) -> list[int]:
+    """Indices ``0..n-1`` then the last one repeated up to a multiple of ``dp_size``."""
+    return list(range(n)) + [n - 1] * (-n % dp_size)
+
+
 def _fixed_microbatches(n: int, size: int) -> list[list[int]]:
     if size <= 0:
         raise ValueError(f"micro batch size must be positive, got {size}")
@@ -183,24 +282,30 @@ class ShardedPolicy(Policy):
 
     # ------------------------------------------------------------------ passes
 
-    def _run_pass(
-        self, method: str, batch: Batch, micro_batch_size: int, *args: Any, row_group_size: int = 1
-    ) -> tuple[list[Any], list[Any], PassPlan]:
-        """Run ``method`` on every worker with its replica's work; return the results of
-        :attr:`result_ranks` (in data-parallel order), all results, and the plan."""
+    def _plan(self, lengths: Sequence[int], micro_batch_size: int, row_group_size: int = 1) -> PassPlan:
         batching = Batching.from_policy_config(self.config.policy, micro_batch_size)
-        plan = plan_pass(batch["input_lengths"].tolist(), self.dp_size, batching, row_group_size)
-        results = self.group.run_sharded(method, plan.work(batch), *args,
-                                         shard_of_rank=lambda rank: self.dp_rank_of[rank])
-        return [results[r] for r in self.result_ranks], results, plan
+        return plan_pass(lengths, self.dp_size, batching, row_group_size)
+
+    def _run_pass(self, method: str, work: list[RankWork], *args: Any) -> tuple[list[Any], list[Any]]:
+        """Run ``method`` on every worker with its replica's work; return the results of
+        :attr:`result_ranks` (in data-parallel order) and all results. Work that refers to
+        a plane runs through :meth:`RankWork.run` in the worker."""
+        if any(isinstance(w.data, ShardRef) for w in work):
+            method, args = "run_work", (method, *args)  # Worker.run_work(work, method, *args)
+        results = self.group.run_sharded(method, work, *args, shard_of_rank=lambda rank: self.dp_rank_of[rank])
+        return [results[r] for r in self.result_ranks], results
 
     def _inference_pass(self, method: str, batch: Batch, *args: Any) -> Batch:
         n = len(batch)
         if n == 0:
             raise ValueError(f"{method}: the batch is empty")
-        padded = batch.select(list(range(n)) + [n - 1] * (-n % self.dp_size))
-        outputs, _, plan = self._run_pass(method, padded, self.config.policy.logprob_micro_batch_size, *args)
+        padded = batch.select(_padded_order(n, self.dp_size))
+        plan = self._plan(padded["input_lengths"].tolist(), self.config.policy.logprob_micro_batch_size)
+        outputs, _ = self._run_pass(method, plan.work(padded), *args)
         return Batch.restore_order(outputs, plan.shards).slice(0, n)
+
+    def _lengths(self, samples: PlaneSamples) -> list[int]:
+        return samples.plane.get(samples.partition, samples.keys, ["input_lengths"])["input_lengths"].tolist()
 
     # ------------------------------------------------------------------ Policy
 
@@ -213,9 +318,39 @@ class ShardedPolicy(Policy):
     def get_topk_logits(self, batch: Batch, k: int) -> Batch:
         return self._inference_pass("topk", batch, k)
 
+    def logprobs_into(self, samples: PlaneSamples, field: str, *, reference: bool = False) -> None:
+        handle = samples.plane.worker_handle()
+        if handle is None:
+            return super().logprobs_into(samples, field, reference=reference)
+        n = len(samples)
+        if n == 0:
+            raise ValueError("logprobs: no samples")
+        order = _padded_order(n, self.dp_size)
+        padded = attrs.evolve(samples, keys=[samples.keys[i] for i in order])
+        lengths = self._lengths(samples)
+        plan = self._plan([lengths[i] for i in order], self.config.policy.logprob_micro_batch_size)
+        source = "reference_logprobs" if reference else "logprobs"
+
+        def sink(dp_rank: int, shard: list[int]) -> ResultSink:
+            rows = [j for j, i in enumerate(shard) if i < n]  # padding rows repeat a sample stored elsewhere
+            return ResultSink(field, source, rows, writer_rank=self.result_ranks[dp_rank])
+
+        self._run_pass("logprobs", plan.work_by_reference(handle, padded, sink), reference)
+
     def train(self, batch: Batch, loss_fn: LossFunction, *, eval_mode: bool = False) -> dict[str, float]:
-        results, everyone, _ = self._run_pass("train", batch, self.config.policy.train_micro_batch_size, loss_fn,
-                                              eval_mode, row_group_size=loss_fn.row_group_size)
+        plan = self._plan(batch["input_lengths"].tolist(), self.config.policy.train_micro_batch_size,
+                          loss_fn.row_group_size)
+        return self._train_pass(plan.work(batch), loss_fn, eval_mode)
+
+    def train_from(self, samples: PlaneSamples, loss_fn: LossFunction, *, eval_mode: bool = False) -> dict[str, float]:
+        handle = samples.plane.worker_handle()
+        if handle is None:
+            return super().train_from(samples, loss_fn, eval_mode=eval_mode)
+        plan = self._plan(self._lengths(samples), self.config.policy.train_micro_batch_size, loss_fn.row_group_size)
+        return self._train_pass(plan.work_by_reference(handle, samples), loss_fn, eval_mode)
+
+    def _train_pass(self, work: list[RankWork], loss_fn: LossFunction, eval_mode: bool) -> dict[str, float]:
+        results, everyone = self._run_pass("train", work, loss_fn, eval_mode)
         metrics = combine_metrics([r["metrics"] for r in results], loss_fn.metric_reductions)
         metrics.update(
             loss=sum(r["loss"] for r in results),

@@ -58,6 +58,12 @@ class Worker:
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", "0"))
 
+    def run_work(self, work: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``work.run(self, method, *args, **kwargs)``: let a work item wrap this worker's
+        ``method`` in the worker's process (a :class:`~posttrain.policy_driver.RankWork`
+        that refers to a data plane stores the method's result there)."""
+        return work.run(self, method, *args, **kwargs)
+
 
 class WorkerGroup:
     """``num_workers`` actors of ``worker_cls``, rank r on bundle r of a placement group

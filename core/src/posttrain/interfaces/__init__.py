@@ -1,7 +1,7 @@
 """The abstract interfaces plugins implement. Algorithms talk only to these."""
 
 from posttrain.interfaces.algorithm import Algorithm
-from posttrain.interfaces.data_plane import DataPlane
+from posttrain.interfaces.data_plane import DataPlane, PlaneSamples, WorkerPlaneHandle
 from posttrain.interfaces.environment import Environment, EnvironmentReturn, Message
 from posttrain.interfaces.generation import Generation, RefitStats
 from posttrain.interfaces.loss import LossFunction, LossType, combine_metrics
@@ -16,7 +16,9 @@ __all__ = [
     "LossFunction",
     "LossType",
     "Message",
+    "PlaneSamples",
     "Policy",
     "RefitStats",
+    "WorkerPlaneHandle",
     "combine_metrics",
 ]

@@ -3,6 +3,13 @@
 Samples are addressed by string keys inside a partition (one per step, e.g. ``"train/7"``;
 validation uses its own). Tags are small per-row scalars the driver may read without
 fetching any tensor field (e.g. ``keep`` for dynamic sampling, ``length``).
+
+An algorithm hands a policy pass a :class:`PlaneSamples` (which keys of which partition, read
+as which fields) instead of a materialised batch. A plane that other processes of the Ray
+cluster can reach says so through :meth:`DataPlane.worker_handle`; a sharded policy then lets
+each worker fetch its own shard and store its results, so the driver holds only keys and
+lengths. A plane living in the driver's memory returns None, and the policy reads and writes
+through the driver instead. Algorithms never see which of the two happened.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import abc
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from posttrain.batch import Batch
@@ -51,5 +59,48 @@ class DataPlane(abc.ABC):
     def partitions(self) -> list[str]:
         """Partitions that currently hold data."""
 
+    def worker_handle(self) -> WorkerPlaneHandle | None:
+        """A picklable handle that opens this plane's data from another process of the Ray
+        cluster (a policy worker), or None when only this process can reach it (the
+        default: then policies read and write through this object in the driver)."""
+        return None
+
     def shutdown(self) -> None:
         """Release the plane's processes and memory."""
+
+
+class WorkerPlaneHandle(abc.ABC):
+    """What a worker process needs to reach a driver's plane; sent to workers with their work."""
+
+    @abc.abstractmethod
+    def open(self) -> DataPlane:
+        """The plane, as seen from the calling process (opened once per process and reused).
+        It reads and writes the driver's partitions and never clears or stops them."""
+
+
+@attrs.frozen
+class PlaneSamples:
+    """Samples ``keys`` of ``partition`` in ``plane``, read as ``fields``: the input of a
+    policy pass that reads its data from a plane (see :meth:`posttrain.interfaces.Policy.train_from`)."""
+
+    plane: DataPlane
+    partition: str
+    keys: tuple[str, ...] = attrs.field(converter=tuple)
+    fields: tuple[str, ...] = attrs.field(converter=tuple)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def get(self) -> Batch:
+        """The samples' fields, materialised in this process."""
+        return self.plane.get(self.partition, self.keys, self.fields)
+
+    def put(self, fields: Mapping[str, Any]) -> None:
+        """Write ``fields`` (first dimension ``len(self)``) for these samples."""
+        self.plane.put(self.partition, self.keys, fields)
+
+    def chunks(self, size: int) -> list[PlaneSamples]:
+        """Consecutive runs of ``size`` keys (the last may be shorter), in order."""
+        if size <= 0:
+            raise ValueError(f"chunk size must be positive, got {size}")
+        return [attrs.evolve(self, keys=self.keys[start:start + size]) for start in range(0, len(self.keys), size)]

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from posttrain.batch import Batch
+from posttrain.interfaces.data_plane import PlaneSamples
 from posttrain.interfaces.loss import LossFunction
 
 
@@ -61,6 +62,27 @@ class Policy(abc.ABC):
         metrics: ``loss``, ``grad_norm``, ``lr``, ``num_tokens``, ``step_time_s`` and the
         loss function's own metrics (each summed over microbatches and ranks).
         """
+
+    def logprobs_into(self, samples: PlaneSamples, field: str, *, reference: bool = False) -> None:
+        """Write the logprobs of ``samples`` (current weights, or the reference weights when
+        ``reference``) into their data plane as ``field``; ``samples.fields`` name the inputs.
+
+        Equal to :meth:`get_logprobs` / :meth:`get_reference_policy_logprobs` on
+        ``samples.get()``, then a put: this default does exactly that in the calling process.
+        A policy whose workers can reach the plane (:meth:`~posttrain.interfaces.DataPlane.worker_handle`)
+        may let them fetch their shards and write the results themselves.
+        """
+        batch = samples.get()
+        if reference:
+            values = self.get_reference_policy_logprobs(batch)["reference_logprobs"]
+        else:
+            values = self.get_logprobs(batch)["logprobs"]
+        samples.put({field: values})
+
+    def train_from(self, samples: PlaneSamples, loss_fn: LossFunction, *, eval_mode: bool = False) -> dict[str, float]:
+        """:meth:`train` on ``samples.get()``; a policy whose workers can reach the plane may let
+        them fetch their own shards instead (same result)."""
+        return self.train(samples.get(), loss_fn, eval_mode=eval_mode)
 
     @abc.abstractmethod
     def save_checkpoint(self, path: str) -> None:

@@ -48,7 +48,7 @@ from posttrain.data import (
 from posttrain.distributed.cluster import init_ray
 from posttrain.environments import start_environments
 from posttrain.errors import ConfigError
-from posttrain.interfaces import Algorithm
+from posttrain.interfaces import Algorithm, PlaneSamples
 from posttrain.refit import refit
 from posttrain.rollout import run_rollout
 from posttrain.run import RunContext, with_schedule_horizon
@@ -185,11 +185,9 @@ class GRPORun:
                     if self.colocated:
                         self.policy.prepare_for_training()
                     self.add_logprobs(partition, keys)
-                with timer("data_plane"):
-                    fields = [*TRAIN_FIELDS, "prev_logprobs", *(["reference_logprobs"] if self.needs_reference else [])]
-                    train_batch = self.plane.get(partition, keys, fields)
                 with timer("training"):
-                    train_metrics = self.optimize(step, train_batch)
+                    fields = [*TRAIN_FIELDS, "prev_logprobs", *(["reference_logprobs"] if self.needs_reference else [])]
+                    train_metrics = self.optimize(step, PlaneSamples(self.plane, partition, keys, fields))
                 with timer("refit"):
                     stats = refit(self.policy, self.generation, self.config.generation.refit_bucket_bytes)
                     if self.colocated:
@@ -255,22 +253,22 @@ class GRPORun:
         )
 
     def add_logprobs(self, partition: str, keys: list[str]) -> None:
-        """Write ``prev_logprobs`` (and ``reference_logprobs``) of the partition's samples."""
-        inputs = self.plane.get(partition, keys, LOGPROB_FIELDS)
-        self.plane.put(partition, keys, {"prev_logprobs": self.policy.get_logprobs(inputs)["logprobs"]})
+        """Write ``prev_logprobs`` (and ``reference_logprobs``) of the partition's samples
+        into the partition (the policy's workers may fetch and write them themselves)."""
+        samples = PlaneSamples(self.plane, partition, keys, LOGPROB_FIELDS)
+        self.policy.logprobs_into(samples, "prev_logprobs")
         if self.needs_reference:
-            reference = self.policy.get_reference_policy_logprobs(inputs)["reference_logprobs"]
-            self.plane.put(partition, keys, {"reference_logprobs": reference})
+            self.policy.logprobs_into(samples, "reference_logprobs", reference=True)
 
-    def optimize(self, step: int, batch: Batch) -> dict[str, float]:
+    def optimize(self, step: int, samples: PlaneSamples) -> dict[str, float]:
         """One optimizer step per ``policy.train_global_batch_size`` samples, in order;
         raises :class:`TrainingDiverged` at the first non-finite loss or gradient norm."""
         parts = []
-        for chunk in batch.microbatches(self.config.policy.train_global_batch_size):
-            metrics = self.policy.train(chunk, self.loss_fn)
+        for chunk in samples.chunks(self.config.policy.train_global_batch_size):
+            metrics = self.policy.train_from(chunk, self.loss_fn)
             bad = first_nonfinite(metrics, ("loss", "grad_norm"))
             if bad is not None:
-                raise self.diverged(step, bad, metrics[bad], chunk)
+                raise self.diverged(step, bad, metrics[bad], chunk.get())
             parts.append(metrics)
         return combine_train_metrics(parts, self.loss_fn.metric_reductions)
 

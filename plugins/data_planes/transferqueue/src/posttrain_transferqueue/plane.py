@@ -6,6 +6,10 @@ Python-object fields in its storage units. A get asks the storage units for exac
 selected keys and fields, so reading the ``keep`` tag and getting the kept keys never moves
 a dropped sample's tensors.
 
+Policy workers reach the driver's partitions through :class:`TransferQueueHandle` (the
+plane's :meth:`~TransferQueueDataPlane.worker_handle`): each fetches its own shard and writes
+its logprobs back, so those tensors never pass through the driver.
+
 Partitions are stored as ``"<namespace>:<partition>"``. The namespace defaults to one
 derived from the run directory: runs sharing a Ray cluster stay apart, and a plane created
 with ``exclusive=True`` (the run's driver) clears what an earlier crashed process of the same
@@ -19,11 +23,12 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from posttrain.batch import Batch
 from posttrain.errors import WorkerError
-from posttrain.interfaces.data_plane import DataPlane
+from posttrain.interfaces.data_plane import DataPlane, WorkerPlaneHandle
 from posttrain.log import get_logger
 from posttrain_transferqueue import codec, runtime
 from posttrain_transferqueue.config import SECTION, TransferQueueConfig
@@ -131,6 +136,9 @@ class TransferQueueDataPlane(DataPlane):
             name.removeprefix(self._prefix) for name, rows in listing.items() if name.startswith(self._prefix) and rows
         ]
 
+    def worker_handle(self) -> TransferQueueHandle:
+        return TransferQueueHandle(self.options, self.namespace)
+
     def shutdown(self) -> None:
         """Stop TransferQueue when this plane started it (every sample in it goes); otherwise
         clear this plane's partitions when it is ``exclusive``, and leave TransferQueue up."""
@@ -188,6 +196,30 @@ class TransferQueueDataPlane(DataPlane):
             if missing:
                 return f"data plane sample '{key}' in '{partition}' has no field(s) {missing}; has {sorted(has)}"
         return f"data plane partition '{partition}': fields {absent} are not written for all of {_names(keys)}"
+
+
+#: Planes opened by :meth:`TransferQueueHandle.open` in this process, by namespace.
+_opened: dict[str, TransferQueueDataPlane] = {}
+
+
+@attrs.frozen
+class TransferQueueHandle(WorkerPlaneHandle):
+    """Opens a driver's TransferQueue partitions (``namespace``) from another process of its
+    Ray cluster: attaches to the running controller, never starts one, never clears."""
+
+    options: TransferQueueConfig
+    namespace: str
+
+    def open(self) -> TransferQueueDataPlane:
+        plane = _opened.get(self.namespace)
+        if plane is None:
+            if not runtime.controller_running():
+                raise WorkerError(
+                    f"no TransferQueue controller runs in this Ray cluster, so the driver's partitions "
+                    f"(namespace '{self.namespace}') cannot be reached: the driver's data plane has stopped"
+                )
+            plane = _opened[self.namespace] = TransferQueueDataPlane(self.options, self.namespace, exclusive=False)
+        return plane
 
 
 def _names(keys: list[str], limit: int = 8) -> str:

@@ -1,0 +1,87 @@
+"""The same GRPO run through the in-memory plane and through TransferQueue logs the same
+metrics at every step.
+
+With TransferQueue the policy workers fetch their own shards from the queue and write their
+logprobs back (the driver plans from ``input_lengths`` alone); with the in-memory plane the
+driver materialises every batch. The GRPO loop is the same code in both runs. Two
+data-parallel policy workers and a KL penalty make every pass (logprobs, reference
+logprobs, train) go through the sharded-by-reference path; dynamic sampling makes every step
+train on groups whose rewards differ, so every step moves the weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+pytest.importorskip("transfer_queue", reason="transferqueue is not installed (pip install posttrain-transferqueue)")
+
+from posttrain.config.schema import DataPlaneConfig, RunConfig, WorkerResources  # noqa: E402
+from posttrain.metrics import read_metrics  # noqa: E402
+from posttrain.policy_driver import ShardedPolicy  # noqa: E402
+from posttrain.run import run_algorithm  # noqa: E402
+from posttrain_grpo.config import ClippedPGConfig, DynamicSamplingConfig, GRPOConfig  # noqa: E402
+from posttrain_transferqueue.runtime import controller_running  # noqa: E402
+from tests.e2e.test_grpo_e2e import make_config, seven_rows, write_rows  # noqa: E402
+
+pytestmark = [pytest.mark.transferqueue, pytest.mark.ray]
+
+#: Prefixes of metrics that measure time; excluded from the comparison.
+TIMING_PREFIXES = ("timing/", "throughput/")
+#: Metrics, by exact name, that measure time (``time``: when the record was written);
+#: excluded from the comparison.
+TIMING_NAMES = ("time", "refit/seconds", "step_time_s")
+
+
+def untimed(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if not k.startswith(TIMING_PREFIXES) and k not in TIMING_NAMES}
+
+
+def grpo_config(model: str, run_dir: Path, train: str, plane: str) -> RunConfig:
+    grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=2,
+                      loss=ClippedPGConfig(kl_penalty=0.05),
+                      dynamic_sampling=DynamicSamplingConfig(enabled=True, max_gen_batches=20))
+    config = make_config(model, run_dir, train, grpo, data_plane=DataPlaneConfig(backend=plane))
+    half = grpo.samples_per_step // 2
+    policy = attrs.evolve(config.policy, num_workers=2, train_micro_batch_size=half, logprob_micro_batch_size=half,
+                          resources=WorkerResources(cpus=0.5))  # 2 x 0.5 + generation 1 + TransferQueue 2 = 4 CPUs
+    return attrs.evolve(config, policy=policy)
+
+
+@pytest.mark.slow  # two GRPO runs: about 1.5 min on 2 shared cores (test_policy_passes.py is the quick check)
+def test_grpo_logs_identical_metrics_with_either_plane(ray_cluster, tiny_model_path, tmp_path, monkeypatch):
+    train = write_rows(tmp_path / "train.jsonl", seven_rows(64))
+    run_algorithm(grpo_config(tiny_model_path, tmp_path / "memory", train, "memory"))
+
+    # Record what the driver gets back from the policy workers in the TransferQueue run.
+    returned: list[tuple[str, Any]] = []
+    run_pass = ShardedPolicy._run_pass
+
+    def recording(self: ShardedPolicy, method: str, work: list, *args: Any) -> Any:
+        results = run_pass(self, method, work, *args)
+        returned.append((method, results[1]))
+        return results
+
+    monkeypatch.setattr(ShardedPolicy, "_run_pass", recording)
+    run_algorithm(grpo_config(tiny_model_path, tmp_path / "tq", train, "transferqueue"))
+
+    memory = read_metrics(tmp_path / "memory" / "metrics.jsonl", "train")
+    queue = read_metrics(tmp_path / "tq" / "metrics.jsonl", "train")
+    assert [r["step"] for r in memory] == [r["step"] for r in queue] == [1, 2]
+    for expected, found in zip(memory, queue, strict=True):
+        assert untimed(found) == untimed(expected), f"step {expected['step']}"
+        assert expected["grad_norm"] > 0
+    assert memory[-1]["kl_penalty"] > 0  # step 2 trained away from the reference: the reference pass counts
+
+    # Per step: logprobs and reference logprobs written by the workers (nothing returned),
+    # then one train pass returning metrics only.
+    assert [method for method, _ in returned] == ["logprobs", "logprobs", "train"] * 2
+    for method, results in returned:
+        if method == "logprobs":
+            assert results == [None, None], "logprobs reached the driver"
+        else:
+            assert all(set(r) <= {"loss", "metrics", "num_tokens", "lr", "grad_norm", "step_time_s"} for r in results)
+    assert not controller_running(), "the run's TransferQueue (and every partition in it) outlived the run"

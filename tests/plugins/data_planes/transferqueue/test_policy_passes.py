@@ -1,0 +1,114 @@
+"""Policy passes that read from a plane: with TransferQueue the dtensor workers fetch their
+own shards and write their logprobs back, and the results equal what the same policy
+computes from a batch the driver materialised (the in-memory plane's path).
+
+Two data-parallel workers and 5 samples: the pass pads to a multiple of 2 by repeating the
+last key, and only the real rows are written back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transfer_queue", reason="transferqueue is not installed (pip install posttrain-transferqueue)")
+
+from posttrain.batch import Batch  # noqa: E402
+from posttrain.config.schema import ClusterConfig, OptimizerConfig, PolicyConfig, RunConfig, WorkerResources  # noqa: E402
+from posttrain.distributed import VirtualCluster  # noqa: E402
+from posttrain.interfaces import PlaneSamples  # noqa: E402
+from posttrain.memory_plane import MemoryDataPlane  # noqa: E402
+from posttrain.plugins import new_plugin_host  # noqa: E402
+from posttrain_dtensor.policy import DTensorPolicy  # noqa: E402
+from posttrain_sft.loss import NLLLoss  # noqa: E402
+from posttrain_transferqueue.runtime import controller_running  # noqa: E402
+
+pytestmark = [pytest.mark.transferqueue, pytest.mark.ray]
+
+LENGTHS = [9, 14, 6, 12, 11]
+FIELDS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
+
+
+def samples_batch() -> Batch:
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.tensor(LENGTHS)
+    positions = torch.arange(max(LENGTHS))[None, :]
+    real = positions < lengths[:, None]
+    return Batch(
+        input_ids=torch.randint(7, 100, (len(LENGTHS), max(LENGTHS)), generator=g) * real,
+        input_lengths=lengths,
+        token_mask=(real & (positions >= 3)).float(),
+        sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0]),
+    )
+
+
+@pytest.fixture(scope="module")
+def policy(ray_cluster: Any, tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DTensorPolicy]:
+    config = RunConfig(
+        seed=0,
+        run_dir=str(tmp_path_factory.mktemp("run")),
+        policy=PolicyConfig(
+            model=tiny_model_path, num_workers=2, train_global_batch_size=4, train_micro_batch_size=2,
+            logprob_micro_batch_size=2, max_total_sequence_length=32, optimizer=OptimizerConfig(name="sgd", lr=0.5),
+            resources=WorkerResources(cpus=0.5),
+        ),
+    )
+    cluster = VirtualCluster(ClusterConfig())
+    policy = DTensorPolicy(config, cluster)
+    yield policy
+    policy.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture
+def queue(policy: DTensorPolicy, tmp_path: Path) -> Iterator[Any]:
+    plane = new_plugin_host().data_planes["transferqueue"](RunConfig(run_dir=str(tmp_path / "tq")))
+    yield plane
+    plane.shutdown()
+    assert not controller_running()
+
+
+def test_workers_fetch_their_shards_and_write_logprobs_back(policy: DTensorPolicy, queue: Any, monkeypatch) -> None:
+    batch = samples_batch()
+    keys = [f"p{i}" for i in range(len(batch))]
+    memory = MemoryDataPlane()
+    for plane in (memory, queue):
+        plane.put("train/1", keys, batch.fields(FIELDS))
+
+    returned: list[list[Any]] = []
+    run_sharded = policy.group.run_sharded
+
+    def recording(method: str, shards: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        results = run_sharded(method, shards, *args, **kwargs)
+        returned.append(results)
+        return results
+
+    monkeypatch.setattr(policy.group, "run_sharded", recording)
+    for plane in (memory, queue):
+        samples = PlaneSamples(plane, "train/1", keys, FIELDS)
+        policy.logprobs_into(samples, "prev_logprobs")
+        policy.logprobs_into(samples, "reference_logprobs", reference=True)
+    assert returned[2:] == [[None, None], [None, None]], "the TransferQueue passes returned results to the driver"
+
+    outputs = ["prev_logprobs", "reference_logprobs"]
+    expected = memory.get("train/1", keys, outputs)
+    found = queue.get("train/1", keys, outputs)
+    direct = policy.get_logprobs(batch)["logprobs"]
+    assert torch.equal(expected["prev_logprobs"], direct)
+    assert direct[:, 1:].abs().sum() > 0
+    for name in outputs:
+        assert torch.equal(found[name], expected[name]), name
+
+    # Training reads the shards the same way: the same loss; a real step moves the weights.
+    nll = NLLLoss()
+    on_memory = policy.train_from(PlaneSamples(memory, "train/1", keys[:4], FIELDS), nll, eval_mode=True)
+    on_queue = policy.train_from(PlaneSamples(queue, "train/1", keys[:4], FIELDS), nll)
+    assert on_queue["loss"] == on_memory["loss"] > 0
+    assert on_queue["num_tokens"] == on_memory["num_tokens"] == float(batch["token_mask"][[0, 1, 3]].sum())
+    assert on_queue["grad_norm"] > 0
+    assert not torch.equal(policy.get_logprobs(batch)["logprobs"], direct)
+    queue.clear("train/1")
