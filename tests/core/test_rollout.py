@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.batch import Batch
+from posttrain.environments import EnvironmentTimeout
 from posttrain.errors import ConfigError
 from posttrain.interfaces import Environment, EnvironmentReturn, Generation, RefitStats
 from posttrain.rollout import ChatFormat, run_rollout
@@ -281,6 +282,37 @@ def test_a_failing_environment_costs_rewards_not_the_run(tiny_model_path, tokeni
     assert batch["rewards"].tolist() == [0.0, 0.0] and batch["turns"].tolist() == [1, 1]
     assert batch["metadata"] == [{"k": 1}, {"k": 2}]
     assert metrics["env/sad/errors"] == 2.0 and metrics["env/sad/timeouts"] == 0.0
+
+
+class PastDeadline(Environment):
+    """What a RemoteEnvironment raises when its actor does not answer within call_timeout_s."""
+
+    def step(self, message_logs, metadata) -> EnvironmentReturn:
+        raise EnvironmentTimeout("environment 'slow' did not answer step() within 1 s")
+
+
+class OneShort(Environment):
+    """Returns one result too few."""
+
+    def step(self, message_logs, metadata) -> EnvironmentReturn:
+        n = len(message_logs) - 1
+        return EnvironmentReturn(
+            observations=[{"role": "user", "content": "ok"}] * n, metadata=list(metadata)[:n],
+            next_stop_strings=[None] * n, rewards=torch.ones(n), terminateds=torch.ones(n, dtype=torch.bool),
+        )
+
+
+def test_timeouts_and_wrong_length_results_are_counted_per_environment(tiny_model_path, tokenizer):
+    generation = TransformersGeneration(tiny_model_path, max_new_tokens=3)
+    samples = Batch(
+        messages=[[{"role": "user", "content": f"hi {i}"}] for i in range(5)],
+        task=["slow", "short", "slow", "short", "short"], metadata=[{}] * 5,
+    )
+    envs = {"slow": PastDeadline(), "short": OneShort()}
+    batch, metrics = run_rollout(samples, generation, envs, tokenizer, max_total_length=64, max_turns=3)
+    assert batch["rewards"].tolist() == [0.0] * 5 and batch["turns"].tolist() == [1] * 5
+    assert (metrics["env/slow/timeouts"], metrics["env/slow/errors"]) == (2.0, 0.0)
+    assert (metrics["env/short/timeouts"], metrics["env/short/errors"]) == (0.0, 3.0)
 
 
 def test_unknown_task_is_refused_before_generating(tiny_model_path, tokenizer):
