@@ -1,4 +1,9 @@
-"""The in-memory data plane: core's default, a dict per partition in the driver process."""
+"""The in-memory data plane: core's default, a dict per partition in the driver process.
+
+Workers cannot reach it (:meth:`~posttrain.interfaces.DataPlane.worker_handle` is None), so
+policy passes over its samples are read and written by the driver, which sends each worker
+its shard's tensors.
+"""
 
 from __future__ import annotations
 
