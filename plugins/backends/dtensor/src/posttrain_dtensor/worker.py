@@ -98,6 +98,8 @@ class DTensorPolicyWorker(Worker):
                 "set it to a local folder holding config.json and the weights"
             )
         torch.manual_seed(config.seed)
+        if config.deterministic:
+            torch.use_deterministic_algorithms(True)
         lm = AutoModelForCausalLM.from_pretrained(
             policy.model, dtype=torch.float32, attn_implementation=options.attn_implementation
         )
