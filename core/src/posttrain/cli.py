@@ -7,7 +7,8 @@
 Errors posttrain raises on purpose print as one ``error:`` paragraph and exit with status 2.
 A run stopped by SIGINT / SIGTERM saves a checkpoint at the step boundary, prints one
 ``stopped:`` line and exits with 128 + the signal number (130, 143); a second signal stops
-at once with 130. ``posttrain run`` shuts down the Ray it started before exiting.
+at once with 130. ``posttrain run`` shuts down the Ray it started (not one this process was
+already connected to).
 Heavy modules (torch, ray) are imported only by the commands that need them.
 """
 
@@ -41,18 +42,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from posttrain.run import run_algorithm
 
     config = load_config(args.config, [*args.overrides, f"algorithm={args.algorithm}"])
+    connected_before = _ray_connected()
     try:
         run_algorithm(config)
     finally:
-        _shutdown_ray()
+        if not connected_before and _ray_connected():  # the run started Ray: stop it
+            sys.modules["ray"].shutdown()
     return 0
 
 
-def _shutdown_ray() -> None:
-    """Stop this process's Ray connection (and the local cluster it started), if any."""
+def _ray_connected() -> bool:
+    """Whether this process is connected to Ray (without importing it)."""
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
+    return ray is not None and ray.is_initialized()
 
 
 def _cmd_quickstart(args: argparse.Namespace) -> int:
