@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from posttrain.batch import Batch
+import attrs
+
+from posttrain.interfaces.data_plane import PlaneSamples
 from posttrain.interfaces.policy import Policy
 from posttrain_dpo.config import DPOConfig
 from posttrain_sft.loop import SupervisedAlgorithm
@@ -13,8 +15,9 @@ class DPO(SupervisedAlgorithm):
 
     Reads ``preference`` data: each example gives two rows, chosen (even) then rejected
     (odd), so ``policy.train_global_batch_size`` counts rows, twice the pairs. Before each
-    training or validation pass the frozen initial weights score the batch once
-    (``policy.get_reference_policy_logprobs``), unless ``dpo.reference_free``.
+    training or validation pass the frozen initial weights score the batch once, written into
+    its data-plane partition as ``reference_logprobs`` (``policy.logprobs_into(...,
+    reference=True)``), unless ``dpo.reference_free``.
     """
 
     name = "dpo"
@@ -22,7 +25,8 @@ class DPO(SupervisedAlgorithm):
     data_kind = "preference"
     rows_per_example = 2
 
-    def prepare_batch(self, policy: Policy, batch: Batch, options: DPOConfig) -> Batch:
-        if not options.reference_free:
-            batch["reference_logprobs"] = policy.get_reference_policy_logprobs(batch)["reference_logprobs"]
-        return batch
+    def prepare_batch(self, policy: Policy, samples: PlaneSamples, options: DPOConfig) -> PlaneSamples:
+        if options.reference_free:
+            return samples
+        policy.logprobs_into(samples, "reference_logprobs", reference=True)
+        return attrs.evolve(samples, fields=(*samples.fields, "reference_logprobs"))

@@ -1,8 +1,11 @@
 """The supervised training loop, written once for SFT and DPO.
 
-One step: the next global batch from the resumable data loader -> the algorithm's
-``prepare_batch`` (DPO adds the reference logprobs) -> ``policy.train(batch, loss)`` ->
-metrics to every sink and the progress bar. Around the steps: validation every
+One step: the next global batch from the resumable data loader -> the data plane
+(partition ``train/<step>``) -> the algorithm's ``prepare_batch`` (DPO writes the reference
+logprobs into the partition) -> ``policy.train_from(samples, loss)`` (the policy reads the
+partition; its workers may fetch their own shards) -> the partition is cleared -> metrics to
+every sink and the progress bar. Validation batches go through partitions of their own
+(``validation/<step>/<batch>``). Around the steps: validation every
 ``val_period`` steps (and at the start / end when asked), a checkpoint every
 ``checkpointing.save_period`` steps and after the last step, resume from the latest
 checkpoint, and an optional Hugging Face export of the final weights. After SIGINT / SIGTERM
@@ -34,6 +37,7 @@ from posttrain.data import (
     require_dataset,
 )
 from posttrain.interfaces.algorithm import Algorithm
+from posttrain.interfaces.data_plane import DataPlane, PlaneSamples
 from posttrain.interfaces.loss import LossFunction, LossType
 from posttrain.interfaces.policy import Policy
 from posttrain.run import with_schedule_horizon
@@ -58,9 +62,10 @@ class SupervisedAlgorithm(Algorithm):
     data_kind = "sft"
     rows_per_example = 1
 
-    def prepare_batch(self, policy: Policy, batch: Batch, options: SFTConfig) -> Batch:
-        """Add what the loss needs beyond the collated rows (SFT: nothing)."""
-        return batch
+    def prepare_batch(self, policy: Policy, samples: PlaneSamples, options: SFTConfig) -> PlaneSamples:
+        """Write what the loss needs beyond the collated rows into the samples' data plane
+        and return the samples with those fields added (SFT: nothing)."""
+        return samples
 
     def run(self, context: RunContext) -> dict[str, Any]:
         return SupervisedRun(self, context).fit()
@@ -88,6 +93,7 @@ class SupervisedRun:
         context.config = with_schedule_horizon(config, self.total_steps)
         self.loss_fn: LossFunction = context.build_loss(self.options.loss, self.options)
         self.policy: Policy | None = None
+        self.plane: DataPlane | None = None
         self.step = 0
         self.saved_step: int | None = None
         self.validated_step: int | None = None
@@ -102,6 +108,7 @@ class SupervisedRun:
         save_period = context.config.checkpointing.save_period
         self.policy = context.build_policy()
         try:
+            self.plane = context.build_data_plane()
             self.resume()
             if options.val_at_start and self.step == 0:
                 self.validate()
@@ -127,6 +134,8 @@ class SupervisedRun:
                 context.log.info("exported Hugging Face weights", path=options.export_dir, step=self.step)
             return {"step": self.step, **metrics, **{f"validation/{k}": v for k, v in self.validation.items()}}
         finally:
+            if self.plane is not None:
+                self.plane.shutdown()
             self.policy.shutdown()
 
     def _batches(self) -> Iterator[tuple[int, Batch]]:
@@ -142,8 +151,7 @@ class SupervisedRun:
         included), ``total_tokens`` (prompt and answer), ``tokens_per_s`` and ``epoch``."""
         assert self.policy is not None
         start = time.perf_counter()
-        batch = self.algorithm.prepare_batch(self.policy, batch, self.options)
-        metrics = self.policy.train(batch, self.loss_fn)
+        metrics = self.train_through_plane(f"train/{self.step + 1}", batch)
         elapsed = time.perf_counter() - start
         tokens = int(batch["input_lengths"].sum())
         metrics.update(step_time_s=elapsed, total_tokens=tokens, tokens_per_s=tokens / elapsed, epoch=epoch)
@@ -166,13 +174,27 @@ class SupervisedRun:
             batch = pad_rows(batch, multiple)
             weight = normaliser(batch, self.loss_fn)
             if weight > 0:
-                batch = self.algorithm.prepare_batch(self.policy, batch, self.options)
-                parts.append((weight, self.policy.train(batch, self.loss_fn, eval_mode=True)))
+                parts.append((weight, self.train_through_plane(f"validation/{self.step}/{k}", batch, eval_mode=True)))
         metrics = weighted_metrics(parts, self.loss_fn.metric_reductions)
         metrics["time_s"] = time.perf_counter() - start
         self.validation, self.validated_step = metrics, self.step
         self.context.log_metrics(self.step, metrics, "validation")
         return metrics
+
+    def train_through_plane(self, partition: str, batch: Batch, *, eval_mode: bool = False) -> dict[str, float]:
+        """Put ``batch`` into ``partition`` of the data plane, let the algorithm add to it,
+        train (or, with ``eval_mode``, evaluate) the policy on it from there; the partition
+        is cleared afterwards, whatever happens."""
+        assert self.policy is not None and self.plane is not None
+        keys = [str(i) for i in range(len(batch))]
+        self.plane.put(partition, keys, batch)
+        try:
+            samples = self.algorithm.prepare_batch(
+                self.policy, PlaneSamples(self.plane, partition, keys, list(batch)), self.options
+            )
+            return self.policy.train_from(samples, self.loss_fn, eval_mode=eval_mode)
+        finally:
+            self.plane.clear(partition)
 
     # ------------------------------------------------------------------ checkpoints
 
