@@ -22,5 +22,8 @@ class Algorithm(abc.ABC):
     @abc.abstractmethod
     def run(self, context: RunContext) -> dict[str, Any]:
         """Run to completion (resuming from the latest checkpoint when there is one) and
-        return the final metrics. ``context`` builds backends, logs metrics and saves
-        checkpoints."""
+        return the final metrics (with ``"step"``, the last finished step). ``context``
+        builds backends, logs metrics and saves checkpoints.
+
+        Check ``context.stop_requested`` before each step: once it is set (SIGINT /
+        SIGTERM), start no new step, checkpoint the last finished one and return."""
