@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import pickle
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -348,6 +349,22 @@ class DataPlaneContract:
             message = str(error.value.args[0])
             missing = [f for f in fragments if f not in message]
             assert not missing, f"{error_type.__name__} message {message!r} does not name {missing}"
+
+    def test_a_worker_handle_reaches_the_same_partitions(self, data_plane: Any) -> None:
+        """What :meth:`~posttrain.interfaces.DataPlane.worker_handle` opens (after a pickle
+        round trip, as it travels to a worker) reads the driver's samples, and what it writes
+        the driver reads."""
+        handle = data_plane.worker_handle()
+        if handle is None:
+            pytest.skip("workers cannot reach this plane; policies read and write it through the driver")
+        data_plane.put("train/0", ["a", "b"], {"x": torch.tensor([1.0, 2.0])})
+        remote = pickle.loads(pickle.dumps(handle)).open()
+        check_same_batch(remote.get("train/0", ["b", "a"], ["x"]), {"x": torch.tensor([2.0, 1.0])}, "the worker's get")
+        remote.put("train/0", ["b"], {"logprobs": torch.tensor([[0.5, 0.25]])})
+        check_same_batch(data_plane.get("train/0", ["b"], ["logprobs"]), {"logprobs": torch.tensor([[0.5, 0.25]])},
+                         "the driver's get of what the worker wrote")
+        data_plane.clear("train/0")
+        assert data_plane.partitions() == []
 
     def test_matches_the_in_memory_plane(self, data_plane: Any) -> None:
         """A scripted run of puts, gets, tags and clears gives the reference's results."""
