@@ -154,3 +154,21 @@ def test_a_checkpoint_of_a_model_of_another_shape_is_refused(tmp_path):
         f"hidden_size: checkpoint 64 ({saved_model}), config 128 ({wider}). Start the new run in another "
         "checkpointing.dir (or run_dir), or resume with the checkpoint's settings"
     )
+
+
+def test_a_run_refuses_a_checkpoint_of_another_config_before_ray_starts(tiny_model_path, tmp_path, monkeypatch):
+    import posttrain.distributed.cluster as cluster
+    from posttrain.run import run_algorithm
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started before the checkpoint was checked")
+
+    monkeypatch.setattr(cluster, "init_ray", no_ray)
+    tree = {"algorithm": "sft", "run_dir": str(tmp_path), "policy": {"model": tiny_model_path}}
+    saved = CheckpointManager(tmp_path / "checkpoints").save(4, _writer("x"), config_yaml=dump_config(config_from_dict(tree)))
+    with pytest.raises(CheckpointError) as err:
+        run_algorithm(config_from_dict(tree, ["policy.dtype=bfloat16"]))
+    assert str(err.value).startswith(
+        f"cannot resume from {saved}: it was written by a different config. Differences: "
+        "policy.dtype: checkpoint 'float32', config 'bfloat16'. "
+    )
