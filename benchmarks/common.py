@@ -1,0 +1,419 @@
+"""The side-by-side benchmark harness shared by every workload (``sft.py``, ``dpo.py``).
+
+A workload names its *sides* (posttrain with packing on and off, TRL with its defaults and
+with its best CPU settings). Each side runs in a subprocess of its own so its peak memory
+is its alone; the harness runs the sides in turn, repetition after repetition (posttrain,
+TRL, posttrain, TRL, ...), so all of them see the same machine load. A child trains
+``warmup + steps`` optimizer steps on the same JSONL file and reports per step: the wall
+time since the previous step ended (so data loading, collation and logging count on both
+sides; process and Ray start-up and the first ``warmup`` steps do not), the loss, the real
+(non-padding) sample lengths and a digest of the token ids it trained on, plus the settings
+it actually ran with. :func:`check_settings` fails loudly unless every side trained the
+same weights on the same samples with the same optimizer, learning rate and loss.
+
+The floor: the model FLOPs a step must do (:func:`forward_flops`, real tokens only) divided
+by this machine's float32 ``torch.mm`` rate measured in the same run
+(:func:`matmul_flops_per_s`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: Relative tolerance on the first step's loss across sides (same weights, same tokens).
+LOSS_RTOL = 1e-4
+
+
+# ---------------------------------------------------------------------- the floor
+
+
+def matmul_flops_per_s(n: int = 2048, repeats: int = 5, threads: int | None = None) -> float:
+    """Median float32 ``torch.mm`` rate of ``n x n`` matrices (FLOP/s) on ``threads`` threads
+    (default: all cores), after one warm-up product."""
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times)
+
+
+def matmul_parameters(config: Any) -> int:
+    """Weights of a Llama-style model that take part in a matrix product per token: every
+    layer's q/k/v/o and gate/up/down projections plus the output head (embeddings are a lookup)."""
+    d, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    per_layer = d * (q + 2 * kv) + q * d + 3 * d * config.intermediate_size
+    return layers * per_layer + config.vocab_size * d
+
+
+def forward_flops(config: Any, lengths: Sequence[int]) -> float:
+    """FLOPs of one forward pass over sequences of these real lengths: 2 x matmul parameters
+    per token plus causal attention (QK^T and AV over the lower triangle: 2 x layers x
+    query width x n^2 per sequence). A training pass (forward + backward) is 3 x this."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q = config.num_attention_heads * head_dim
+    attention = 2 * config.num_hidden_layers * q * sum(n * n for n in lengths)
+    return 2 * matmul_parameters(config) * sum(lengths) + attention
+
+
+def skewed_lengths(samples: int, max_len: int, seed: int, low: int = 8) -> list[int]:
+    """Log-normal lengths clipped to [low, max_len]: most short, a long tail of a few long ones."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.exp(torch.randn(samples, generator=g) * 0.9 + torch.log(torch.tensor(max_len / 6)))
+    return [int(x) for x in raw.clamp(low, max_len)]
+
+
+def random_text(length: int, g: torch.Generator) -> str:
+    """``length`` characters the tiny character tokenizer maps one to one onto tokens."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 "
+    return "".join(alphabet[i] for i in torch.randint(len(alphabet), (max(1, length),), generator=g).tolist())
+
+
+# ---------------------------------------------------------------------- what a child reports
+
+
+def step_record(sequences: Sequence[Sequence[int]], loss_tokens: int) -> dict[str, Any]:
+    """What one step trained on, independent of row order and padding: the sorted real
+    lengths, the loss-token count and a digest of the sorted token-id sequences."""
+    seqs = sorted(tuple(int(t) for t in s) for s in sequences)
+    digest = hashlib.sha256(json.dumps(seqs).encode()).hexdigest()[:16]
+    return {"lengths": sorted(len(s) for s in seqs), "loss_tokens": int(loss_tokens), "digest": digest}
+
+
+def rows_of(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+            position_ids: torch.Tensor | None = None) -> list[list[int]]:
+    """The real token sequences of a collated batch: padded rows cut by ``attention_mask``,
+    or a padding-free row (one row, no mask) split where ``position_ids`` restart at 0."""
+    if attention_mask is not None:
+        return [row[m.bool()].tolist() for row, m in zip(input_ids, attention_mask, strict=True)]
+    assert position_ids is not None and input_ids.shape[0] == 1, "padding-free batches carry position_ids"
+    starts = (position_ids[0] == 0).nonzero().flatten().tolist() + [input_ids.shape[1]]
+    return [input_ids[0, a:b].tolist() for a, b in zip(starts, starts[1:], strict=False)]
+
+
+def weights_digest(model_dir: str | Path) -> str:
+    """Digest of the safetensors weights a side was told to load."""
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def child_result(spec: dict[str, Any], step_ends: Sequence[float], losses: Sequence[float],
+                 steps: Sequence[dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any]:
+    """A child's JSON report. ``step_ends`` are wall-clock ends of every step (warm-up
+    included); timed steps are those after the warm-up, each measured from the previous end."""
+    w = spec["warmup"]
+    assert w >= 1 and len(step_ends) == len(losses) == len(steps) == w + spec["steps"], (len(step_ends), len(steps))
+    return {
+        "step_times_s": [b - a for a, b in zip(step_ends[w - 1:], step_ends[w:], strict=False)],
+        "losses": [float(x) for x in losses],
+        "steps": list(steps),
+        "settings": {**settings, "weights": weights_digest(spec["model_dir"])},
+        "threads": torch.get_num_threads(),
+    }
+
+
+# ---------------------------------------------------------------------- peak memory
+
+
+def _children_of() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            tree.setdefault(ppid, []).append(int(entry))
+    return tree
+
+
+def _hwm_kib(pid: int) -> tuple[int, str] | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]), cmd
+    return None
+
+
+class TreeMemory:
+    """Polls a process and its descendants; keeps each process's peak resident set (VmHWM).
+
+    ``training_mb``: the root process plus Ray actor processes (``ray::<Actor>``, i.e. the
+    workers holding the model) -- the memory the training itself needs. ``infra_mb``: every
+    other descendant (Ray's GCS, raylet, idle workers). Both sum per-process peaks."""
+
+    def __init__(self, root: int, period_s: float = 0.2):
+        self.root, self.period_s = root, period_s
+        self.peaks: dict[int, tuple[int, str]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            tree, todo = _children_of(), [self.root]
+            while todo:
+                pid = todo.pop()
+                todo.extend(tree.get(pid, []))
+                seen = _hwm_kib(pid)
+                if seen is not None and seen[0] >= self.peaks.get(pid, (0, ""))[0]:
+                    self.peaks[pid] = seen
+            self._stop.wait(self.period_s)
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        training = infra = 0
+        for pid, (kib, cmd) in self.peaks.items():
+            if pid == self.root or (cmd.startswith("ray::") and not cmd.startswith("ray::IDLE")):
+                training += kib
+            else:
+                infra += kib
+        return {"peak_rss_mb": training / 1024, "infra_rss_mb": infra / 1024}
+
+
+# ---------------------------------------------------------------------- running the sides
+
+
+def run_child(script: Path, side: str, spec_path: Path, timeout_s: float) -> dict[str, Any]:
+    """Run ``script --child side --spec spec_path`` in its own process (and, for posttrain,
+    its own Ray cluster); return its report with its peak memory added."""
+    out = spec_path.with_name(f"{side}.{time.time_ns()}.json")
+    env = {**os.environ, "RAY_ADDRESS": "", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)}
+    log = out.with_suffix(".log").open("w")
+    proc = subprocess.Popen([sys.executable, str(script), "--child", side, "--spec", str(spec_path), "--out", str(out)],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    memory = TreeMemory(proc.pid)
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        mem = memory.stop()
+        log.close()
+    if rc != 0:
+        tail = out.with_suffix(".log").read_text()[-4000:]
+        raise RuntimeError(f"side {side!r} failed (exit {rc}); last output:\n{tail}")
+    return {**json.loads(out.read_text()), **mem}
+
+
+class SettingsMismatch(AssertionError):
+    """The sides did not train the same thing; the message lists every difference."""
+
+
+def check_settings(results: dict[str, dict[str, Any]], loss_rtol: float = LOSS_RTOL) -> None:
+    """Raise :class:`SettingsMismatch` unless every side (and every repetition of it) ran
+    the same settings (weights, optimizer, lr, schedule, clipping, loss options, rows per
+    step) on the same samples (per-step digests, real lengths, loss tokens) and got the same
+    first-step loss within ``loss_rtol``."""
+    problems = []
+    (ref_name, ref), *others = results.items()
+    for name, res in others:
+        for key in sorted(set(ref["settings"]) | set(res["settings"])):
+            a, b = ref["settings"].get(key), res["settings"].get(key)
+            if a != b:
+                problems.append(f"setting {key!r}: {ref_name}={a!r} but {name}={b!r}")
+        if len(res["steps"]) != len(ref["steps"]):
+            problems.append(f"steps: {ref_name} ran {len(ref['steps'])} but {name} ran {len(res['steps'])}")
+        for k, (sa, sb) in enumerate(zip(ref["steps"], res["steps"], strict=False), start=1):
+            for field in ("digest", "lengths", "loss_tokens"):
+                if sa[field] != sb[field]:
+                    problems.append(f"step {k} {field}: {ref_name}={_short(sa[field])} but {name}={_short(sb[field])}")
+        la, lb = ref["losses"][0], res["losses"][0]
+        if abs(la - lb) > loss_rtol * abs(la):
+            problems.append(f"first-step loss: {ref_name}={la:.6f} but {name}={lb:.6f} (rtol {loss_rtol})")
+    if problems:
+        raise SettingsMismatch("the sides did not train the same thing:\n  " + "\n  ".join(problems))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) < 60 else text[:57] + "..."
+
+
+# ---------------------------------------------------------------------- the workload driver
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One benchmark: its sides (child entry points, each ``spec -> report``), the one that
+    TRL is compared against, the data it writes, and the FLOPs of one step."""
+
+    name: str
+    script: Path
+    sides: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]
+    baseline: str
+    write_data: Callable[[dict[str, Any], Path], None]
+    step_flops: Callable[[Any, list[int]], float]
+    rows_per_step: int
+    flops_rule: str
+
+
+def parse_args(workload: Workload, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=f"posttrain vs TRL: {workload.name}")
+    p.add_argument("--model", default="small", help="posttrain.tiny size preset: tiny | small")
+    p.add_argument("--reps", type=int, default=2, help="repetitions of every side, alternating")
+    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per repetition")
+    p.add_argument("--warmup", type=int, default=1, help="untimed first steps per repetition")
+    p.add_argument("--max-len", type=int, default=256, help="longest sample in tokens")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sides", default=",".join(workload.sides), help="comma-separated subset of sides")
+    p.add_argument("--out", default=None, help="folder for results.json / results.md (default: a temp folder)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per side run")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(workload: Workload, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """The command line: a child runs one side; otherwise run every side ``--reps`` times,
+    check the settings, print the table and write ``results.json`` / ``results.md``."""
+    args = parse_args(workload, argv)
+    if args.child:
+        spec = json.loads(Path(args.spec).read_text())
+        torch.set_num_threads(spec["threads"])
+        report = workload.sides[args.child](spec)
+        Path(args.out).write_text(json.dumps(report))
+        return report
+    return run_benchmark(workload, args)
+
+
+def make_spec(workload: Workload, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Build the model and the data; the spec every child reads."""
+    from posttrain.tiny import build_tiny_model
+
+    spec = {
+        "workload": workload.name, "model": args.model, "steps": args.steps, "warmup": args.warmup,
+        "max_len": args.max_len, "lr": args.lr, "seed": args.seed, "rows_per_step": workload.rows_per_step,
+        "threads": os.cpu_count() or 1, "workdir": str(workdir),
+        "model_dir": str(build_tiny_model(workdir / "model", size=args.model, seed=args.seed)),
+    }
+    data = workdir / "train.jsonl"
+    workload.write_data(spec, data)
+    spec["data"] = str(data)
+    return spec
+
+
+def run_benchmark(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    workdir = Path(args.out or tempfile.mkdtemp(prefix=f"bench_{workload.name}_")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = make_spec(workload, args, workdir)
+    spec_path = workdir / "spec.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    load = [os.getloadavg()]
+    rate = [matmul_flops_per_s(threads=spec["threads"])]
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
+    for rep in range(args.reps):
+        for side in sides:
+            print(f"[{workload.name}] rep {rep + 1}/{args.reps}: {side} ...", flush=True)
+            runs[side].append(run_child(workload.script, side, spec_path, args.timeout))
+            load.append(os.getloadavg())
+        rate.append(matmul_flops_per_s(threads=spec["threads"]))
+    check_settings({f"{s}#{k + 1}": r for s in sides for k, r in enumerate(runs[s])})
+    hf_config = AutoConfig.from_pretrained(spec["model_dir"])
+    result = summarize(workload, spec, runs, hf_config, statistics.median(rate), rate, load)
+    (workdir / "results.json").write_text(json.dumps(result, indent=1))
+    table = markdown_table(result)
+    (workdir / "results.md").write_text(table)
+    print("\n" + table + f"\nresults in {workdir}")
+    return result
+
+
+def summarize(workload: Workload, spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]], hf_config: Any,
+              rate: float, rates: list[float], load: list[tuple[float, float, float]]) -> dict[str, Any]:
+    """Per side: step time median/min/max over every timed step of every repetition, real
+    tokens/s, peak memory, TRL/posttrain and posttrain/floor ratios."""
+    first = next(iter(runs.values()))[0]
+    timed = first["steps"][spec["warmup"]:]
+    flops = statistics.mean(workload.step_flops(hf_config, s["lengths"]) for s in timed)
+    tokens = statistics.mean(sum(s["lengths"]) for s in timed)
+    floor_s = flops / rate
+    rows = {}
+    for side, reps in runs.items():
+        times = [t for r in reps for t in r["step_times_s"]]
+        median = statistics.median(times)
+        rows[side] = {
+            "step_s_median": median, "step_s_min": min(times), "step_s_max": max(times),
+            "tokens_per_s": tokens / median, "peak_rss_mb": max(r["peak_rss_mb"] for r in reps),
+            "infra_rss_mb": max(r["infra_rss_mb"] for r in reps), "time_over_floor": median / floor_s,
+            "first_loss": reps[0]["losses"][0], "last_loss": reps[0]["losses"][-1], "reps": len(reps),
+            "threads": reps[0]["threads"],
+        }
+    base = rows[workload.baseline]["step_s_median"]
+    for row in rows.values():
+        row["vs_baseline"] = row["step_s_median"] / base
+    return {
+        "workload": workload.name, "model": spec["model"], "parameters": _parameters(hf_config),
+        "rows_per_step": spec["rows_per_step"], "real_tokens_per_step": tokens, "step_gflop": flops / 1e9,
+        "flops_rule": workload.flops_rule, "matmul_gflops": rate / 1e9, "matmul_gflops_samples": [r / 1e9 for r in rates],
+        "floor_s": floor_s, "baseline": workload.baseline, "steps": spec["steps"], "warmup": spec["warmup"],
+        "max_len": spec["max_len"], "load_avg_1m": [x[0] for x in load], "machine": _machine(), "sides": rows,
+        "settings": first["settings"], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def _parameters(config: Any) -> int:
+    return matmul_parameters(config) + config.vocab_size * config.hidden_size + (2 * config.num_hidden_layers + 1) * config.hidden_size
+
+
+def _machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The result as a Markdown table with its context lines."""
+    r = result
+    loads = r["load_avg_1m"]
+    lines = [
+        f"**{r['workload']}**, model `{r['model']}` ({r['parameters'] / 1e6:.1f}M parameters), "
+        f"{r['rows_per_step']} rows per step, {r['real_tokens_per_step']:.0f} real tokens per step, "
+        f"{r['steps']} timed steps x {next(iter(r['sides'].values()))['reps']} repetitions per side; {r['date']}, {r['machine']}.",
+        f"Floor: {r['step_gflop']:.1f} GFLOP per step ({r['flops_rule']}) / {r['matmul_gflops']:.1f} GFLOP/s "
+        f"(float32 torch.mm, median; samples {', '.join(f'{x:.0f}' for x in r['matmul_gflops_samples'])}) "
+        f"= {r['floor_s']:.3f} s. Load average (1 min) during the run: {min(loads):.1f} to {max(loads):.1f}.",
+        "",
+        f"| side | step s (median) | min | max | real tokens/s | peak RSS MB (+Ray infra) | time / {r['baseline']} | time / floor | first loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in r["sides"].items():
+        lines.append(
+            f"| {name} | {s['step_s_median']:.3f} | {s['step_s_min']:.3f} | {s['step_s_max']:.3f} | {s['tokens_per_s']:.0f} "
+            f"| {s['peak_rss_mb']:.0f} (+{s['infra_rss_mb']:.0f}) | {s['vs_baseline']:.2f} | {s['time_over_floor']:.2f} "
+            f"| {s['first_loss']:.5f} |"
+        )
+    return "\n".join(lines) + "\n"
