@@ -5,8 +5,9 @@
   intact, and running again resumes from it to the uninterrupted run's metrics;
 - SIGTERM mid-run finishes the step, checkpoints it and stops; running again resumes to the
   uninterrupted run's metrics (SFT; GRPO in a slow test);
-- through ``posttrain run`` (slow): the same two faults as a user sees them: the exit
-  status, the message, and no Ray process left behind.
+- through ``posttrain run`` (slow): the same faults (SIGTERM to the process, Ctrl-C to its
+  process group) as a user sees them: the exit status, the message, and no Ray process
+  left behind.
 """
 
 from __future__ import annotations
@@ -207,9 +208,13 @@ def cli_command(model: str, train: str, run_dir: Path, steps: int = 1000) -> lis
     ]
 
 
-def start_cli(command: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "RAY_ADDRESS": ""}  # a cluster of its own, not the test session's
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start_cli(command: list[str], *, own_group: bool = False) -> subprocess.Popen:
+    """``command`` in a cluster of its own (not the test session's); ``own_group``: in a new
+    process group, as a shell runs a foreground job."""
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    return subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=own_group
+    )
 
 
 def wait_for(condition: Callable[[], bool], proc: subprocess.Popen, timeout_s: float, what: str) -> None:
@@ -229,19 +234,29 @@ def logged_steps(run_dir: Path) -> int:
 
 
 @pytest.mark.slow
-def test_cli_sigterm_saves_exits_143_and_leaves_no_ray_process(tiny_model_path, corpus, tmp_path):
+@pytest.mark.parametrize(
+    ("signum", "to_group"),
+    [(signal.SIGTERM, False), (signal.SIGINT, True)],  # a scheduler's SIGTERM; Ctrl-C reaches Ray's processes too
+    ids=["sigterm", "ctrl-c"],
+)
+def test_cli_stop_signal_saves_exits_128_plus_signal_and_leaves_no_ray_process(
+    tiny_model_path, corpus, tmp_path, signum, to_group
+):
     run_dir = tmp_path / "run"
-    proc = start_cli(cli_command(tiny_model_path, corpus, run_dir))
+    proc = start_cli(cli_command(tiny_model_path, corpus, run_dir), own_group=to_group)
     wait_for(lambda: logged_steps(run_dir) >= 3, proc, 300, "third training step")
     children = psutil.Process(proc.pid).children(recursive=True)
     assert any(WORKER_CLASS in " ".join(p.cmdline()) for p in children)
-    proc.send_signal(signal.SIGTERM)
+    if to_group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
 
-    assert proc.returncode == 143, stderr[-3000:]
+    assert proc.returncode == 128 + signum, stderr[-3000:]
     last = max(train_metrics(run_dir))
     checkpoint = run_dir / "checkpoints" / f"step_{last}"
-    assert f"stopped: stopped by SIGTERM after step {last}; the run resumes from the checkpoint {checkpoint}" in stderr
+    assert f"stopped: stopped by {signum.name} after step {last}; the run resumes from the checkpoint {checkpoint}" in stderr
     assert (checkpoint / "training_info.json").is_file()
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, f"left running: {[p.cmdline() for p in alive]}"
