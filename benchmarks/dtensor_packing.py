@@ -10,7 +10,8 @@ steps three ways: padded microbatches, dynamic batching by a token budget, and s
 packing. It reports real (non-padding) training tokens per second and model FLOPs
 utilisation: useful model FLOPs (6 x matmul parameters per token plus causal attention,
 forward and backward, real tokens only) per second, divided by this machine's float32
-matmul rate measured in the same run with a large ``torch.mm`` on all cores.
+matmul rate measured in the same run with a large ``torch.mm`` on all cores (both from
+``common.py``).
 
 CPU only: each worker gets ``cores / workers`` threads.
 """
@@ -19,8 +20,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
-import time
+from pathlib import Path
 
 import torch
 
@@ -37,25 +39,9 @@ from posttrain.plugins import plugin_host
 from posttrain.policy_driver import Batching, plan_pass
 from posttrain.tiny import build_tiny_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def matmul_flops_per_s(n: int = 2048, repeats: int = 5) -> float:
-    """Best float32 ``torch.mm`` rate of ``n x n`` matrices on all cores (FLOP/s)."""
-    torch.set_num_threads(os.cpu_count() or 1)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)  # warm up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
-
-
-def skewed_lengths(samples: int, max_len: int, seed: int) -> list[int]:
-    """Log-normal lengths clipped to [8, max_len]: a long tail of a few long samples."""
-    g = torch.Generator().manual_seed(seed)
-    raw = torch.exp(torch.randn(samples, generator=g) * 0.9 + torch.log(torch.tensor(max_len / 6)))
-    return [int(x) for x in raw.clamp(8, max_len)]
+from common import forward_flops, matmul_flops_per_s, skewed_lengths  # noqa: E402
 
 
 def make_batch(lengths: list[int], vocab: int, seed: int) -> Batch:
@@ -67,18 +53,6 @@ def make_batch(lengths: list[int], vocab: int, seed: int) -> Batch:
     ids = torch.randint(7, vocab, (len(lengths), width), generator=g) * real
     return Batch(input_ids=ids, input_lengths=lens, token_mask=(real & (pos >= 1)).float(),
                  sample_mask=torch.ones(len(lengths)))
-
-
-def model_flops(config, lengths: list[int]) -> float:
-    """Useful FLOPs of one training step (forward + backward) on these sample lengths."""
-    d, layers = config.hidden_size, config.num_hidden_layers
-    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    per_layer = d * (q + 2 * kv) + q * d + 3 * d * config.intermediate_size
-    matmul_params = layers * per_layer + config.vocab_size * d  # + the output head
-    tokens = sum(lengths)
-    attention = 2 * layers * q * sum(n * n for n in lengths)  # QK^T and AV, causal half, forward
-    return 3 * (2 * matmul_params * tokens + attention)
 
 
 def processed_tokens(lengths: list[int], dp: int, batching: Batching) -> tuple[int, int]:
@@ -150,7 +124,7 @@ def main() -> None:
     policy = DTensorPolicy(config, VirtualCluster(config.cluster))
     try:
         params = policy.info()["parameters"]
-        flops = model_flops(hf_config, lengths)
+        flops = 3 * forward_flops(hf_config, lengths)  # forward + backward, real tokens
         rows = []
         for name, (packing, dynamic, batching) in modes.items():
             policy.config.policy.sequence_packing = packing

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from common import child_result, rows_of, step_record
 
 
