@@ -33,6 +33,10 @@ from posttrain.distributed.cluster import VirtualCluster
 from posttrain.errors import WorkerError
 from posttrain.plugins import plugin_host
 
+#: How long a failed call waits for the group's other pending calls before raising, so that
+#: a rank that died (the usual reason a collective fails on its peers) is the one reported.
+PEER_DEATH_GRACE_S = 5.0
+
 
 class Worker:
     """Base class of every actor class in a worker group.
@@ -174,9 +178,11 @@ class WorkerGroup:
         """Wait for refs returned by this group's ``*_async`` calls and return their values
         (a list for a list, one value for one ref).
 
-        The first call to fail raises :class:`WorkerError` at once: ``worker group 'NAME'
-        rank R died: ...`` when the actor process died, or ``worker group 'NAME' rank R:
-        METHOD() raised ...`` with the last line of the remote traceback. Past
+        The first call to fail raises :class:`WorkerError`: ``worker group 'NAME' rank R
+        died: ...`` when the actor process died, or ``worker group 'NAME' rank R: METHOD()
+        raised ...`` with the last line of the remote traceback. When a call raised while
+        others are pending, a rank among them that died within :data:`PEER_DEATH_GRACE_S`
+        is reported instead (its death is what broke the others' collectives). Past
         ``timeout_s`` seconds it raises :class:`WorkerError` naming the unfinished ranks.
         """
         single = isinstance(refs, ray.ObjectRef)
@@ -192,7 +198,13 @@ class WorkerGroup:
                     late = ", ".join(f"rank {r} {m}()" for r, m in (self._owner(ref) for ref in pending))
                     raise WorkerError(f"worker group '{self.name}': {late} did not finish within {timeout_s:g} s")
                 ref = ready[0]
-                values[ref.hex()] = self._value(ref)
+                try:
+                    values[ref.hex()] = self._value(ref)
+                except WorkerError:
+                    dead = self._dead_peer(pending)
+                    if dead is None:
+                        raise
+                    raise dead from dead.__cause__
         finally:
             for ref in ref_list:
                 self._calls.pop(ref.hex(), None)
@@ -251,6 +263,21 @@ class WorkerGroup:
 
     def _owner(self, ref: ray.ObjectRef) -> tuple[int | str, str]:
         return self._calls.get(ref.hex(), ("?", "?"))
+
+    def _dead_peer(self, pending: list[ray.ObjectRef]) -> WorkerError | None:
+        """The error of a rank among ``pending`` whose process died, waiting at most
+        :data:`PEER_DEATH_GRACE_S` for them; None when none died."""
+        if not pending:
+            return None
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_DEATH_GRACE_S)
+        for ref in ready:
+            try:
+                self._value(ref)
+            except WorkerError as error:
+                cause = error.__cause__
+                if isinstance(cause, ray.exceptions.RayActorError) and not cause.actor_init_failed:
+                    return error
+        return None
 
     def _value(self, ref: ray.ObjectRef) -> Any:
         try:
