@@ -1,21 +1,53 @@
-"""A shortened ``posttrain quickstart``: every stage runs for real, with fewer steps."""
+"""``posttrain quickstart``: its task files, its seed option, and a shortened run where every
+stage runs for real with fewer steps."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
-pytestmark = pytest.mark.ray
+
+def _problems(path):
+    return [json.loads(line)["messages"][0]["content"] for line in path.read_text().splitlines()]
 
 
+def test_task_files_are_disjoint_deterministic_and_answered(tmp_path):
+    from posttrain.quickstart.task import write_task
+
+    files = write_task(tmp_path / "a", num_sft=30, num_rl=20, num_validation=10, max_first=9, max_second=9, seed=3)
+    write_task(tmp_path / "b", num_sft=30, num_rl=20, num_validation=10, max_first=9, max_second=9, seed=3)
+    for name in ("sft_train.jsonl", "sft_validation.jsonl", "rl_train.jsonl", "validation.jsonl"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    sft, rl, validation = _problems(files.sft_train), _problems(files.rl_train), _problems(files.validation)
+    assert (len(sft), len(rl), len(validation)) == (30, 20, 10)
+    assert len(set(sft) | set(rl) | set(validation)) == 60
+    for line in files.validation.read_text().splitlines():
+        row = json.loads(line)
+        a, b = row["messages"][0]["content"].rstrip("=").split("+")
+        assert row["answer"] == str(int(a) + int(b)) and int(a) <= 9 and int(b) <= 9
+    with pytest.raises(ValueError, match="asked for 101 distinct problems, but operands up to 9 and 9 give only 100"):
+        write_task(tmp_path / "c", num_sft=100, num_rl=0, num_validation=1, max_first=9, max_second=9)
+
+
+def test_seed_override_is_refused_with_the_option_to_use(tmp_path):
+    from posttrain.errors import ConfigError
+    from posttrain.quickstart.run import run_quickstart
+
+    with pytest.raises(ConfigError, match="pass --seed N instead"):
+        run_quickstart(tmp_path, ["generation.backend=hf", "seed=3"])
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.ray
 def test_short_quickstart_writes_its_outputs(tmp_path, ray_cluster):
     from transformers import AutoModelForCausalLM
 
     from posttrain.metrics import read_metrics
     from posttrain.quickstart.run import run_quickstart
 
-    accuracies = run_quickstart(tmp_path, ["generation.backend=hf"], sft_epochs=1, grpo_steps=2)
+    accuracies = run_quickstart(tmp_path, ["generation.backend=hf"], seed=1, sft_epochs=1, grpo_steps=2)
 
     assert set(accuracies) == {"before SFT", "after SFT", "after GRPO"}
     assert all(0.0 <= value <= 1.0 for value in accuracies.values())

@@ -2,7 +2,7 @@
 
     posttrain run ALGORITHM --config FILE [key=value ...]
     posttrain plugins
-    posttrain quickstart [--run-dir DIR]
+    posttrain quickstart [--run-dir DIR] [--seed N]
 
 Errors posttrain raises on purpose print as one ``error:`` paragraph and exit with status 2.
 A run stopped by SIGINT / SIGTERM saves a checkpoint at the step boundary, prints one
@@ -60,7 +60,7 @@ def _ray_connected() -> bool:
 def _cmd_quickstart(args: argparse.Namespace) -> int:
     from posttrain.quickstart.run import run_quickstart
 
-    run_quickstart(args.run_dir, list(args.overrides))
+    run_quickstart(args.run_dir, list(args.overrides), seed=args.seed)
     return 0
 
 
@@ -79,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
 
     quick = sub.add_parser("quickstart", help="SFT then GRPO on a tiny built-in model and task, on CPU")
     quick.add_argument("--run-dir", default="runs/quickstart", help="where outputs go (default: runs/quickstart)")
+    quick.add_argument("--seed", type=int, default=0, help="initial weights, data order and sampling (default: 0)")
     quick.add_argument("overrides", nargs="*", help="config overrides for both stages")
     quick.set_defaults(func=_cmd_quickstart)
     return parser

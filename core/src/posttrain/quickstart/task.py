@@ -23,29 +23,22 @@ class TaskFiles:
     validation: Path
 
 
-def problem(rng: random.Random, max_operand: int) -> tuple[str, str]:
-    """One question and its answer, e.g. ``("17+25=", "42")``."""
-    a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-    return f"{a}+{b}=", str(a + b)
+def write_task(folder: str | Path, *, num_sft: int, num_rl: int, num_validation: int, max_first: int = 99,
+               max_second: int = 9, seed: int = 0) -> TaskFiles:
+    """Write three disjoint JSONL files of addition problems ``a+b=`` into ``folder``.
 
-
-def write_task(folder: str | Path, *, num_sft: int, num_rl: int, num_validation: int, max_operand: int = 30, seed: int = 0) -> TaskFiles:
-    """Write three disjoint JSONL files of addition problems into ``folder``.
-
-    Validation problems never appear in either training file.
+    ``a`` ranges over 0..``max_first`` and ``b`` over 0..``max_second``; the answer is the
+    sum in decimal (e.g. ``"47+8="`` -> ``"55"``). Problems are drawn without replacement,
+    so validation problems never appear in either training file.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    space = (max_operand + 1) ** 2
+    pairs = [(a, b) for a in range(max_first + 1) for b in range(max_second + 1)]
     wanted = num_sft + num_rl + num_validation
-    if wanted > space:
-        raise ValueError(f"asked for {wanted} distinct problems, but operands up to {max_operand} give only {space}")
-    seen: dict[str, str] = {}
-    while len(seen) < wanted:
-        question, answer = problem(rng, max_operand)
-        seen.setdefault(question, answer)
-    items = list(seen.items())
+    if wanted > len(pairs):
+        raise ValueError(f"asked for {wanted} distinct problems, but operands up to {max_first} and {max_second} "
+                         f"give only {len(pairs)}")
+    items = [(f"{a}+{b}=", str(a + b)) for a, b in random.Random(seed).sample(pairs, wanted)]
     validation, sft, rl = items[:num_validation], items[num_validation:num_validation + num_sft], items[num_validation + num_sft:]
     files = TaskFiles(folder / "sft_train.jsonl", folder / "sft_validation.jsonl", folder / "rl_train.jsonl", folder / "validation.jsonl")
     for path, rows in ((files.sft_train, sft), (files.sft_validation, validation)):
