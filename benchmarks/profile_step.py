@@ -1,0 +1,92 @@
+"""Where one posttrain training step's time goes: the dtensor worker's real ``train`` in
+this process (world size 1, no Ray) under ``torch.profiler``, on a benchmark's data.
+
+    python benchmarks/profile_step.py --spec RUN_DIR/spec.json [--padded] [--steps 2]
+
+``RUN_DIR`` is the ``--out`` folder of ``sft.py`` (or any spec.json written by the harness,
+SFT data). Prints the step time, the floor (training FLOPs of the real tokens / this
+machine's float32 ``torch.mm`` rate, measured here), and the operators by self CPU time:
+the share in matrix products (the floor's work) versus everything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import forward_flops, matmul_flops_per_s  # noqa: E402
+
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--padded", action="store_true", help="padded microbatch instead of sequence packing")
+    parser.add_argument("--steps", type=int, default=2, help="profiled steps (after one warm-up step)")
+    args = parser.parse_args()
+    spec = json.loads(Path(args.spec).read_text())
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1")
+    torch.set_num_threads(spec["threads"])
+
+    from transformers import AutoConfig
+
+    from posttrain.config import config_from_dict
+    from posttrain.data import dataloader_from_config, dataset_from_config, encoder_from_config
+    from posttrain.policy_driver import Batching, plan_pass
+    from posttrain_dtensor.config import DTensorConfig
+    from posttrain_dtensor.worker import DTensorPolicyWorker
+    from posttrain_sft.loss import NLLLoss
+
+    rows = spec["rows_per_step"]
+    config = config_from_dict({
+        "algorithm": "sft", "seed": spec["seed"], "run_dir": str(Path(spec["workdir"]) / "profile"),
+        "policy": {
+            "backend": "dtensor", "model": spec["model_dir"], "dtype": "float32", "train_global_batch_size": rows,
+            "train_micro_batch_size": rows, "max_total_sequence_length": spec["max_len"],
+            "sequence_packing": {"enabled": not args.padded, "max_tokens_per_row": rows * spec["max_len"]},
+            "optimizer": {"name": "adamw", "lr": spec["lr"]},
+        },
+        "data": {"train": spec["data"], "shuffle": False, "max_length": spec["max_len"]},
+    }, source="profile")
+    dataset = dataset_from_config(config, "train", "sft", encoder_from_config(config))
+    batches = list(itertools.islice(dataloader_from_config(config, dataset, rows), 1 + args.steps))
+    worker = DTensorPolicyWorker(config, DTensorConfig())
+    batching = Batching.from_policy_config(config.policy, rows)
+    loss_fn = NLLLoss()
+
+    def step(batch):
+        work = plan_pass(batch["input_lengths"].tolist(), 1, batching).work(batch)[0]
+        return worker.train(work, loss_fn)
+
+    step(batches[0])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for batch in batches[1:]:
+            step(batch)
+        elapsed = (time.perf_counter() - start) / args.steps
+    hf = AutoConfig.from_pretrained(spec["model_dir"])
+    flops = sum(3 * forward_flops(hf, b["input_lengths"].tolist()) for b in batches[1:]) / args.steps
+    rate = matmul_flops_per_s(threads=spec["threads"])
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS)
+    print(f"mode: {'padded' if args.padded else 'packed'}; step {elapsed:.3f} s (profiled, with profiler overhead); "
+          f"floor {flops / rate:.3f} s ({flops / 1e9:.1f} GFLOP at {rate / 1e9:.1f} GFLOP/s); "
+          f"load {os.getloadavg()[0]:.1f}")
+    print(f"self CPU time in matrix products ({', '.join(MATMUL_OPS)}): {matmul / total:.1%}; "
+          f"matrix products alone run at {flops / (matmul / 1e6 / args.steps) / 1e9:.2f} GFLOP/s")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=40))
+
+
+if __name__ == "__main__":
+    main()
