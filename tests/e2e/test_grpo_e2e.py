@@ -6,6 +6,7 @@ Ray actors, with the tiny character-level model.
   the last number of the response) gets a measurably higher reward after 20 steps;
 - a run stopped after step 2 and resumed logs exactly the step-3 metrics of an
   uninterrupted run (with dynamic sampling on, so the data position is not the step);
+- dynamic sampling decides from the data plane's tags and never fetches a dropped group;
 - a multi-turn game (guess_number) trains through the same loop;
 - samples an environment fails on score 0 and are counted; a NaN reward makes the loss
   NaN: the run stops naming the step and the metric, and the last checkpoint stays as it was.
@@ -32,6 +33,7 @@ from posttrain.config.schema import (
     RunConfig,
     WorkerResources,
 )
+from posttrain.memory_plane import MemoryDataPlane
 from posttrain.metrics import read_metrics
 from posttrain.run import RunContext, run_algorithm, seed_everything
 from posttrain_env_math.guess_number import guess_number_prompt
@@ -176,6 +178,51 @@ def test_resumed_run_matches_an_uninterrupted_one(ray_cluster, tiny_model_path, 
         assert found[name] == pytest.approx(value, rel=1e-6, abs=1e-6), name
     full_position = torch.load(tmp_path / "full" / "checkpoints" / "step_3" / "dataloader.pt")
     assert torch.load(tmp_path / "stopped" / "checkpoints" / "step_3" / "dataloader.pt") == full_position
+
+
+class RecordingPlane(MemoryDataPlane):
+    """The in-memory plane, recording which keys each ``get`` reads and every put's tags."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fetched: dict[str, set[str]] = {}
+        self.signal: dict[str, dict[str, float]] = {}
+
+    def put(self, partition, keys, fields, tags=None):
+        for key, value in zip(keys, (tags or {}).get("signal_reward", []), strict=False):
+            self.signal.setdefault(partition, {})[key] = float(value)
+        super().put(partition, keys, fields, tags)
+
+    def get(self, partition, keys, fields):
+        self.fetched.setdefault(partition, set()).update(keys)
+        return super().get(partition, keys, fields)
+
+
+def test_dynamic_sampling_never_fetches_dropped_groups(ray_cluster, tiny_model_path, tmp_path, monkeypatch):
+    """Every rollout goes into the step's partition tagged with its signal reward; the loop
+    fetches the kept groups only: never a group whose rewards are all equal."""
+    plane = RecordingPlane()
+    monkeypatch.setattr(RunContext, "build_data_plane", lambda self: plane)
+    train = write_rows(tmp_path / "train.jsonl", seven_rows(64))
+    grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=2,
+                      dynamic_sampling=DynamicSamplingConfig(enabled=True, max_gen_batches=20))
+    run_algorithm(make_config(tiny_model_path, tmp_path, train, grpo))
+
+    steps = read_metrics(tmp_path / "metrics.jsonl", "train")
+    dropped = 0
+    for step in (1, 2):
+        partition = f"train/{step}"
+        groups: dict[str, list[float]] = {}
+        for key, reward in plane.signal[partition].items():
+            groups.setdefault(key.split("_g")[0], []).append(reward)
+        fetched_groups = {key.split("_g")[0] for key in plane.fetched[partition]}
+        assert len(plane.fetched[partition]) == grpo.samples_per_step
+        assert all(len(set(groups[g])) > 1 for g in fetched_groups), "a group without signal was fetched"
+        dropped += len(groups) - len(fetched_groups)
+    without_signal = sum(r["dynamic_sampling/groups_generated"] - r["dynamic_sampling/groups_with_signal"] for r in steps)
+    surplus = sum(r["dynamic_sampling/groups_surplus"] for r in steps)
+    assert dropped == without_signal + surplus and without_signal > 0  # groups were dropped, none was read
+    assert plane.partitions() == []  # every step's partition was cleared
 
 
 # ----------------------------------------------------------------------------- multi-turn

@@ -5,10 +5,11 @@ One step, as data::
     prompts (grpo.num_prompts_per_step, from the resumable data loader)
       -> x grpo.num_generations_per_prompt -> rollout: generation backend + environments,
          up to grpo.max_rollout_turns turns
-      -> rewards scaled and length-shaped -> group advantages
-      -> dynamic sampling: more rollouts until the step holds enough informative groups
-      -> overlong filtering
-      -> data plane partition "train/<step>"; every pass below reads its inputs from there
+      -> rewards scaled and length-shaped -> group advantages -> overlong filtering
+      -> data plane partition "train/<step>", each sample tagged with its signal reward
+      -> dynamic sampling: more rollouts until the step holds enough informative groups,
+         decided from the tags alone (dropped groups are never fetched)
+      -> every pass below reads the kept samples' inputs from the partition
       -> previous logprobs (and reference logprobs when grpo.loss.kl_penalty > 0)
       -> policy.train(clipped_pg), one optimizer step per policy.train_global_batch_size
       -> refit the generation backend -> clear the partition
@@ -57,6 +58,9 @@ from posttrain_grpo.dynamic_sampling import DynamicSampler
 from posttrain_grpo.state import PromptStream, read_checkpoint, write_checkpoint
 from posttrain_grpo.step import (
     LOGPROB_FIELDS,
+    METRIC_FIELDS,
+    ROLLOUT_FIELDS,
+    SIGNAL_TAG,
     TRAIN_FIELDS,
     StageTimer,
     TrainingDiverged,
@@ -103,7 +107,7 @@ class GRPORun:
         self.config = config = ctx.config
         self.grpo: GRPOConfig = config.section("grpo")
         encoder = encoder_from_config(config)
-        self.tokenizer, self.chat_template, self.pad_token_id = encoder.tokenizer, encoder.template, encoder.pad_token_id
+        self.tokenizer, self.chat_template = encoder.tokenizer, encoder.template
         train_set = require_dataset(config, "train", "prompt", encoder)
         val_set = dataset_from_config(config, "validation", "prompt", encoder)
         names, self.default_task = environment_names(config, [train_set, val_set])
@@ -170,17 +174,15 @@ class GRPORun:
         timer = StageTimer()
         with timer("step"):
             self.generation.set_sampling_seed(step_seed(self.config.seed, "train", step))
-            with timer("rollout"):
-                collected = self.collect_batch()
-            if collected is None:
-                return None
-            batch, rollout_metrics = collected
-
             partition = f"train/{step}"
-            keys = sample_keys(len(batch) // self.grpo.num_generations_per_prompt, self.grpo.num_generations_per_prompt)
             try:
+                with timer("rollout"):
+                    collected = self.collect_batch(partition)
+                if collected is None:
+                    return None
+                keys, rollout_metrics = collected
                 with timer("data_plane"):
-                    self.plane.put(partition, keys, batch.fields(TRAIN_FIELDS))
+                    trained = self.plane.get(partition, keys, METRIC_FIELDS)
                 with timer("logprobs"):
                     if self.colocated:
                         self.policy.prepare_for_training()
@@ -198,42 +200,49 @@ class GRPORun:
         timings = timer.metrics()
         return {
             **rollout_metrics,
-            **batch_metrics(batch),
+            **batch_metrics(trained),
             **train_metrics,
             "refit/seconds": stats.seconds,
             "refit/bytes": float(stats.bytes_moved),
             **timings,
-            **throughput(float(batch["input_lengths"].sum()), rollout_metrics["rollout/generated_tokens"], timings),
+            **throughput(float(trained["input_lengths"].sum()), rollout_metrics["rollout/generated_tokens"], timings),
         }
 
     # ------------------------------------------------------------------ stages
 
-    def collect_batch(self) -> tuple[Batch, dict[str, float]] | None:
-        """Roll out prompt batches and score them until the step's batch is full: one
-        rollout, or with dynamic sampling as many as it takes to collect
-        ``num_prompts_per_step`` groups whose rewards differ. None when the data runs out."""
+    def collect_batch(self, partition: str) -> tuple[list[str], dict[str, float]] | None:
+        """Roll out prompt batches, score them and write them into ``partition`` until the
+        step's batch is full: one rollout, or with dynamic sampling as many as it takes to
+        collect ``num_prompts_per_step`` groups whose rewards differ. Dynamic sampling reads
+        only the rollouts' ``signal_reward`` tags, so dropped groups are never fetched.
+        Returns the keys of the samples to train on and the rollout metrics; None when the
+        data runs out."""
         grpo = self.grpo
+        group_size = grpo.num_generations_per_prompt
         sampler = (
             DynamicSampler(grpo.num_prompts_per_step, grpo.num_generations_per_prompt, grpo.dynamic_sampling.max_gen_batches)
             if grpo.dynamic_sampling.enabled
             else None
         )
         rollouts: list[tuple[Batch, dict[str, float]]] = []
+        prompts_rolled_out = 0
         self.generation.prepare_for_generation()
         try:
             while True:
                 prompts = self.prompts.next()
                 if prompts is None:
                     return None
-                batch, metrics = self.rollout(prompts, greedy=False, repeats=grpo.num_generations_per_prompt)
+                batch, metrics = self.rollout(prompts, greedy=False, repeats=group_size)
                 rollouts.append((batch, metrics))
                 signal = score(batch, grpo, self.config.generation.max_new_tokens)
+                keys = sample_keys(len(prompts), group_size, first_prompt=prompts_rolled_out)
+                prompts_rolled_out += len(prompts)
+                self.plane.put(partition, keys, batch.fields(ROLLOUT_FIELDS), tags={SIGNAL_TAG: signal})
                 if sampler is None:
-                    return batch, rollout_summary(rollouts)
-                sampler.add(batch, signal)
+                    return keys, rollout_summary(rollouts)
+                sampler.add(keys, self.plane.tags(partition, keys)[SIGNAL_TAG])
                 if sampler.done:
-                    taken = sampler.take({"input_ids": self.pad_token_id})
-                    return taken, {**rollout_summary(rollouts), **sampler.metrics()}
+                    return sampler.take(), {**rollout_summary(rollouts), **sampler.metrics()}
         finally:
             self.generation.finish_generation()
 

@@ -16,13 +16,18 @@ non-zero; we prefer the group rule because:
 
 With the mean baseline the two rules coincide. Decide on the rewards *before* overlong
 shaping (length penalties would make an all-wrong group look informative).
+
+The sampler sees sample keys and their signal rewards only: the GRPO loop writes every
+rollout into the step's data-plane partition with the signal reward as a tag, decides from
+the tags, and fetches only the kept keys, so a dropped group's tensors are never read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from posttrain.batch import Batch
 from posttrain.errors import PosttrainError
 
 
@@ -42,10 +47,10 @@ def groups_with_signal(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 class DynamicSampler:
     """Accumulates generation batches until ``num_prompts`` informative groups are collected.
 
-    Usage per step: ``while not sampler.done: sampler.add(generate_and_score())``, then
-    ``sampler.take()``. Every added batch is laid out as consecutive groups of
-    ``group_size`` samples; groups keep their order across batches, and groups beyond
-    ``num_prompts`` are dropped whole.
+    Usage per step: ``while not sampler.done: sampler.add(keys, signal_rewards)`` for each
+    generation batch, then ``sampler.take()`` for the keys to train on. Every added batch is
+    laid out as consecutive groups of ``group_size`` samples; groups keep their order across
+    batches, and groups beyond ``num_prompts`` are dropped whole.
     """
 
     def __init__(self, num_prompts: int, group_size: int, max_gen_batches: int):
@@ -55,28 +60,29 @@ class DynamicSampler:
         self.gen_batches = 0
         self.groups_generated = 0
         self.groups_kept = 0
-        self._kept: list[Batch] = []
+        self._kept: list[str] = []
 
     @property
     def done(self) -> bool:
         return self.groups_kept >= self.num_prompts
 
-    def add(self, batch: Batch, signal_rewards: torch.Tensor) -> None:
-        """Keep the groups of ``batch`` whose ``signal_rewards`` (float [B]) are not all equal.
+    def add(self, keys: Sequence[str], signal_rewards: torch.Tensor) -> None:
+        """Keep the groups of the batch with sample ``keys`` whose ``signal_rewards`` (float
+        [B]) are not all equal.
 
         Raises :class:`DynamicSamplingError` when this was generation batch number
         ``max_gen_batches`` and the step is still not full.
         """
         if self.done:
             raise RuntimeError("DynamicSampler.add() called after the step was already full; call take()")
-        if len(batch) != signal_rewards.numel():
-            raise ValueError(f"batch has {len(batch)} samples but signal_rewards has {signal_rewards.numel()}")
+        if len(keys) != signal_rewards.numel():
+            raise ValueError(f"batch has {len(keys)} samples but signal_rewards has {signal_rewards.numel()}")
         keep = groups_with_signal(signal_rewards, self.group_size)
         self.gen_batches += 1
         self.groups_generated += keep.numel()
         self.groups_kept += int(keep.sum())
-        rows = torch.arange(len(batch)).view(-1, self.group_size)[keep].flatten()
-        self._kept.append(batch.select(rows))
+        rows = torch.arange(len(keys)).view(-1, self.group_size)[keep].flatten()
+        self._kept.extend(keys[int(row)] for row in rows)
         if not self.done and self.gen_batches >= self.max_gen_batches:
             raise DynamicSamplingError(
                 f"dynamic sampling: after {self.gen_batches} generation batches "
@@ -87,12 +93,11 @@ class DynamicSampler:
                 f"grpo.num_prompts_per_step, or use prompts the policy solves only sometimes."
             )
 
-    def take(self, pad_values: dict[str, float | int] | None = None) -> Batch:
-        """The first ``num_prompts`` kept groups, in generation order (tensor fields of
-        different widths are right-padded with ``pad_values``, default 0)."""
+    def take(self) -> list[str]:
+        """The keys of the first ``num_prompts`` kept groups, in generation order."""
         if not self.done:
             raise RuntimeError(f"DynamicSampler.take(): only {self.groups_kept} of {self.num_prompts} groups collected")
-        return Batch.concat(self._kept, pad_values).slice(0, self.num_prompts * self.group_size)
+        return self._kept[: self.num_prompts * self.group_size]
 
     def metrics(self) -> dict[str, float]:
         """Counts for the step's logs."""

@@ -27,6 +27,12 @@ LOGPROB_FIELDS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
 #: What a step puts into the data plane; ``policy.train`` reads these back, with
 #: ``prev_logprobs`` and (with a KL penalty) ``reference_logprobs`` added by the logprob passes.
 TRAIN_FIELDS = (*LOGPROB_FIELDS, "advantages", "generation_logprobs")
+#: Per-sample values :func:`batch_metrics` reads: small, fetched for the trained samples.
+METRIC_FIELDS = ("sample_mask", "advantages", "input_lengths", "shaped_rewards", "prompt_lengths", "response_lengths")
+#: What a rollout puts into the step's partition.
+ROLLOUT_FIELDS = tuple(dict.fromkeys((*TRAIN_FIELDS, *METRIC_FIELDS)))
+#: The tag dynamic sampling decides on: the scaled reward before length shaping.
+SIGNAL_TAG = "signal_reward"
 #: Rollout metrics that are counts: summed over a step's rollouts; every other one is averaged.
 _COUNT_SUFFIXES = ("/errors", "/timeouts", "/generated_tokens")
 
@@ -63,9 +69,10 @@ def score(batch: Batch, grpo: GRPOConfig, max_new_tokens: int) -> torch.Tensor:
     return scaled
 
 
-def sample_keys(num_prompts: int, group_size: int) -> list[str]:
-    """Data-plane keys of a step's samples: ``"<prompt>_g<generation>"`` in batch order."""
-    return [f"{prompt}_g{gen}" for prompt in range(num_prompts) for gen in range(group_size)]
+def sample_keys(num_prompts: int, group_size: int, first_prompt: int = 0) -> list[str]:
+    """Data-plane keys of a batch's samples: ``"<prompt>_g<generation>"`` in batch order,
+    prompts numbered from ``first_prompt`` (the prompts of the step's earlier rollouts)."""
+    return [f"{prompt}_g{gen}" for prompt in range(first_prompt, first_prompt + num_prompts) for gen in range(group_size)]
 
 
 def step_seed(seed: int, phase: str, step: int) -> int:
