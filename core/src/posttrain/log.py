@@ -41,7 +41,9 @@ def configure_logging(level: str = "info", events_file: str | Path | None = None
             tee,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # sys.stderr as it is when an event is written, not when logging was configured
+        # (a stream replaced since, e.g. by a test's capture, may be closed by then).
+        logger_factory=lambda *args: structlog.PrintLogger(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
 
