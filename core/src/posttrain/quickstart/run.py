@@ -28,9 +28,9 @@ from posttrain.tiny import build_tiny_model
 #: The task: a+b with a in 0..99 and b in 0..9 (1000 distinct problems), split three ways:
 #: worked examples for SFT, prompts for GRPO, held-out problems for validation.
 NUM_SFT, NUM_RL, NUM_VALIDATION = 400, 344, 256
-#: SFT stops while the model is still learning (about 625 steps): it knows the answer format
+#: SFT stops while the model is still learning (875 steps of 16 examples): it knows the format
 #: and part of the skill, so GRPO's sampled answers are right often enough to learn from.
-SFT_EPOCHS, SFT_LR = 25, 1.0e-3
+SFT_EPOCHS, SFT_LR = 35, 1.0e-3
 #: GRPO: 16 prompts x 8 answers per step; the learning rate decays linearly to 0, which
 #: keeps the last steps from undoing the gain.
 GRPO_STEPS, GRPO_LR, GRPO_SCHEDULE, GRPO_PROMPTS, GRPO_GENERATIONS = 100, 5.0e-4, "linear", 16, 8
