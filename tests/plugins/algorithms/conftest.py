@@ -8,8 +8,9 @@ import torch
 
 def build_tiny_lm(seed: int):
     """A seeded tiny Llama in memory (the same architecture as ``posttrain.tiny``), eval mode."""
-    from posttrain.tiny import build_tokenizer, tiny_llama_config
     from transformers import LlamaForCausalLM
+
+    from posttrain.tiny import build_tokenizer, tiny_llama_config
 
     state = torch.random.get_rng_state()
     try:

@@ -7,7 +7,8 @@ A message log is a list of messages ``{"role": str, "content": str}`` (the rollo
 from __future__ import annotations
 
 import abc
-from typing import Any, Sequence, TypedDict
+from collections.abc import Sequence
+from typing import Any, TypedDict
 
 import attrs
 import torch

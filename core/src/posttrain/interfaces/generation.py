@@ -16,7 +16,7 @@ temperature, so that they are comparable with a trainer that scales logits the s
 from __future__ import annotations
 
 import abc
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import attrs
 import torch

@@ -20,7 +20,8 @@ logprobs a generation backend reports. :meth:`Policy.get_topk_logits` returns ra
 from __future__ import annotations
 
 import abc
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from posttrain.errors import ConfigError, DataError
 from posttrain.testing import EnvironmentCase, EnvironmentContract
 

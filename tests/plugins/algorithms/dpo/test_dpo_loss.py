@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
 from posttrain.data import ChatEncoder, build_dataset

@@ -15,6 +15,7 @@ import json
 
 import pytest
 import torch
+
 from posttrain.data import ChatEncoder, build_dataset
 from posttrain.tiny import build_tokenizer
 from posttrain_dpo.loss import DPOLoss

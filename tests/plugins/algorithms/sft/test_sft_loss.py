@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
 from posttrain.errors import ConfigError

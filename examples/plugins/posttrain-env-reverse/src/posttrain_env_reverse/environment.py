@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
 from posttrain.errors import ConfigError, DataError
 from posttrain.interfaces import Environment, EnvironmentReturn, Message
 
