@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from posttrain.errors import CheckpointError
+from posttrain.checkpoint import require_policy_checkpoint
 
 TRAINER_STATE = "trainer_state.pt"
 DCP_METADATA = ".metadata"
@@ -37,13 +37,7 @@ def save_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, 
 
 def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Collective: restore what :func:`save_sharded` wrote; return the trainer state."""
-    folder = Path(path)
-    missing = [name for name in (DCP_METADATA, TRAINER_STATE) if not (folder / name).is_file()]
-    if missing:
-        raise CheckpointError(
-            f"policy checkpoint '{path}' is incomplete or not a dtensor policy checkpoint: missing "
-            f"{', '.join(missing)} (expected a folder written by save_checkpoint)"
-        )
+    folder = require_policy_checkpoint(path, (DCP_METADATA, TRAINER_STATE), "dtensor")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=path)

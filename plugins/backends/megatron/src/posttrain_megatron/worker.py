@@ -30,9 +30,10 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from posttrain.batch import Batch
+from posttrain.checkpoint import require_policy_checkpoint
 from posttrain.config.schema import RunConfig
 from posttrain.distributed import Worker
-from posttrain.errors import CheckpointError, ConfigError
+from posttrain.errors import ConfigError
 from posttrain.hf_export import write_hf_metadata, write_hf_shards
 from posttrain.interfaces.loss import LossFunction, combine_metrics, global_valid_counts
 from posttrain.lr_schedule import check_scheduler_config, lr_factor
@@ -298,13 +299,7 @@ class MegatronPolicyWorker(Worker):
 
     @cpu_compat.cuda_as_cpu_method
     def load_checkpoint(self, path: str) -> None:
-        folder = Path(path)
-        missing = [n for n in (MEGATRON_STATE, TRAINER_STATE) if not (folder / n).exists()]
-        if missing:
-            raise CheckpointError(
-                f"policy checkpoint '{path}' is incomplete or not a megatron policy checkpoint: missing "
-                f"{', '.join(missing)} (expected a folder written by save_checkpoint)"
-            )
+        folder = require_policy_checkpoint(path, (MEGATRON_STATE, TRAINER_STATE), "megatron")
         state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(folder / MEGATRON_STATE))
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
