@@ -5,10 +5,6 @@ logs the same numbers."""
 
 from __future__ import annotations
 
-import json
-import random
-import string
-
 import pytest
 import torch
 
@@ -17,20 +13,11 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from posttrain.config import config_from_dict  # noqa: E402
 from posttrain.metrics import read_metrics  # noqa: E402
 from posttrain.run import run_algorithm  # noqa: E402
+from tests.plugins.algorithms.sft.test_algorithm import write_corpus  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.ray]
 
 STEPS = 6
-
-
-def _corpus(path, n: int, seed: int) -> str:
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(n):
-            word = "".join(rng.choices(string.ascii_lowercase, k=4))
-            f.write(json.dumps({"messages": [{"role": "user", "content": word},
-                                             {"role": "assistant", "content": word[::-1]}]}) + "\n")
-    return str(path)
 
 
 def _run(backend: str, model: str, folder) -> tuple[object, list[dict]]:
@@ -49,7 +36,7 @@ def _run(backend: str, model: str, folder) -> tuple[object, list[dict]]:
             "scheduler": {"name": "linear", "warmup_steps": 2},
             "resources": {"cpus": 0.5},
         },
-        "data": {"train": _corpus(folder / "train.jsonl", 48, 1), "validation": _corpus(folder / "val.jsonl", 12, 2)},
+        "data": {"train": write_corpus(folder / "train.jsonl", 48, 1), "validation": write_corpus(folder / "val.jsonl", 12, 2)},
         "logger": {"progress_bar": False},
         "checkpointing": {"save_period": 3},
         "sft": {"max_num_steps": STEPS, "val_period": 3, "val_at_start": True, "val_global_batch_size": 8,
