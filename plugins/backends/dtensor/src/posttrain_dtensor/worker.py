@@ -25,7 +25,6 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,11 +34,11 @@ from torch.distributed.tensor import DTensor
 from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
 from posttrain.distributed import Worker
-from posttrain.errors import ConfigError
 from posttrain.hf_export import write_hf_metadata, write_hf_shards
 from posttrain.interfaces.loss import LossFunction, combine_metrics, global_valid_counts
 from posttrain.logprobs import loss_positions, sequence_logprobs, topk_logits
 from posttrain.lr_schedule import build_scheduler
+from posttrain.model_folder import read_model_config
 from posttrain.policy_driver import Batching, RankWork
 from posttrain.sampling import logprob_temperature
 from posttrain_dtensor import checkpoint
@@ -92,11 +91,7 @@ class DTensorPolicyWorker(Worker):
         from transformers import AutoModelForCausalLM
 
         policy = config.policy
-        if not Path(policy.model, "config.json").is_file():
-            raise ConfigError(
-                f"policy.model: '{policy.model}' is not a Hugging Face model folder (no config.json there); "
-                "set it to a local folder holding config.json and the weights"
-            )
+        read_model_config(policy.model, "policy.model")  # a clear error before transformers' own
         torch.manual_seed(config.seed)
         if config.deterministic:
             torch.use_deterministic_algorithms(True)

@@ -37,6 +37,7 @@ from posttrain.errors import ConfigError
 from posttrain.hf_export import write_hf_metadata, write_hf_shards
 from posttrain.interfaces.loss import LossFunction, combine_metrics, global_valid_counts
 from posttrain.lr_schedule import check_scheduler_config, lr_factor
+from posttrain.model_folder import read_model_config
 from posttrain.policy_driver import RankWork
 from posttrain.sampling import logprob_temperature
 from posttrain_megatron import adam_fallback, cpu_compat
@@ -86,11 +87,7 @@ class MegatronPolicyWorker(Worker):
             context_parallel_size=policy.context_parallel_size,
         )
         cpu_compat.seed_rng(config.seed)
-        if not Path(policy.model, "config.json").is_file():
-            raise ConfigError(
-                f"policy.model: '{policy.model}' is not a Hugging Face model folder (no config.json there); "
-                "set it to a local folder holding config.json and safetensors weights"
-            )
+        read_model_config(policy.model, "policy.model")  # a clear error before transformers' own
         self.arch = Architecture.from_hf_config(AutoConfig.from_pretrained(policy.model))
         check_parallel_sizes(self.arch, policy)
         check_scheduler_config(policy.scheduler)
