@@ -65,6 +65,10 @@ class RankedWorker(Worker):
     def ping(self) -> int:
         return self.rank
 
+    def block(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
 
 class BrokenWorker(Worker):
     def __init__(self):
@@ -163,12 +167,13 @@ def test_dead_ranks_surface_as_worker_errors_without_hanging(cluster):
         with pytest.raises(WorkerError, match=r"^worker group 'dies' rank 1 died: "):
             group.run_all("exit_or_reduce", 1)
         assert time.monotonic() - start < 30
-        # rank 0 is still stuck in the collective; a ping queues behind it until the kill
-        ping = group.run_rank0_async("ping")
+        # rank 0 may still be stuck in the collective or may have seen it fail: either way a
+        # call that is pending on it when it is killed surfaces as its death
+        pending = group.run_rank0_async("block", 300)
         ray.kill(group.actors[0])
         start = time.monotonic()
         with pytest.raises(WorkerError, match=r"^worker group 'dies' rank 0 died: "):
-            group.get(ping)
+            group.get(pending)
         assert time.monotonic() - start < 30
     assert "dies" not in cluster.placement_groups()
     group.shutdown()  # a second shutdown is a no-op
