@@ -51,6 +51,13 @@ def test_request_unpads_prompts_merges_stops_and_caps_budgets():
     assert request.rows(1, 3).prompts == PROMPTS[1:] and request.rows(1, 3).seeds == [12, 13]
 
 
+def test_ignore_eos_leaves_only_the_configured_stop_tokens():
+    batch = prompt_batch(PROMPTS)
+    assert request_for(batch, GenerationConfig(stop_token_ids=[9])).stop_token_ids == [9, 2]
+    assert request_for(batch, GenerationConfig(stop_token_ids=[9], ignore_eos=True)).stop_token_ids == [9]
+    assert request_for(batch, GenerationConfig(ignore_eos=True)).stop_token_ids == []
+
+
 def test_request_refuses_prompts_that_do_not_fit_or_bad_lengths():
     with pytest.raises(DataError, match=r"row 2 has a 5-token prompt, but the engine context is 5 tokens \(ctx.key\)"):
         request_for(prompt_batch(PROMPTS), GenerationConfig(), context_length=5)

@@ -193,7 +193,8 @@ def build_request(
     Each row's budget is ``max_new_tokens`` capped so that prompt plus completion fit
     ``context_length`` (named by ``context_key`` in the error for a prompt that does not
     fit). A row's stop strings are the config's followed by its own (``stop_strings``
-    field), without repeats; stop tokens are the config's followed by the EOS ids.
+    field), without repeats; stop tokens are the config's followed by the EOS ids (unless
+    ``ignore_eos``: then the config's alone).
     """
     prompts = prompt_lists(batch)
     budgets = []
@@ -211,7 +212,7 @@ def build_request(
         seeds=list(seeds),
         max_new_tokens=budgets,
         stop_strings=[list(dict.fromkeys([*generation.stop_strings, *_as_list(own)])) for own in row_stops],
-        stop_token_ids=list(dict.fromkeys([*generation.stop_token_ids, *eos_token_ids])),
+        stop_token_ids=list(dict.fromkeys([*generation.stop_token_ids, *([] if generation.ignore_eos else eos_token_ids)])),
         temperature=0.0 if greedy else generation.temperature,
         top_p=generation.top_p,
         top_k=generation.top_k,

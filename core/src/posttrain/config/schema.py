@@ -115,6 +115,7 @@ class GenerationConfig:
     top_k: int | None = None
     stop_token_ids: list[int] = attrs.field(factory=list)
     stop_strings: list[str] = attrs.field(factory=list)
+    ignore_eos: bool = False  # True: the model's EOS ids do not end a completion (only stop_token_ids do)
     colocated: bool = True  # share devices with the policy and take turns
     refit_bucket_bytes: int = 256 * 1024 * 1024
     resources: WorkerResources = attrs.field(factory=WorkerResources)
