@@ -19,6 +19,7 @@ by this machine's float32 ``torch.mm`` rate measured in the same run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -29,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,22 @@ def matmul_flops_per_s(n: int = 2048, repeats: int = 5, threads: int | None = No
         torch.mm(a, b)
         times.append(time.perf_counter() - start)
     return 2 * n**3 / statistics.median(times)
+
+
+def copy_bytes_per_s(nbytes: int = 256 * 2**20, repeats: int = 5, threads: int | None = None) -> float:
+    """Median rate (bytes/s) of ``dst.copy_(src)`` between two preallocated ``nbytes``
+    float32 tensors on ``threads`` threads (default: all cores), after one warm-up copy.
+    Counts the bytes copied once (each copy reads and writes them)."""
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return src.numel() * 4 / statistics.median(times)
 
 
 def matmul_parameters(config: Any) -> int:
@@ -244,7 +261,7 @@ def check_settings(results: dict[str, dict[str, Any]], loss_rtol: float = LOSS_R
     """Raise :class:`SettingsMismatch` unless every side (and every repetition of it) ran
     the same settings (weights, optimizer, lr, schedule, clipping, loss options, rows per
     step) on the same samples (per-step digests, real lengths, loss tokens) and got the same
-    first-step loss within ``loss_rtol``."""
+    first-step loss within ``loss_rtol`` (when both report losses)."""
     problems = []
     (ref_name, ref), *others = results.items()
     for name, res in others:
@@ -258,6 +275,8 @@ def check_settings(results: dict[str, dict[str, Any]], loss_rtol: float = LOSS_R
             for field in ("digest", "lengths", "loss_tokens"):
                 if sa[field] != sb[field]:
                     problems.append(f"step {k} {field}: {ref_name}={_short(sa[field])} but {name}={_short(sb[field])}")
+        if not (ref["losses"] and res["losses"]):  # a workload without a loss (generation)
+            continue
         la, lb = ref["losses"][0], res["losses"][0]
         if abs(la - lb) > loss_rtol * abs(la):
             problems.append(f"first-step loss: {ref_name}={la:.6f} but {name}={lb:.6f} (rtol {loss_rtol})")
@@ -276,7 +295,13 @@ def _short(value: Any) -> str:
 @dataclass(frozen=True)
 class Workload:
     """One benchmark: its sides (child entry points, each ``spec -> report``), the one that
-    TRL is compared against, the data it writes, and the FLOPs of one step."""
+    TRL is compared against, the data it writes, and the FLOPs of one step.
+
+    Optional, for workloads that are not training steps (generation, refit): ``options``,
+    extra command-line options (name -> ``add_argument`` keywords; ``--name`` on the command
+    line, the parsed value in the spec under ``name``); ``rate``, the machine rate the floor
+    divides by, of a thread count (default: float32 matmul FLOP/s); ``summarize`` and
+    ``table``, replacing :func:`summarize` and :func:`markdown_table`."""
 
     name: str
     script: Path
@@ -286,6 +311,10 @@ class Workload:
     step_flops: Callable[[Any, list[int]], float]
     rows_per_step: int
     flops_rule: str
+    options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    rate: Callable[[int], float] = lambda threads: matmul_flops_per_s(threads=threads)
+    summarize: Callable[..., dict[str, Any]] | None = None
+    table: Callable[[dict[str, Any]], str] | None = None
 
 
 def parse_args(workload: Workload, argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -302,6 +331,8 @@ def parse_args(workload: Workload, argv: Sequence[str] | None = None) -> argpars
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side run")
     p.add_argument("--summarize", default=None,
                    help="rebuild the table from the finished side reports in this --out folder (e.g. of a stopped run)")
+    for name, kwargs in workload.options.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, **kwargs)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -330,7 +361,7 @@ def make_spec(workload: Workload, args: argparse.Namespace, workdir: Path) -> di
     spec = {
         "workload": workload.name, "model": args.model, "steps": args.steps, "warmup": args.warmup,
         "max_len": args.max_len, "lr": args.lr, "seed": args.seed, "rows_per_step": workload.rows_per_step,
-        "threads": os.cpu_count() or 1, "workdir": str(workdir),
+        "threads": os.cpu_count() or 1, "workdir": str(workdir), **{name: getattr(args, name) for name in workload.options},
         "model_dir": str(build_tiny_model(workdir / "model", size=args.model, seed=args.seed)),
     }
     data = workdir / "train.jsonl"
@@ -348,20 +379,20 @@ def run_benchmark(workload: Workload, args: argparse.Namespace) -> dict[str, Any
     spec_path.write_text(json.dumps(spec, indent=1))
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     load = [os.getloadavg()]
-    rate = [matmul_flops_per_s(threads=spec["threads"])]
+    rate = [workload.rate(spec["threads"])]
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     for rep in range(args.reps):
         for side in sides:
             print(f"[{workload.name}] rep {rep + 1}/{args.reps}: {side} ...", flush=True)
             runs[side].append(run_child(workload.script, side, spec_path, args.timeout))
             load.append(os.getloadavg())
-        rate.append(matmul_flops_per_s(threads=spec["threads"]))
+        rate.append(workload.rate(spec["threads"]))
     return finish(workload, spec, runs, rate, load)
 
 
 def summarize_folder(workload: Workload, workdir: Path) -> dict[str, Any]:
     """The table of the side reports finished in ``workdir`` (a stopped run: every side
-    that completed at least one repetition); the matmul rate is measured now. Reports of a
+    that completed at least one repetition); the machine rate is measured now. Reports of a
     harness older than the memory fields show NaN peak memory."""
     spec = json.loads((workdir / "spec.json").read_text())
     runs: dict[str, list[dict[str, Any]]] = {}
@@ -370,7 +401,7 @@ def summarize_folder(workload: Workload, workdir: Path) -> dict[str, Any]:
             report = json.loads(f.read_text())
             runs.setdefault(side, []).append(report)
     load = [(r.get("load_avg_1m", float("nan")), 0.0, 0.0) for reps in runs.values() for r in reps] + [os.getloadavg()]
-    return finish(workload, spec, runs, [matmul_flops_per_s(threads=spec["threads"])], load)
+    return finish(workload, spec, runs, [workload.rate(spec["threads"])], load)
 
 
 def finish(workload: Workload, spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]], rate: list[float],
@@ -381,9 +412,9 @@ def finish(workload: Workload, spec: dict[str, Any], runs: dict[str, list[dict[s
     workdir = Path(spec["workdir"])
     check_settings({f"{s}#{k + 1}": r for s, reps in runs.items() for k, r in enumerate(reps)})
     hf_config = AutoConfig.from_pretrained(spec["model_dir"])
-    result = summarize(workload, spec, runs, hf_config, statistics.median(rate), rate, load)
+    result = (workload.summarize or summarize)(workload, spec, runs, hf_config, statistics.median(rate), rate, load)
     (workdir / "results.json").write_text(json.dumps(result, indent=1))
-    table = markdown_table(result)
+    table = (workload.table or markdown_table)(result)
     (workdir / "results.md").write_text(table)
     print("\n" + table + f"\nresults in {workdir}")
     return result
