@@ -41,6 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: Relative tolerance on the first step's loss across sides (same weights, same tokens).
 LOSS_RTOL = 1e-4
+#: The fields of a step record (:func:`step_record`) that must be equal on every side.
+STEP_FIELDS = ("digest", "lengths", "loss_tokens")
 
 #: Scheduling priority of every side's processes. Ray starts its workers 15 nicer than its
 #: raylet (capped at 19), so posttrain's training worker runs at 19 whatever the driver's
@@ -107,6 +109,49 @@ def skewed_lengths(samples: int, max_len: int, seed: int, low: int = 8) -> list[
     g = torch.Generator().manual_seed(seed)
     raw = torch.exp(torch.randn(samples, generator=g) * 0.9 + torch.log(torch.tensor(max_len / 6)))
     return [int(x) for x in raw.clamp(low, max_len)]
+
+
+#: The residual-stream dimension :func:`set_eos_rate` holds constant, and its value.
+EOS_DIM, EOS_DIM_VALUE = 0, 1.0
+
+
+def set_eos_rate(model_dir: str | Path, rate: float, contexts: int = 64, length: int = 48, seed: int = 0) -> float:
+    """Edit the Llama in ``model_dir`` in place so that its mean next-token probability of
+    EOS is ``rate``; return the rate measured after the edit (same contexts).
+
+    A random model emits EOS about once per vocabulary size tokens, so nearly every sampled
+    completion runs to the budget. The edit gives it an EOS logit bias that does not depend
+    on the context: residual dimension :data:`EOS_DIM` is set to :data:`EOS_DIM_VALUE` in
+    every token embedding and no layer writes to it (that row of every ``o_proj`` and
+    ``down_proj`` is zeroed), so after the final RMSNorm it holds a near-constant value ``h``;
+    the output head reads that dimension only in the EOS row, with weight ``b / h``, where
+    ``b`` is solved (bisection) so that the mean EOS probability over ``contexts`` random
+    token sequences of ``length`` tokens (every position) equals ``rate``. Deterministic:
+    the same folder and arguments give the same weights. Sampling then stops at EOS with a
+    roughly geometric length distribution (per-token stop probability ``rate``)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    eos, d = model.config.eos_token_id, EOS_DIM
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, d] = EOS_DIM_VALUE
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[d, :] = 0.0
+            layer.mlp.down_proj.weight[d, :] = 0.0
+        model.lm_head.weight[:, d] = 0.0
+        ids = torch.randint(len(model.lm_head.weight), (contexts, length), generator=torch.Generator().manual_seed(seed))
+        hidden = model.model(input_ids=ids).last_hidden_state  # after the final norm
+        logits = model.lm_head(hidden).flatten(0, 1)
+        others = torch.cat([logits[:, :eos], logits[:, eos + 1:]], dim=1)
+        margin = logits[:, eos] - torch.logsumexp(others, dim=1)  # P(eos) = sigmoid(margin + b)
+        low, high = -30.0, 30.0
+        for _ in range(60):
+            b = (low + high) / 2
+            low, high = (b, high) if torch.sigmoid(margin + b).mean() < rate else (low, b)
+        model.lm_head.weight[eos, d] = b / hidden[..., d].mean()
+        measured = float(torch.softmax(model(input_ids=ids).logits, dim=-1)[..., eos].mean())
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return measured
 
 
 def random_text(length: int, g: torch.Generator) -> str:
@@ -257,11 +302,13 @@ class SettingsMismatch(AssertionError):
     """The sides did not train the same thing; the message lists every difference."""
 
 
-def check_settings(results: dict[str, dict[str, Any]], loss_rtol: float = LOSS_RTOL) -> None:
+def check_settings(results: dict[str, dict[str, Any]], loss_rtol: float | None = LOSS_RTOL,
+                   step_fields: Sequence[str] = STEP_FIELDS) -> None:
     """Raise :class:`SettingsMismatch` unless every side (and every repetition of it) ran
     the same settings (weights, optimizer, lr, schedule, clipping, loss options, rows per
-    step) on the same samples (per-step digests, real lengths, loss tokens) and got the same
-    first-step loss within ``loss_rtol`` (when both report losses)."""
+    step) on the same samples (the per-step records' ``step_fields``; by default digests,
+    real lengths, loss tokens) and got the same first-step loss within ``loss_rtol`` (when
+    both report losses; ``None``: not compared, e.g. GRPO, whose sides sample different tokens)."""
     problems = []
     (ref_name, ref), *others = results.items()
     for name, res in others:
@@ -272,10 +319,10 @@ def check_settings(results: dict[str, dict[str, Any]], loss_rtol: float = LOSS_R
         if len(res["steps"]) != len(ref["steps"]):
             problems.append(f"steps: {ref_name} ran {len(ref['steps'])} but {name} ran {len(res['steps'])}")
         for k, (sa, sb) in enumerate(zip(ref["steps"], res["steps"], strict=False), start=1):
-            for field in ("digest", "lengths", "loss_tokens"):
+            for field in step_fields:
                 if sa[field] != sb[field]:
                     problems.append(f"step {k} {field}: {ref_name}={_short(sa[field])} but {name}={_short(sb[field])}")
-        if not (ref["losses"] and res["losses"]):  # a workload without a loss (generation)
+        if loss_rtol is None or not (ref["losses"] and res["losses"]):  # no loss (generation) or not comparable
             continue
         la, lb = ref["losses"][0], res["losses"][0]
         if abs(la - lb) > loss_rtol * abs(la):
@@ -301,7 +348,14 @@ class Workload:
     extra command-line options (name -> ``add_argument`` keywords; ``--name`` on the command
     line, the parsed value in the spec under ``name``); ``rate``, the machine rate the floor
     divides by, of a thread count (default: float32 matmul FLOP/s); ``summarize`` and
-    ``table``, replacing :func:`summarize` and :func:`markdown_table`."""
+    ``table``, replacing :func:`summarize` and :func:`markdown_table`.
+
+    Optional, for workloads whose sides do not process identical tokens (GRPO samples its
+    own): ``step_fields`` and ``loss_rtol`` (what :func:`check_settings` compares);
+    ``prepare_model`` (edits the built model folder in place, before any side reads it, e.g.
+    :func:`set_eos_rate`); ``side_extras`` (extra fields of a side's row, from its reports,
+    the spec, the model config and the machine rate) and ``extra_table`` (Markdown appended
+    to the table)."""
 
     name: str
     script: Path
@@ -315,6 +369,11 @@ class Workload:
     rate: Callable[[int], float] = lambda threads: matmul_flops_per_s(threads=threads)
     summarize: Callable[..., dict[str, Any]] | None = None
     table: Callable[[dict[str, Any]], str] | None = None
+    step_fields: tuple[str, ...] = STEP_FIELDS
+    loss_rtol: float | None = LOSS_RTOL
+    prepare_model: Callable[[dict[str, Any], Path], None] | None = None
+    side_extras: Callable[[list[dict[str, Any]], dict[str, Any], Any, float], dict[str, Any]] | None = None
+    extra_table: Callable[[dict[str, Any]], str] | None = None
 
 
 def parse_args(workload: Workload, argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -364,6 +423,8 @@ def make_spec(workload: Workload, args: argparse.Namespace, workdir: Path) -> di
         "threads": os.cpu_count() or 1, "workdir": str(workdir), **{name: getattr(args, name) for name in workload.options},
         "model_dir": str(build_tiny_model(workdir / "model", size=args.model, seed=args.seed)),
     }
+    if workload.prepare_model is not None:
+        workload.prepare_model(spec, Path(spec["model_dir"]))
     data = workdir / "train.jsonl"
     workload.write_data(spec, data)
     spec["data"] = str(data)
@@ -410,11 +471,12 @@ def finish(workload: Workload, spec: dict[str, Any], runs: dict[str, list[dict[s
     from transformers import AutoConfig
 
     workdir = Path(spec["workdir"])
-    check_settings({f"{s}#{k + 1}": r for s, reps in runs.items() for k, r in enumerate(reps)})
+    check_settings({f"{s}#{k + 1}": r for s, reps in runs.items() for k, r in enumerate(reps)},
+                   loss_rtol=workload.loss_rtol, step_fields=workload.step_fields)
     hf_config = AutoConfig.from_pretrained(spec["model_dir"])
     result = (workload.summarize or summarize)(workload, spec, runs, hf_config, statistics.median(rate), rate, load)
     (workdir / "results.json").write_text(json.dumps(result, indent=1))
-    table = (workload.table or markdown_table)(result)
+    table = (workload.table or markdown_table)(result) + (workload.extra_table(result) if workload.extra_table else "")
     (workdir / "results.md").write_text(table)
     print("\n" + table + f"\nresults in {workdir}")
     return result
@@ -423,25 +485,31 @@ def finish(workload: Workload, spec: dict[str, Any], runs: dict[str, list[dict[s
 def summarize(workload: Workload, spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]], hf_config: Any,
               rate: float, rates: list[float], load: list[tuple[float, float, float]]) -> dict[str, Any]:
     """Per side: step time median/min/max over every timed step of every repetition, real
-    tokens/s, peak memory, TRL/posttrain and posttrain/floor ratios."""
-    first = next(iter(runs.values()))[0]
-    timed = first["steps"][spec["warmup"]:]
-    flops = statistics.mean(workload.step_flops(hf_config, s["lengths"]) for s in timed)
-    tokens = statistics.mean(sum(s["lengths"]) for s in timed)
-    floor_s = flops / rate
+    tokens/s, peak memory, TRL/posttrain and time/floor ratios. Each side's floor is counted
+    on the tokens its own timed steps processed (mean over its repetitions; the same on
+    every side when all sides train the same tokens); the top-level floor is the baseline's."""
     rows = {}
     for side, reps in runs.items():
+        timed = [s for r in reps for s in r["steps"][spec["warmup"]:]]
+        flops = statistics.mean(workload.step_flops(hf_config, s["lengths"]) for s in timed)
+        tokens = statistics.mean(sum(s["lengths"]) for s in timed)
+        floor_s = flops / rate
         times = [t for r in reps for t in r["step_times_s"]]
         median = statistics.median(times)
         rows[side] = {
+            "real_tokens_per_step": tokens, "step_gflop": flops / 1e9, "floor_s": floor_s,
             "step_s_median": median, "step_s_min": min(times), "step_s_max": max(times),
             "tokens_per_s": tokens / median,
             "peak_rss_mb": max(r.get("peak_rss_mb", float("nan")) for r in reps),
             "infra_rss_mb": max(r.get("infra_rss_mb", float("nan")) for r in reps), "time_over_floor": median / floor_s,
             "first_loss": reps[0]["losses"][0], "last_loss": reps[0]["losses"][-1], "reps": len(reps),
             "threads": reps[0]["threads"],
+            **(workload.side_extras(reps, spec, hf_config, rate) if workload.side_extras else {}),
         }
-    base = rows[workload.baseline]["step_s_median"]
+    base_row = rows.get(workload.baseline) or next(iter(rows.values()))
+    tokens, flops, floor_s = base_row["real_tokens_per_step"], base_row["step_gflop"] * 1e9, base_row["floor_s"]
+    first = next(iter(runs.values()))[0]
+    base = base_row["step_s_median"]
     for row in rows.values():
         row["vs_baseline"] = row["step_s_median"] / base
     return {
