@@ -294,6 +294,22 @@ class PackedRows:
         causal = torch.ones(seg.shape[1], seg.shape[1], dtype=torch.bool).tril()
         return (same & causal)[:, None]
 
+    def segment_bounds(self) -> torch.Tensor:
+        """Cumulative segment bounds over the flattened ``[R x T]`` tokens (int32, starting
+        at 0, ending at ``R * T``), the layout of variable-length attention kernels' ``cu_seqlens``;
+        a row's padding tail is a segment of its own."""
+        width = self.input_ids.shape[1]
+        bounds = [0]
+        for r, row in enumerate(self.bins):
+            offset = r * width
+            for i in row:
+                offset += self.lengths[i]
+                if offset > bounds[-1]:
+                    bounds.append(offset)
+            if offset < (r + 1) * width:
+                bounds.append((r + 1) * width)
+        return torch.tensor(bounds, dtype=torch.int32)
+
     def pack(self, values: torch.Tensor, pad_value: float | int = 0) -> torch.Tensor:
         """Lay a per-sample [B, S, ...] tensor out like ``input_ids`` ([R, T, ...])."""
         out = values.new_full((len(self.bins), self.input_ids.shape[1], *values.shape[2:]), pad_value)

@@ -18,6 +18,7 @@ from posttrain.policy_driver import Batching, plan_pass
 from posttrain_dtensor.config import DTensorConfig, validate_policy_config
 from posttrain_dtensor.optim import build_optimizer, clip_grads_, total_grad_norm
 from posttrain_dtensor.rows import packed_rows, padded_rows
+from posttrain_dtensor.segment_attention import SEGMENT_SDPA, segment_sdpa
 
 VOCAB, HIDDEN = 37, 12
 
@@ -118,20 +119,23 @@ def test_topk_refuses_k_beyond_vocabulary():
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_rows_give_padded_logprobs_and_gradients(tiny_model_path, dt, attn):
-    """The same tiny model run on padded rows and on packed rows (4-D block mask, positions
-    restarting per sample): identical logprobs and parameter gradients within 1e-5."""
+    """The same tiny model run on padded rows and on packed rows (positions restarting per
+    sample; segment attention for sdpa, a 4-D block mask for eager), loaded the way the
+    worker loads it: identical logprobs and parameter gradients within 1e-5."""
     from transformers import AutoModelForCausalLM
 
     batch = dt.make_batch()
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation=attn)
+    kernel = SEGMENT_SDPA if attn == "sdpa" else attn
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation=kernel)
     results = []
     for rows in (
         padded_rows(batch["input_ids"], batch["input_lengths"]),
         packed_rows(batch["input_ids"], batch["input_lengths"], 40, round_to=8, attn_implementation=attn),
     ):
         model.zero_grad()
+        bounds = {} if rows.segment_bounds is None else {"cu_seq_lens_q": rows.segment_bounds}
         hidden = model.model(
-            input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids
+            input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids, **bounds
         ).last_hidden_state
         lp = rows.to_samples(sequence_logprobs(hidden, model.lm_head.weight, rows.input_ids, rows.predicted, 16))
         (lp * batch["token_mask"]).sum().backward()
@@ -148,17 +152,59 @@ def test_packed_rows_give_padded_logprobs_and_gradients(tiny_model_path, dt, att
 
 def test_packed_rows_keep_attention_within_each_sample():
     ids = torch.tensor([[1, 2, 3, 0], [4, 5, 0, 0], [6, 0, 0, 0]])
-    rows = packed_rows(ids, torch.tensor([3, 2, 1]), 8)
+    rows = packed_rows(ids, torch.tensor([3, 2, 1]), 8, attn_implementation="eager")
     assert rows.input_ids.tolist() == [[1, 2, 3, 4, 5, 6]]
     assert rows.position_ids.tolist() == [[0, 1, 2, 0, 1, 0]]
     assert rows.predicted.tolist() == [[False, True, True, False, True, False]]
-    mask = rows.attention_mask[0, 0]
-    assert mask[4].tolist() == [False, False, False, True, True, False]  # token 5 sees 4 and itself
-    assert mask[2].tolist() == [True, True, True, False, False, False]
+    allowed = rows.attention_mask[0, 0] == 0
+    assert allowed[4].tolist() == [False, False, False, True, True, False]  # token 5 sees 4 and itself
+    assert allowed[2].tolist() == [True, True, True, False, False, False]
+    sdpa = packed_rows(ids, torch.tensor([3, 2, 1]), 4, round_to=4)
+    assert sdpa.attention_mask is None and sdpa.input_ids.tolist() == [[1, 2, 3, 6], [4, 5, 0, 0]]
+    assert sdpa.segment_bounds.tolist() == [0, 3, 4, 6, 8]  # the second row's padding tail is a segment
 
 
-def test_packing_refuses_an_attention_kernel_without_4d_masks():
-    with pytest.raises(ValueError, match="sdpa and eager; got attn_implementation 'flash_attention_2'"):
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_segment_attention_matches_a_block_diagonal_mask_and_its_gradients(kv_heads):
+    g = torch.Generator().manual_seed(0)
+    lengths, width = [[5, 2, 6, 3], [9, 4]], 16  # the first row is full, the second has 3 padding tokens
+    q, k, v = (torch.randn(2, n, width, 8, generator=g, dtype=torch.float64, requires_grad=True) for n in (4, kv_heads, kv_heads))
+    seg = torch.full((2, width), -1)
+    bounds = [0]
+    for r, row in enumerate(lengths):
+        offset = 0
+        for s, n in enumerate(row):
+            seg[r, offset:offset + n] = s
+            offset += n
+            bounds.append(r * width + offset)
+        if offset < width:
+            bounds.append((r + 1) * width)
+    same = (seg[:, :, None] == seg[:, None, :]) & torch.ones(width, width, dtype=torch.bool).tril()
+    grad = torch.randn(2, width, 4, 8, generator=g, dtype=torch.float64) * (seg >= 0)[:, :, None, None]
+    got, weights = segment_sdpa(None, q, k, v, None, scaling=0.3, cu_seq_lens_q=torch.tensor(bounds, dtype=torch.int32))
+    got_grads = torch.autograd.grad((got * grad).sum(), (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=same[:, None], scale=0.3, enable_gqa=True)
+    want = want.transpose(1, 2)
+    want_grads = torch.autograd.grad((want * grad).sum(), (q, k, v))
+    real = (seg >= 0)[:, :, None, None]
+    assert weights is None and got.shape == (2, width, 4, 8)
+    torch.testing.assert_close(got * real, want * real, rtol=0, atol=1e-12)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_segment_attention_refuses_masks_and_bad_bounds():
+    q = torch.randn(2, 2, 4, 8)
+    with pytest.raises(ValueError, match="takes segment bounds \\(cu_seq_lens_q\\), not an attention mask"):
+        segment_sdpa(None, q, q, q, torch.ones(2, 1, 4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"must run from 0 to rows x width = 8, got \[0, 4, 6\]"):
+        segment_sdpa(None, q, q, q, None, cu_seq_lens_q=torch.tensor([0, 4, 6]))
+    with pytest.raises(ValueError, match=r"segment \[2, 6\) of cu_seq_lens_q crosses the end of row 0"):
+        segment_sdpa(None, q, q, q, None, cu_seq_lens_q=torch.tensor([0, 2, 6, 8]))
+
+
+def test_packing_refuses_an_attention_kernel_that_cannot_keep_samples_apart():
+    with pytest.raises(ValueError, match="sdpa and eager; got 'flash_attention_2'"):
         packed_rows(torch.ones(2, 3, dtype=torch.long), torch.tensor([3, 2]), 8, attn_implementation="flash_attention_2")
 
 

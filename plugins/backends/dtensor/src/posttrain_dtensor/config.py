@@ -14,7 +14,7 @@ from posttrain.errors import ConfigError
 
 SECTION = "policy.dtensor"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-#: Attention kernels that take the 4-D block-diagonal mask sequence packing builds.
+#: Attention kernels that keep packed samples apart (segment bounds for sdpa, a 4-D mask for eager).
 PACKING_ATTENTION = ("sdpa", "eager")
 
 
@@ -22,8 +22,9 @@ PACKING_ATTENTION = ("sdpa", "eager")
 class DTensorConfig:
     """Options of the ``dtensor`` policy backend.
 
-    - ``attn_implementation``: the Hugging Face attention kernel, ``sdpa`` or ``eager``
-      (both accept the 4-D block-diagonal mask that sequence packing needs).
+    - ``attn_implementation``: the attention kernel, ``sdpa`` (PyTorch's fused kernel, one
+      causal call per packed sample: :mod:`posttrain_dtensor.segment_attention`) or
+      ``eager`` (Hugging Face's reference kernel, with a 4-D block-diagonal mask when packing).
     - ``activation_checkpointing``: recompute each decoder layer in the backward pass
       (less memory, about a third more compute).
     - ``reshard_after_forward``: FSDP2 frees the gathered parameters of a layer after its
@@ -59,5 +60,5 @@ def validate_policy_config(config: RunConfig) -> None:
     if p.sequence_packing.enabled and options.attn_implementation not in PACKING_ATTENTION:
         raise ConfigError(
             f"policy.sequence_packing needs {SECTION}.attn_implementation in {', '.join(PACKING_ATTENTION)} "
-            f"(kernels that take a 4-D attention mask), got '{options.attn_implementation}'"
+            f"(kernels that keep packed samples apart), got '{options.attn_implementation}'"
         )

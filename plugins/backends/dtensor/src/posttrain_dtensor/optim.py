@@ -16,12 +16,14 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """The optimizer named by ``policy.optimizer.name``."""
+    """The optimizer named by ``policy.optimizer.name``. Adam and AdamW use PyTorch's fused
+    kernel (one pass over each parameter's state, on CPU and GPU; DTensor shards included):
+    the for-each version spent about a sixth of a small model's CPU training step in
+    separate element-wise passes."""
     params = list(params)
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
-    if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.name in ("adamw", "adam"):
+        adam = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
+        return adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True)
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     raise ConfigError(f"policy.optimizer.name: expected one of {', '.join(OPTIMIZERS)}, got '{cfg.name}'")

@@ -46,12 +46,15 @@ class CausalLMHead(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
         head: Head,
+        segment_bounds: torch.Tensor | None = None,
     ) -> object:
+        """``segment_bounds``: packed rows' ``cu_seqlens`` for the segment attention kernel."""
+        extra = {} if segment_bounds is None else {"cu_seq_lens_q": segment_bounds}
         out = self.lm.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra
         )
         return head(out.last_hidden_state, self.lm.get_output_embeddings().weight)
 

@@ -5,13 +5,13 @@ Two layouts, same results:
 - padded: one sample per row, trimmed to the microbatch's longest sample, with a 2-D
   padding mask (Hugging Face builds the causal mask from it);
 - packed: several samples end to end per row (:func:`posttrain.batch.pack_sequences`),
-  positions restarting at 0 for every sample and a 4-D block-diagonal causal mask, so no
-  token sees another sample. Padding positions attend to themselves only: a query row with
-  no allowed key would make SDPA produce NaN, and its backward would spread the NaN.
-
-Hugging Face returns a 4-D mask to the attention kernel unchanged (transformers 5.18
-``masking_utils``): SDPA takes a boolean mask (True = may attend), the eager kernel adds
-the mask to the scores, so it gets 0 / dtype-minimum floats.
+  positions restarting at 0 for every sample, so no token sees another sample: with the
+  ``sdpa`` kernel, segment bounds for :mod:`posttrain_dtensor.segment_attention` (one
+  causal call per sample, no mask); with ``eager``, a 4-D block-diagonal causal mask,
+  which Hugging Face hands to the kernel unchanged (transformers 5.18 ``masking_utils``)
+  as 0 / dtype-minimum floats added to the scores. There, padding positions attend to
+  themselves only: a query row with no allowed key would produce NaN, and its backward
+  would spread the NaN.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ class ModelRows:
     """
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
     position_ids: torch.Tensor | None
     predicted: torch.Tensor
     valid: torch.Tensor
     width: int  # per-sample width to restore
     packed: PackedRows | None = None
+    segment_bounds: torch.Tensor | None = None  # cu_seqlens of packed rows for segment attention
 
     def to_samples(self, values: torch.Tensor) -> torch.Tensor:
         """Row-layout [R, T, ...] values back to per-sample [B, width, ...], zero-padded."""
@@ -77,22 +78,24 @@ def packed_rows(
     attn_implementation: str = "sdpa",
     mask_dtype: torch.dtype = torch.float32,
 ) -> ModelRows:
-    """Samples packed end to end into rows of at most ``max_tokens_per_row`` tokens.
-
-    ``mask_dtype`` is the compute dtype, used for the eager kernel's additive mask.
+    """Samples packed end to end into rows of at most ``max_tokens_per_row`` tokens: segment
+    bounds for ``sdpa`` (run as :data:`~posttrain_dtensor.segment_attention.SEGMENT_SDPA`),
+    a 4-D mask for ``eager``. ``mask_dtype`` is the compute dtype, used for the eager
+    kernel's additive mask.
     """
     if attn_implementation not in PACKING_ATTENTION:
         raise ValueError(
-            f"sequence packing needs a 4-D attention mask, which posttrain builds for "
-            f"{' and '.join(PACKING_ATTENTION)}; got attn_implementation '{attn_implementation}'"
+            f"sequence packing keeps samples apart for attn_implementation "
+            f"{' and '.join(PACKING_ATTENTION)}; got '{attn_implementation}'"
         )
     packed = pack_sequences(input_ids, lengths, max_tokens_per_row, round_to=round_to)
     seg = packed.segment_ids
-    allowed = packed.attention_mask() | torch.eye(seg.shape[1], dtype=torch.bool)[None, None]
+    mask = bounds = None
     if attn_implementation == "eager":
+        allowed = packed.attention_mask() | torch.eye(seg.shape[1], dtype=torch.bool)[None, None]
         mask = torch.zeros(allowed.shape, dtype=mask_dtype).masked_fill(~allowed, torch.finfo(mask_dtype).min)
     else:
-        mask = allowed
+        bounds = packed.segment_bounds()
     predicted = torch.zeros_like(seg, dtype=torch.bool)
     predicted[:, 1:] = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] >= 0)
     return ModelRows(
@@ -103,6 +106,7 @@ def packed_rows(
         valid=seg >= 0,
         width=input_ids.shape[1],
         packed=packed,
+        segment_bounds=bounds,
     )
 
 

@@ -46,6 +46,7 @@ from posttrain_dtensor.config import DTensorConfig
 from posttrain_dtensor.optim import build_optimizer, clip_grads_, total_grad_norm
 from posttrain_dtensor.parallel import apply_fsdp, apply_tensor_parallel, build_mesh, check_model_fits, reshard_all
 from posttrain_dtensor.rows import ModelRows, microbatch_rows
+from posttrain_dtensor.segment_attention import SEGMENT_SDPA
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -95,9 +96,9 @@ class DTensorPolicyWorker(Worker):
         torch.manual_seed(config.seed)
         if config.deterministic:
             torch.use_deterministic_algorithms(True)
-        lm = AutoModelForCausalLM.from_pretrained(
-            policy.model, dtype=torch.float32, attn_implementation=options.attn_implementation
-        )
+        # sdpa runs as segment attention: packed rows need bounds, not an O(width^2) mask
+        kernel = SEGMENT_SDPA if options.attn_implementation == "sdpa" else options.attn_implementation
+        lm = AutoModelForCausalLM.from_pretrained(policy.model, dtype=torch.float32, attn_implementation=kernel)
         check_model_fits(lm.config, policy.tensor_parallel_size)
         if options.activation_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -125,7 +126,7 @@ class DTensorPolicyWorker(Worker):
         return rows.to(self.device)
 
     def _forward(self, rows: ModelRows, head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
-        return self.model(rows.input_ids, rows.attention_mask, rows.position_ids, head)
+        return self.model(rows.input_ids, rows.attention_mask, rows.position_ids, head, rows.segment_bounds)
 
     def _microbatch_logprobs(self, mb: Batch, batching: Batching) -> torch.Tensor:
         """Logprobs [b, S] of a microbatch on the device (of ``logits / self.temperature``),
