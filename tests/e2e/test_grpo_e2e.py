@@ -118,8 +118,8 @@ def test_example_config_runs_through_the_cli(ray_cluster, tiny_model_path, tmp_p
             assert name in record, f"step {record['step']} did not log {name}"
         assert record["num_valid_samples"] == 32
         assert record["reward"] == pytest.approx(record["env/math/accuracy"])  # both: mean 0/1 reward
-        # Generation and trainer compute the same float32 logprobs: the sampled tokens'
-        # probabilities agree to within 0.1%.
+        # Generation and trainer (on policy: its training pass) compute the same float32
+        # logprobs: the sampled tokens' probabilities agree to within 0.1%.
         assert 1.0 <= record["token_mult_prob_error"] < 1.001
     validation = read_metrics(run_dir / "metrics.jsonl", "validation")
     assert [r["step"] for r in validation] == [0, 2]  # val_at_start, then every 2 steps
@@ -234,7 +234,9 @@ def test_multi_turn_game_trains_through_the_loop(ray_cluster, tiny_model_path, t
         for i in range(4)
     ]
     train = write_rows(tmp_path / "train.jsonl", rows)
-    grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=2, max_rollout_turns=3)
+    # The separate previous-logprob pass (skipped on policy elsewhere) is exercised here.
+    grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=2, max_rollout_turns=3,
+                      skip_prev_logprobs_when_on_policy=False)
     config = make_config(
         tiny_model_path, tmp_path / "run", train, grpo,
         environments={"guess_number": {"max_guesses": 3}},
@@ -249,8 +251,8 @@ def test_multi_turn_game_trains_through_the_loop(ray_cluster, tiny_model_path, t
         # A random model writes no <guess>N</guess>: each game gets reminders until its 3 turns are spent.
         assert record["rollout/mean_turns"] == 3.0
         assert record["env/guess_number/mean_guesses"] == 3.0
-        # The trainer's logprobs of every turn's generated tokens match the generation
-        # backend's: the multi-turn token sequence and its loss mask line up.
+        # The trainer's logprobs (its previous-logprob pass) of every turn's generated tokens match
+        # the generation backend's: the multi-turn token sequence and its loss mask line up.
         assert 1.0 <= record["token_mult_prob_error"] < 1.001
 
 

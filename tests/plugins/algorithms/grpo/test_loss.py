@@ -412,3 +412,23 @@ def test_float32_inputs_as_a_policy_sends_them():
     loss32, _ = ClippedPGLoss(cfg)(lp.detach().float().requires_grad_(), batch32, seqs.float(), toks.float())
     assert loss32.dtype == torch.float32
     assert float(loss32.detach()) == pytest.approx(float(reference_loss(cfg, lp, batch).detach()), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["ppo_token_level", "dual_clip", "gspo", "tis", "everything"])
+def test_without_prev_logprobs_the_loss_is_on_policy(name):
+    """No ``prev_logprobs`` field: the same loss and gradient as with ``prev_logprobs`` equal
+    to the logprobs being trained (what the skipped pass would have computed), and r = 1."""
+    cfg = ClippedPGConfig(**CASES[name])
+    lp, batch = make_case(seed=BRANCH_SEED)
+    seqs, toks = global_counts(batch)
+    on_policy = Batch(**{k: batch[k] for k in batch.keys() if k != "prev_logprobs"})
+    explicit = Batch(**{k: batch[k] for k in on_policy.keys()},
+                     prev_logprobs=torch.where(batch["token_mask"] > 0, lp.detach(), -math.inf))
+    loss, metrics = ClippedPGLoss(cfg)(lp, on_policy, seqs, toks)
+    want, want_metrics = ClippedPGLoss(cfg)(lp, explicit, seqs, toks)
+    (grad,) = torch.autograd.grad(loss, lp)
+    (want_grad,) = torch.autograd.grad(want, lp)
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-12)
+    assert grad.abs().sum() > 0
+    assert metrics["ratio_min"] == metrics["ratio_max"] == 1.0 == want_metrics["ratio_max"]

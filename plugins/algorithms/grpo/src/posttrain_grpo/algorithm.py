@@ -10,7 +10,8 @@ One step, as data::
       -> dynamic sampling: more rollouts until the step holds enough informative groups,
          decided from the tags alone (dropped groups are never fetched)
       -> every pass below reads the kept samples' inputs from the partition
-      -> previous logprobs (and reference logprobs when grpo.loss.kl_penalty > 0)
+      -> previous logprobs (only with several optimizer steps per batch: on policy the
+         training pass's own, detached) and reference logprobs when grpo.loss.kl_penalty > 0
       -> policy.train(clipped_pg), one optimizer step per policy.train_global_batch_size
       -> refit the generation backend -> clear the partition
       -> metrics -> validation every grpo.val_period steps -> checkpoint every
@@ -120,6 +121,7 @@ class GRPORun:
         ctx.config = self.config = config = with_schedule_horizon(config, self.total_steps * updates_per_step)
         self.loss_fn = ctx.build_loss("clipped_pg", self.grpo.loss)
         self.needs_reference = self.grpo.loss.kl_penalty > 0 or not self.grpo.skip_reference_logprobs_when_kl_off
+        self.needs_prev = updates_per_step > 1 or not self.grpo.skip_prev_logprobs_when_on_policy
 
         init_ray(config.cluster)  # with the run's cluster settings, before the first actor starts
         self.environments = start_environments(names, config.environments, plugins=environment_plugins)
@@ -188,7 +190,8 @@ class GRPORun:
                         self.policy.prepare_for_training()
                     self.add_logprobs(partition, keys)
                 with timer("training"):
-                    fields = [*TRAIN_FIELDS, "prev_logprobs", *(["reference_logprobs"] if self.needs_reference else [])]
+                    fields = [*TRAIN_FIELDS, *(["prev_logprobs"] if self.needs_prev else []),
+                              *(["reference_logprobs"] if self.needs_reference else [])]
                     train_metrics = self.optimize(step, PlaneSamples(self.plane, partition, keys, fields))
                 with timer("refit"):
                     stats = refit(self.policy, self.generation, self.config.generation.refit_bucket_bytes)
@@ -262,10 +265,12 @@ class GRPORun:
         )
 
     def add_logprobs(self, partition: str, keys: list[str]) -> None:
-        """Write ``prev_logprobs`` (and ``reference_logprobs``) of the partition's samples
-        into the partition (the policy's workers may fetch and write them themselves)."""
+        """Write ``prev_logprobs`` (unless on policy) and ``reference_logprobs`` (when needed)
+        of the partition's samples into the partition (the policy's workers may fetch and
+        write them themselves)."""
         samples = PlaneSamples(self.plane, partition, keys, LOGPROB_FIELDS)
-        self.policy.logprobs_into(samples, "prev_logprobs")
+        if self.needs_prev:
+            self.policy.logprobs_into(samples, "prev_logprobs")
         if self.needs_reference:
             self.policy.logprobs_into(samples, "reference_logprobs", reference=True)
 

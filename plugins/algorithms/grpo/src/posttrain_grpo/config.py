@@ -94,6 +94,9 @@ class GRPOConfig:
     overlong_filtering: bool = False  # truncated responses stay in baselines but get no gradient
     overlong_reward_shaping: OverlongRewardShapingConfig = attrs.field(factory=OverlongRewardShapingConfig)
     skip_reference_logprobs_when_kl_off: bool = True
+    # With one optimizer step per step's batch the policy that generated is the one that
+    # trains, so prev_logprobs are the training pass's own logprobs (detached): no extra pass.
+    skip_prev_logprobs_when_on_policy: bool = True
     loss: ClippedPGConfig = attrs.field(factory=ClippedPGConfig)
     export_dir: str | None = None  # write a Hugging Face folder of the final weights here
 

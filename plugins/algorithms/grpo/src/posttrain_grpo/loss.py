@@ -4,7 +4,9 @@ ratio, a KL penalty to the reference policy, and train/inference importance-samp
 correction.
 
 Per valid token t of sample i (mask ``m = token_mask * sample_mask``), with ``A`` the
-advantage, ``r = exp(logp - prev_logprobs)`` (GSPO: ``exp`` of the sequence's mean log-ratio):
+advantage, ``r = exp(logp - prev_logprobs)`` (GSPO: ``exp`` of the sequence's mean log-ratio;
+without a ``prev_logprobs`` field, on policy, ``prev_logprobs = sg(logp)``, so ``r = 1`` with
+the gradient of ``logp``):
 
 - PPO: ``l = max(-A r, -A clip(r, 1 - ratio_clip_low, 1 + ratio_clip_high))``; dual clip
   (``dual_clip_c = c``): for ``A < 0``, ``l = min(l, -c A)``. REINFORCE: ``l = -A logp``.
@@ -71,7 +73,7 @@ class ClippedPGLoss(LossFunction):
     """GRPO's policy loss; options in :class:`~posttrain_grpo.config.ClippedPGConfig`.
 
     Batch fields: ``token_mask`` [b, S], ``sample_mask`` [b], ``advantages`` [b] or [b, S],
-    ``prev_logprobs`` [b, S]; ``generation_logprobs`` [b, S] with IS correction (otherwise
+    ``prev_logprobs`` [b, S] (absent: on policy, the logprobs being trained, detached); ``generation_logprobs`` [b, S] with IS correction (otherwise
     optional, for mismatch metrics); ``reference_logprobs`` [b, S] when ``kl_penalty > 0``
     (otherwise optional, for the ``kl`` metric).
     """
@@ -97,7 +99,7 @@ class ClippedPGLoss(LossFunction):
         cfg = self.config
         reduce = _Reduction(batch, logprobs, cfg.token_level_loss, global_valid_seqs, global_valid_toks)
         logp = torch.where(reduce.valid, logprobs, 0.0)  # no inf/NaN from padding reaches the graph
-        prev = torch.where(reduce.valid, batch["prev_logprobs"].to(logp.dtype), 0.0)
+        prev = torch.where(reduce.valid, batch["prev_logprobs"].to(logp.dtype), 0.0) if "prev_logprobs" in batch else logp.detach()
         adv = _per_token(batch["advantages"], logp)
         metrics: dict[str, torch.Tensor | float] = {}
 
