@@ -6,7 +6,8 @@ One call samples 8 completions of each of 16 prompts (128 rows, each prompt's co
 to each other as a GRPO step sends them), at most ``--max-new-tokens`` (64) new tokens,
 temperature 1.0, no top-p / top-k, float32. ``--form dense``: every completion is exactly
 64 tokens (posttrain ``generation.ignore_eos: true``; TRL ``generation_kwargs={"min_new_tokens": 64}``);
-``--form skewed``: completions end at EOS.
+``--form skewed``: completions end at EOS; the model gets the EOS rate of ``grpo.py``'s skewed
+form (:data:`EOS_RATE` per token, :func:`common.set_eos_rate`).
 
 Sides, each in its own process:
 
@@ -44,6 +45,7 @@ from common import (  # noqa: E402
     forward_flops,
     main,
     random_text,
+    set_eos_rate,
     skewed_lengths,
     step_record,
     weights_digest,
@@ -51,9 +53,18 @@ from common import (  # noqa: E402
 
 PROMPTS = 16  #: prompts per call
 SAMPLES = 8  #: completions per prompt
+#: Per-token EOS probability of the skewed form's model (the GRPO benchmark's): mean completion
+#: length about 19 of the 64-token budget.
+EOS_RATE = 0.05
 
 
 # ---------------------------------------------------------------------- data
+
+
+def prepare_model(spec: dict[str, Any], model_dir: Path) -> None:
+    """Skewed form: give the model its EOS rate (the measured rate goes into the spec)."""
+    if spec["form"] == "skewed":
+        spec["eos_rate_measured"] = set_eos_rate(model_dir, EOS_RATE, seed=spec["seed"])
 
 
 def write_prompts(spec: dict[str, Any], path: Path) -> None:
@@ -251,7 +262,7 @@ def summarize_generation(workload: Workload, spec: dict[str, Any], runs: dict[st
         "rows": len(prompt_lengths), "prompt_tokens": sum(prompt_lengths), "max_new_tokens": spec["max_new_tokens"],
         "flops_rule": workload.flops_rule, "matmul_gflops": rate / 1e9, "matmul_gflops_samples": [r / 1e9 for r in rates],
         "baseline": workload.baseline, "steps": spec["steps"], "warmup": w, "load_avg_1m": [x[0] for x in load],
-        "machine": _machine(), "sides": rows, "settings": first["settings"],
+        "machine": _machine(), "sides": rows, "settings": first["settings"], "eos_rate": spec.get("eos_rate_measured"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
 
@@ -260,8 +271,9 @@ def generation_table(result: dict[str, Any]) -> str:
     """The result as a Markdown table with its context lines."""
     r = result
     loads = r["load_avg_1m"]
+    eos = f", EOS rate {r['eos_rate']:.3f} per token" if r.get("eos_rate") else ""
     lines = [
-        f"**generation, {r['form']}**, model `{r['model']}` ({r['parameters'] / 1e6:.1f}M parameters), {r['rows']} rows "
+        f"**generation, {r['form']}{eos}**, model `{r['model']}` ({r['parameters'] / 1e6:.1f}M parameters), {r['rows']} rows "
         f"({r['rows'] // SAMPLES} prompts x {SAMPLES}, {r['prompt_tokens']} prompt tokens), up to {r['max_new_tokens']} new tokens, "
         f"{r['steps']} timed calls x {next(iter(r['sides'].values()))['reps']} repetitions per side; {r['date']}, {r['machine']}.",
         f"Floor per call: {r['flops_rule']} / {r['matmul_gflops']:.1f} GFLOP/s (float32 torch.mm, median; samples "
@@ -298,9 +310,10 @@ WORKLOAD = Workload(
     flops_rule="a forward pass over every row's prompt + completion tokens",
     options={
         "form": {"choices": ["skewed", "dense"], "default": "skewed",
-                 "help": "skewed: completions end at EOS; dense: every completion is --max-new-tokens long"},
+                 "help": f"skewed: completions end at EOS (rate {EOS_RATE} per token); dense: every completion is --max-new-tokens long"},
         "max_new_tokens": {"type": int, "default": 64, "help": "completion budget in tokens"},
     },
+    prepare_model=prepare_model,
     summarize=summarize_generation,
     table=generation_table,
 )
