@@ -310,26 +310,34 @@ class PackedRows:
                 bounds.append((r + 1) * width)
         return torch.tensor(bounds, dtype=torch.int32)
 
+    def token_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where every real token sits: ``(row, column)`` in the packed layout and
+        ``(sample, position)`` in the per-sample layout, four aligned 1-D index tensors."""
+        rows, cols, samples, positions = [], [], [], []
+        for r, row in enumerate(self.bins):
+            offset = 0
+            for i in row:
+                n = self.lengths[i]
+                rows.append(torch.full((n,), r))
+                cols.append(torch.arange(offset, offset + n))
+                samples.append(torch.full((n,), i))
+                positions.append(torch.arange(n))
+                offset += n
+        return torch.cat(rows), torch.cat(cols), torch.cat(samples), torch.cat(positions)
+
     def pack(self, values: torch.Tensor, pad_value: float | int = 0) -> torch.Tensor:
         """Lay a per-sample [B, S, ...] tensor out like ``input_ids`` ([R, T, ...])."""
         out = values.new_full((len(self.bins), self.input_ids.shape[1], *values.shape[2:]), pad_value)
-        for r, row in enumerate(self.bins):
-            offset = 0
-            for i in row:
-                n = self.lengths[i]
-                out[r, offset:offset + n] = values[i, :n]
-                offset += n
+        row, col, sample, position = (i.to(values.device) for i in self.token_index())
+        out[row, col] = values[sample, position]
         return out
 
     def unpack(self, values: torch.Tensor, width: int, pad_value: float | int = 0) -> torch.Tensor:
-        """Inverse of :meth:`pack`: [R, T, ...] back to per-sample [B, width, ...]."""
+        """Inverse of :meth:`pack`: [R, T, ...] back to per-sample [B, width, ...]. One
+        gather (its backward is one scatter, not one full-size zero tensor per sample)."""
         out = values.new_full((len(self.lengths), width, *values.shape[2:]), pad_value)
-        for r, row in enumerate(self.bins):
-            offset = 0
-            for i in row:
-                n = self.lengths[i]
-                out[i, :n] = values[r, offset:offset + n]
-                offset += n
+        row, col, sample, position = (i.to(values.device) for i in self.token_index())
+        out[sample, position] = values[row, col]
         return out
 
 

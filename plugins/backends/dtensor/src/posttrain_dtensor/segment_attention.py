@@ -28,6 +28,10 @@ from transformers import AttentionInterface
 SEGMENT_SDPA = "posttrain_segment_sdpa"
 
 
+#: Segments whose lengths are within this factor of a bucket's shortest share one SDPA call.
+BUCKET_SPREAD = 1.5
+
+
 def segment_sdpa(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -41,7 +45,14 @@ def segment_sdpa(
 ) -> tuple[torch.Tensor, None]:
     """Attention output ``[rows, width, heads, head_dim]`` of ``query`` ``[rows, heads,
     width, head_dim]`` over ``key``/``value`` ``[rows, kv_heads, width, head_dim]``
-    (grouped-query heads are shared, not copied)."""
+    (grouped-query heads are shared, not copied).
+
+    Segments of similar length (:data:`BUCKET_SPREAD`) are gathered into one right-padded
+    batch, run as one causal call and scattered back: a few kernel calls per layer however
+    many samples a row holds (a call costs about a millisecond on CPU), and each gather's
+    backward is one scatter. Padding repeats a segment's last token; causality keeps it
+    out of every real token's view. Outputs at a row's padding tail are computed like any
+    segment's and mean nothing."""
     if attention_mask is not None:
         raise ValueError(f"{SEGMENT_SDPA} takes segment bounds (cu_seq_lens_q), not an attention mask")
 
@@ -51,20 +62,45 @@ def segment_sdpa(
         )
 
     if cu_seq_lens_q is None:
-        out = causal(query, key, value)
-    else:
-        width = query.shape[2]
-        bounds = cu_seq_lens_q.tolist()
-        if bounds[0] != 0 or bounds[-1] != query.shape[0] * width:
-            raise ValueError(f"cu_seq_lens_q must run from 0 to rows x width = {query.shape[0] * width}, got {bounds}")
-        rows: list[list[torch.Tensor]] = [[] for _ in range(query.shape[0])]
-        for start, end in zip(bounds, bounds[1:], strict=False):
-            r, a, b = start // width, start % width, end - (start // width) * width
-            if b > width:
-                raise ValueError(f"segment [{start}, {end}) of cu_seq_lens_q crosses the end of row {r}")
-            rows[r].append(causal(query[r : r + 1, :, a:b], key[r : r + 1, :, a:b], value[r : r + 1, :, a:b]))
-        out = torch.cat([torch.cat(parts, dim=2) for parts in rows], dim=0)
-    return out.transpose(1, 2).contiguous(), None
+        return causal(query, key, value).transpose(1, 2).contiguous(), None
+    rows, heads, width, head_dim = query.shape
+    bounds = cu_seq_lens_q.tolist()
+    _check_bounds(bounds, rows, width)
+
+    def flat(x: torch.Tensor) -> torch.Tensor:  # [rows, h, width, d] -> [h, rows * width, d]
+        return x.transpose(0, 1).reshape(x.shape[1], rows * width, x.shape[3])
+
+    q, k, v = flat(query), flat(key), flat(value)
+    out = q.new_zeros(heads, rows * width, head_dim)
+    for starts, lengths in _buckets(bounds):
+        steps = torch.arange(int(lengths.max()))
+        index = starts[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)  # [n, longest]
+        real = steps[None, :] < lengths[:, None]
+        index, real = index.to(q.device), real.to(q.device)
+        batch = [x[:, index].transpose(0, 1) for x in (q, k, v)]  # [n, h, longest, d]
+        out[:, index[real]] = causal(*batch).transpose(0, 1)[:, real]
+    return out.view(heads, rows, width, head_dim).permute(1, 2, 0, 3).contiguous(), None
+
+
+def _check_bounds(bounds: list[int], rows: int, width: int) -> None:
+    """Bounds run from 0 to ``rows * width``; every segment is non-empty and within one row."""
+    if bounds[0] != 0 or bounds[-1] != rows * width:
+        raise ValueError(f"cu_seq_lens_q must run from 0 to rows x width = {rows * width}, got {bounds}")
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        if end <= start or start // width != (end - 1) // width:
+            raise ValueError(f"segment [{start}, {end}) of cu_seq_lens_q is empty or crosses the end of row {start // width}")
+
+
+def _buckets(bounds: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Segments grouped by length, shortest first: ``(starts, lengths)`` per bucket, where a
+    bucket's longest segment is at most :data:`BUCKET_SPREAD` times its shortest."""
+    segments = sorted(zip((b - a for a, b in zip(bounds, bounds[1:], strict=False)), bounds, strict=False))
+    buckets: list[list[tuple[int, int]]] = []
+    for length, start in segments:
+        if not buckets or length > BUCKET_SPREAD * buckets[-1][0][0]:
+            buckets.append([])
+        buckets[-1].append((length, start))
+    return [(torch.tensor([s for _, s in b]), torch.tensor([n for n, _ in b])) for b in buckets]
 
 
 AttentionInterface.register(SEGMENT_SDPA, segment_sdpa)
