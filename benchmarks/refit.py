@@ -166,7 +166,7 @@ def refit_table(result: dict[str, Any]) -> str:
         f"{', '.join(f'{x:.1f}' for x in r['copy_gb_per_s_samples'])}). Load average (1 min) during the run: "
         f"{min(loads):.1f} to {max(loads):.1f}.",
         "",
-        f"| side | refit s (median) | min | max | MB moved | tensors / buckets | GB/s | floor s | time / floor "
+        f"| side | refit s (median) | min | max | MB moved | tensors / buckets | GB/s | floor ms | time / floor "
         f"| peak RSS MB (+Ray infra) | time / {r['baseline']} |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -176,7 +176,7 @@ def refit_table(result: dict[str, Any]) -> str:
             continue
         lines.append(
             f"| {name} | {s['refit_s_median']:.3f} | {s['refit_s_min']:.3f} | {s['refit_s_max']:.3f} | {s['bytes_moved'] / 1e6:.1f} "
-            f"| {s['num_tensors']} / {s['num_buckets']} | {s['gb_per_s']:.2f} | {s['floor_s']:.4f} | {s['time_over_floor']:.0f} "
+            f"| {s['num_tensors']} / {s['num_buckets']} | {s['gb_per_s']:.2f} | {1e3 * s['floor_s']:.3f} | {s['time_over_floor']:.0f} "
             f"| {s['peak_rss_mb']:.0f} (+{s['infra_rss_mb']:.0f}) | {s['vs_baseline']:.2f} |"
         )
     return "\n".join(lines) + "\n"
