@@ -58,10 +58,12 @@ def test_resumed_runs_continue_exactly(tiny_model_path, virtual_cluster, dt, tmp
     assert [m["lr"] for m in first + uninterrupted] == pytest.approx([1.5e-3, 3e-3, 3e-3, 3e-3 * cosine_step3])
     assert all(m["grad_norm"] > 0.5 for m in first + uninterrupted)
 
-    # through the registry, as a run builds it
+    # through the registry, as a run builds it; one rank holds plain (unsharded) tensors
+    single_ckpt = str(tmp_path / "step_2_single")
     fresh = plugin_host().policy_backends["dtensor"](_config(dt, tiny_model_path, 1), virtual_cluster)
     try:
         fresh.load_checkpoint(ckpt)
+        fresh.save_checkpoint(single_ckpt)
         resumed = _steps(fresh, batches[2:], dt.nll)
         for got, want in zip(resumed, uninterrupted, strict=True):
             assert got["loss"] == pytest.approx(want["loss"], abs=1e-6)
@@ -69,3 +71,13 @@ def test_resumed_runs_continue_exactly(tiny_model_path, virtual_cluster, dt, tmp
         assert dt.max_diff(dt.full_weights(fresh), final) < 1e-6
     finally:
         fresh.shutdown()
+
+    # and back: the single rank's checkpoint resumes sharded over two ranks
+    sharded = DTensorPolicy(_config(dt, tiny_model_path, 2), virtual_cluster, name="policy-resume-2")
+    try:
+        sharded.load_checkpoint(single_ckpt)
+        resumed = _steps(sharded, batches[2:], dt.nll)
+        assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in uninterrupted], abs=1e-6)
+        assert dt.max_diff(dt.full_weights(sharded), final) < 1e-6
+    finally:
+        sharded.shutdown()

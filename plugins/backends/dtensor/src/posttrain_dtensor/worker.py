@@ -44,7 +44,14 @@ from posttrain.sampling import logprob_temperature
 from posttrain_dtensor import checkpoint
 from posttrain_dtensor.config import DTensorConfig
 from posttrain_dtensor.optim import build_optimizer, clip_grads_, total_grad_norm
-from posttrain_dtensor.parallel import apply_fsdp, apply_tensor_parallel, build_mesh, check_model_fits, reshard_all
+from posttrain_dtensor.parallel import (
+    CausalLMHead,
+    apply_fsdp,
+    apply_tensor_parallel,
+    build_mesh,
+    check_model_fits,
+    reshard_all,
+)
 from posttrain_dtensor.rows import ModelRows, microbatch_rows
 from posttrain_dtensor.segment_attention import SEGMENT_SDPA
 
@@ -104,6 +111,10 @@ class DTensorPolicyWorker(Worker):
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if policy.tensor_parallel_size > 1:
             apply_tensor_parallel(lm, self.mesh["tp"])
+        if self.world_size == 1 and self.compute_dtype == torch.float32:
+            # Nothing to shard or cast: FSDP would only copy every weight in and out of its
+            # gather buffers twice per step and every gradient through its reduce buffers.
+            return CausalLMHead(lm).to(self.device)
         return apply_fsdp(
             lm,
             self.mesh["dp"],
