@@ -355,7 +355,7 @@ class Workload:
     ``prepare_model`` (edits the built model folder in place, before any side reads it, e.g.
     :func:`set_eos_rate`); ``side_extras`` (extra fields of a side's row, from its reports,
     the spec, the model config and the machine rate) and ``extra_table`` (Markdown appended
-    to the table)."""
+    to the table); ``defaults`` (this workload's defaults of the common options, e.g. ``lr``)."""
 
     name: str
     script: Path
@@ -374,6 +374,7 @@ class Workload:
     prepare_model: Callable[[dict[str, Any], Path], None] | None = None
     side_extras: Callable[[list[dict[str, Any]], dict[str, Any], Any, float], dict[str, Any]] | None = None
     extra_table: Callable[[dict[str, Any]], str] | None = None
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def parse_args(workload: Workload, argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -394,6 +395,7 @@ def parse_args(workload: Workload, argv: Sequence[str] | None = None) -> argpars
         p.add_argument("--" + name.replace("_", "-"), dest=name, **kwargs)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    p.set_defaults(**workload.defaults)
     return p.parse_args(argv)
 
 

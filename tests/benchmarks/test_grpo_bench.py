@@ -1,6 +1,6 @@
 """The GRPO benchmark's own pieces (benchmarks/grpo.py, grpo_reward.py, common.set_eos_rate):
 the EOS-rate edit gives the intended rate, the settings check catches different prompts but
-not the different samples each side draws, the floor rule is 5 forward passes, the reward
+not the different samples each side draws, the floor rule is 4 forward passes, the reward
 varies within a group. Fast: the tiny model, no Ray, no TRL run."""
 
 from __future__ import annotations
@@ -86,17 +86,17 @@ def test_step_record_counts_prompt_and_completion_tokens():
         grpo.check_completions([record], "dense")
 
 
-def test_floor_rule_is_five_forward_passes_split_by_stage():
+def test_floor_rule_is_four_forward_passes_split_by_stage():
     from posttrain.tiny import SIZES, build_tokenizer, tiny_llama_config
 
     config = tiny_llama_config(len(build_tokenizer()), **SIZES["tiny"])
     lengths = [30, 90]
     one = common.forward_flops(config, lengths)
-    assert grpo.step_flops(config, lengths) == 5 * one
+    assert grpo.step_flops(config, lengths) == 4 * one
     reports = [{"steps": [grpo.grpo_step_record([[1] * 26, [1] * 26], [4, 64])], "rewards": [0.1],
                 "stages": [{"rollout": 2.0, "logprobs": 1.0, "training": 3.0, "step": 6.0}]}]
     extras = grpo.side_extras(reports, {"warmup": 0}, config, rate=1e9)
-    assert extras["stage_floor_s"] == pytest.approx({"rollout": one / 1e9, "logprobs": one / 1e9, "training": 3 * one / 1e9})
+    assert extras["stage_floor_s"] == pytest.approx({"rollout": one / 1e9, "training": 3 * one / 1e9})
     assert extras["stage_s_median"]["training"] == 3.0 and extras["completions"]["at_max"] == 0.5
 
 
