@@ -105,6 +105,16 @@ def test_context_limit_caps_the_budget_and_refuses_longer_prompts(contract):
         contract.generation.generate(prompt_batch([[1] * 256]))
 
 
+def test_a_call_whose_prompts_exceed_one_engine_step_samples_every_row(contract):
+    """40 seeded rows of 240-token prompts (9600 tokens) take more than one engine step to
+    prefill; vLLM's chunked prefill of a seeded row used to fail on CPU generators."""
+    prompts = [[1] + [3 + (row * 7 + i) % 90 for i in range(239)] for row in range(40)]
+    out = contract.generation.generate(prompt_batch(prompts))
+    lengths = out["generation_lengths"]
+    assert len(lengths) == 40 and bool((lengths >= 1).all())
+    assert torch.isfinite(out["logprobs"]).all()
+
+
 def test_refit_without_a_weight_names_it(contract, hf_model):
     partial = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
     with pytest.raises(WorkerError, match=r"refit left 1 parameter\(s\) of the vLLM model unchanged, e.g. \['lm_head.weight'\]"):

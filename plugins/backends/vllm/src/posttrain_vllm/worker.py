@@ -27,6 +27,10 @@ from posttrain.generation_group import Completion, EngineWorker, GenerationReque
 from posttrain_vllm.extension import bucket_payload
 
 
+#: Prompt tokens one CPU engine step may prefill (whole prompts; at least max_model_len).
+CPU_STEP_TOKENS = 8192
+
+
 class VllmEngineWorker(EngineWorker):
     """``engine_kwargs`` go to ``vllm.LLM`` last (they override the backend's choices)."""
 
@@ -53,6 +57,13 @@ class VllmEngineWorker(EngineWorker):
         self.sleep_enabled = on_cuda and enable_sleep_mode
         self.detokenize = detokenize
         self.asleep: set[str] = set()
+        # On CPU a prompt must never be split over engine steps: vLLM rewinds a seeded row's
+        # random generator after a partial prefill, which CPU generators cannot do ("CPU
+        # Generator does not use offset"), so a call whose prompts exceed one step's token
+        # budget (4096 by default) failed. Whole prompts are scheduled, as many as fit.
+        cpu_scheduling = {} if on_cuda else {
+            "enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, CPU_STEP_TOKENS),
+        }
         self.llm = LLM(
             **{
                 "model": model_path,
@@ -66,6 +77,7 @@ class VllmEngineWorker(EngineWorker):
                 "logprobs_mode": "processed_logprobs",
                 "worker_extension_cls": "posttrain_vllm.extension.RefitExtension",
                 "enable_sleep_mode": self.sleep_enabled,
+                **cpu_scheduling,
                 **engine_kwargs,
             }
         )
