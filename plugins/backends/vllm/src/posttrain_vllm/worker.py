@@ -26,7 +26,6 @@ from posttrain.errors import ConfigError, WorkerError
 from posttrain.generation_group import Completion, EngineWorker, GenerationRequest
 from posttrain_vllm.extension import bucket_payload
 
-
 #: Prompt tokens one CPU engine step may prefill (whole prompts; at least max_model_len).
 CPU_STEP_TOKENS = 8192
 
