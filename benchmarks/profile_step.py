@@ -3,10 +3,13 @@ this process (world size 1, no Ray) under ``torch.profiler``, on a benchmark's d
 
     python benchmarks/profile_step.py --spec RUN_DIR/spec.json [--padded] [--steps 2]
 
-``RUN_DIR`` is the ``--out`` folder of ``sft.py`` (or any spec.json written by the harness,
-SFT data). Prints the step time, the floor (training FLOPs of the real tokens / this
-machine's float32 ``torch.mm`` rate, measured here), and the operators by self CPU time:
-the share in matrix products (the floor's work) versus everything else.
+``RUN_DIR`` is the ``--out`` folder of ``sft.py`` (SFT data: the NLL step) or of
+``grpo.py`` (its prompts, 8 times each, with completions of random tokens whose lengths
+follow the run's form: geometric at the benchmark's EOS rate, capped at 64, or all 64; the
+clipped policy-gradient step with random advantages, on policy). Prints the step time, the
+floor (training FLOPs of the real tokens / this machine's float32 ``torch.mm`` rate,
+measured here), and the operators by self CPU time: the share in matrix products (the
+floor's work) versus everything else.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -24,6 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import forward_flops, matmul_flops_per_s  # noqa: E402
+from grpo import EOS_RATE, GENERATIONS, MAX_NEW_TOKENS  # noqa: E402
+
+from posttrain.batch import Batch  # noqa: E402
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
 
@@ -45,11 +52,10 @@ def main() -> None:
     from posttrain.policy_driver import Batching, plan_pass
     from posttrain_dtensor.config import DTensorConfig
     from posttrain_dtensor.worker import DTensorPolicyWorker
-    from posttrain_sft.loss import NLLLoss
 
-    rows = spec["rows_per_step"]
+    rows, grpo = spec["rows_per_step"], spec["workload"] == "grpo"
     config = config_from_dict({
-        "algorithm": "sft", "seed": spec["seed"], "run_dir": str(Path(spec["workdir"]) / "profile"),
+        "algorithm": "grpo" if grpo else "sft", "seed": spec["seed"], "run_dir": str(Path(spec["workdir"]) / "profile"),
         "policy": {
             "backend": "dtensor", "model": spec["model_dir"], "dtype": "float32", "train_global_batch_size": rows,
             "train_micro_batch_size": rows, "max_total_sequence_length": spec["max_len"],
@@ -58,11 +64,22 @@ def main() -> None:
         },
         "data": {"train": spec["data"], "shuffle": False, "max_length": spec["max_len"]},
     }, source="profile")
-    dataset = dataset_from_config(config, "train", "sft", encoder_from_config(config))
-    batches = list(itertools.islice(dataloader_from_config(config, dataset, rows), 1 + args.steps))
+    if grpo:
+        from posttrain_grpo.config import ClippedPGConfig
+        from posttrain_grpo.loss import ClippedPGLoss
+
+        dataset = dataset_from_config(config, "train", "prompt", encoder_from_config(config))
+        loader = dataloader_from_config(config, dataset, rows // GENERATIONS)
+        batches = [rollout_batch(prompts, spec) for prompts in itertools.islice(loader, 1 + args.steps)]
+        loss_fn = ClippedPGLoss(ClippedPGConfig())
+    else:
+        from posttrain_sft.loss import NLLLoss
+
+        dataset = dataset_from_config(config, "train", "sft", encoder_from_config(config))
+        batches = list(itertools.islice(dataloader_from_config(config, dataset, rows), 1 + args.steps))
+        loss_fn = NLLLoss()
     worker = DTensorPolicyWorker(config, DTensorConfig())
     batching = Batching.from_policy_config(config.policy, rows)
-    loss_fn = NLLLoss()
 
     def step(batch):
         work = plan_pass(batch["input_lengths"].tolist(), 1, batching).work(batch)[0]
@@ -86,6 +103,26 @@ def main() -> None:
     print(f"self CPU time in matrix products ({', '.join(MATMUL_OPS)}): {matmul / total:.1%}; "
           f"matrix products alone run at {flops / (matmul / 1e6 / args.steps) / 1e9:.2f} GFLOP/s")
     print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=40))
+
+
+def rollout_batch(prompts: Batch, spec: dict) -> Batch:
+    """A GRPO step's training batch without generating: each prompt ``GENERATIONS`` times
+    with a completion of random tokens (lengths as the run's ``form`` samples them), loss on
+    the completion, random advantages."""
+    g = torch.Generator().manual_seed(spec["seed"])
+    lengths = prompts["input_lengths"].repeat_interleave(GENERATIONS)
+    n = len(lengths)
+    if spec["form"] == "dense":
+        completions = torch.full((n,), MAX_NEW_TOKENS)
+    else:  # the number of tokens up to and including the first EOS, at most the budget
+        completions = (torch.log(torch.rand(n, generator=g)) / math.log(1 - EOS_RATE)).ceil().clamp(1, MAX_NEW_TOKENS).long()
+    total = lengths + completions
+    ids = torch.randint(3, 100, (n, int(total.max())), generator=g)
+    ids[:, : prompts["input_ids"].shape[1]] = prompts["input_ids"].repeat_interleave(GENERATIONS, dim=0)[:, : ids.shape[1]]
+    positions = torch.arange(ids.shape[1])[None, :]
+    mask = ((positions >= lengths[:, None]) & (positions < total[:, None])).float()
+    return Batch(input_ids=ids, input_lengths=total, token_mask=mask, sample_mask=torch.ones(n),
+                 advantages=torch.randn(n, generator=g))
 
 
 if __name__ == "__main__":
