@@ -22,8 +22,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from posttrain import hookimpl
 from posttrain.interfaces import Environment, EnvironmentReturn
 
@@ -51,14 +49,7 @@ class BenchRewardEnvironment(Environment):
             lengths = [len(a["token_ids"]) if a and "token_ids" in a else -1 for a in answers]
             with self.record.open("a") as f:
                 f.write(json.dumps({"prompts": prompts, "completion_lengths": lengths, "rewards": rewards}) + "\n")
-        n = len(message_logs)
-        return EnvironmentReturn(
-            observations=[{"role": "environment", "content": ""} for _ in range(n)],
-            metadata=list(metadata),
-            next_stop_strings=[None] * n,
-            rewards=torch.tensor(rewards, dtype=torch.float32),
-            terminateds=torch.ones(n, dtype=torch.bool),
-        )
+        return EnvironmentReturn.final(rewards, metadata)
 
 
 def _last(log: Sequence[Any], role: str) -> Any:

@@ -28,6 +28,18 @@ def logs(*contents: str) -> list[list[dict]]:
 # ----------------------------------------------------------------------------- plain containment
 
 
+def test_a_final_return_ends_every_episode_and_keeps_only_real_errors():
+    from posttrain.interfaces import EnvironmentReturn
+
+    result = EnvironmentReturn.final([1, 0.5], [{"a": 1}, None], answers=["x", None], errors=[None, None])
+    check_return("final", result, 2)
+    assert result.rewards.dtype == torch.float32 and result.rewards.tolist() == [1.0, 0.5]
+    assert result.terminateds.tolist() == [True, True] and result.next_stop_strings == [None, None]
+    assert result.metadata == [{"a": 1}, None] and result.answers == ["x", None]
+    assert result.errors == []  # no sample failed
+    assert EnvironmentReturn.final(torch.zeros(2), [0, 1], errors=[None, "boom"]).errors == [None, "boom"]
+
+
 def test_a_good_step_passes_through():
     step = step_contained("flaky", Flaky(reward=0.5), logs("a", "b"), [{"i": 0}, {"i": 1}])
     assert (step.errors, step.timeouts) == (0, 0)

@@ -12,23 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 from posttrain import hookimpl
 from posttrain.interfaces import Environment, EnvironmentReturn
 
 
 class Scripted(Environment):
     def step(self, message_logs: Sequence[Sequence[Any]], metadata: Sequence[Any]) -> EnvironmentReturn:
-        n = len(message_logs)
-        return EnvironmentReturn(
-            observations=[{"role": "user", "content": ""} for _ in range(n)],
-            metadata=list(metadata),
-            next_stop_strings=[None] * n,
-            rewards=torch.tensor([float(meta["reward"]) for meta in metadata], dtype=torch.float32),
-            terminateds=torch.ones(n, dtype=torch.bool),
-            errors=[meta.get("error") for meta in metadata],
-        )
+        return EnvironmentReturn.final([float(meta["reward"]) for meta in metadata], metadata,
+                                       errors=[meta.get("error") for meta in metadata])
 
 
 @hookimpl

@@ -103,15 +103,7 @@ def check_return(name: str, result: Any, num_samples: int) -> None:
 def failed_return(metadata: Sequence[Any], error: str) -> EnvironmentReturn:
     """The result standing in for a failed call: reward 0, terminated, metadata unchanged."""
     n = len(metadata)
-    return EnvironmentReturn(
-        observations=[{"role": "user", "content": ""} for _ in range(n)],
-        metadata=list(metadata),
-        next_stop_strings=[None] * n,
-        rewards=torch.zeros(n, dtype=torch.float32),
-        terminateds=torch.ones(n, dtype=torch.bool),
-        answers=[None] * n,
-        errors=[error] * n,
-    )
+    return EnvironmentReturn.final(torch.zeros(n), metadata, answers=[None] * n, errors=[error] * n)
 
 
 def metrics_contained(name: str, env: Environment, rewards: torch.Tensor, metadata: Sequence[Any]) -> dict[str, float]:

@@ -34,6 +34,29 @@ class EnvironmentReturn:
     # reports it here instead of raising, so only that sample gets reward 0. [] = none failed.
     errors: list[str | None] = attrs.field(factory=list)
 
+    @classmethod
+    def final(
+        cls,
+        rewards: torch.Tensor | Sequence[float],
+        metadata: Sequence[Any],
+        *,
+        answers: Sequence[str | None] = (),
+        errors: Sequence[str | None] = (),
+    ) -> EnvironmentReturn:
+        """The result of a single-turn step: every episode ends with these rewards (stored
+        as float32 [B]); observations are empty (a finished episode gets none) and there are
+        no next stop strings. ``errors`` without a single failure is stored as ``[]``."""
+        n = len(metadata)
+        return cls(
+            observations=[{"role": "user", "content": ""} for _ in range(n)],
+            metadata=list(metadata),
+            next_stop_strings=[None] * n,
+            rewards=torch.as_tensor(rewards, dtype=torch.float32),
+            terminateds=torch.ones(n, dtype=torch.bool),
+            answers=list(answers),
+            errors=list(errors) if any(e is not None for e in errors) else [],
+        )
+
 
 class Environment(abc.ABC):
     """A batched, stateless-between-calls scorer; state travels in ``metadata``."""

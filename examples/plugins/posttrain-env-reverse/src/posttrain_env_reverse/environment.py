@@ -27,15 +27,7 @@ class ReverseEnvironment(Environment):
         answers = [_last_assistant(log) for log in message_logs]
         targets = [_target(i, meta) for i, meta in enumerate(metadata)]
         rewards = [float(a is not None and a.strip() == t[::-1]) for a, t in zip(answers, targets, strict=True)]
-        batch = len(message_logs)
-        return EnvironmentReturn(
-            observations=[{"role": "environment", "content": ""} for _ in range(batch)],
-            metadata=list(metadata),
-            next_stop_strings=[None] * batch,
-            rewards=torch.tensor(rewards, dtype=torch.float32),
-            terminateds=torch.ones(batch, dtype=torch.bool),
-            answers=answers,
-        )
+        return EnvironmentReturn.final(rewards, metadata, answers=answers)
 
     def metrics(self, rewards: torch.Tensor, metadata: Sequence[Any]) -> dict[str, float]:
         return {"accuracy": float(rewards.float().mean()) if len(rewards) else 0.0}

@@ -123,15 +123,7 @@ class CodeEnvironment(Environment):
                     "code_status": _status(spec, codes[i], score, errors[i]),
                 }
             )
-        return EnvironmentReturn(
-            observations=[{"role": "user", "content": ""} for _ in range(n)],
-            metadata=out_metadata,
-            next_stop_strings=[None] * n,
-            rewards=rewards,
-            terminateds=torch.ones(n, dtype=torch.bool),
-            answers=list(codes),
-            errors=errors if any(e is not None for e in errors) else [],
-        )
+        return EnvironmentReturn.final(rewards, out_metadata, answers=list(codes), errors=errors)
 
     def metrics(self, rewards: torch.Tensor, metadata: Sequence[Any]) -> dict[str, float]:
         """``pass_rate`` (mean fraction of tests passed per sample), ``solve_rate`` (fraction of

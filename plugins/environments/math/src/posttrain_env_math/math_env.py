@@ -51,15 +51,7 @@ class MathEnvironment(Environment):
             {**(meta if isinstance(meta, Mapping) else {}), "extracted_answer": answer, "verify_status": status}
             for meta, answer, status in zip(metadata, answers, statuses, strict=True)
         ]
-        return EnvironmentReturn(
-            observations=[{"role": "user", "content": ""} for _ in message_logs],
-            metadata=out_metadata,
-            next_stop_strings=[None] * len(message_logs),
-            rewards=rewards,
-            terminateds=torch.ones(len(message_logs), dtype=torch.bool),
-            answers=answers,
-            errors=errors if any(e is not None for e in errors) else [],
-        )
+        return EnvironmentReturn.final(rewards, out_metadata, answers=answers, errors=errors)
 
     def metrics(self, rewards: torch.Tensor, metadata: Sequence[Any]) -> dict[str, float]:
         """``accuracy`` (mean reward: rewards are 1 or 0), ``answer_rate`` (fraction of
