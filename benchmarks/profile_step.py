@@ -3,8 +3,9 @@ this process (world size 1, no Ray) under ``torch.profiler``, on a benchmark's d
 
     python benchmarks/profile_step.py --spec RUN_DIR/spec.json [--padded] [--steps 2]
 
-``RUN_DIR`` is the ``--out`` folder of ``sft.py`` (SFT data: the NLL step) or of
-``grpo.py`` (its prompts, 8 times each, with completions of random tokens whose lengths
+``RUN_DIR`` is the ``--out`` folder of ``sft.py`` (SFT data: the NLL step), of ``dpo.py``
+(preference pairs: the reference-logprob pass with the reference weights swapped in, then
+the sigmoid DPO step) or of ``grpo.py`` (its prompts, 8 times each, with completions of random tokens whose lengths
 follow the run's form: geometric at the benchmark's EOS rate, capped at 64, or all 64; the
 clipped policy-gradient step with random advantages, on policy). Prints the step time, the
 floor (training FLOPs of the real tokens / this machine's float32 ``torch.mm`` rate,
@@ -53,9 +54,9 @@ def main() -> None:
     from posttrain_dtensor.config import DTensorConfig
     from posttrain_dtensor.worker import DTensorPolicyWorker
 
-    rows, grpo = spec["rows_per_step"], spec["workload"] == "grpo"
+    rows, workload = spec["rows_per_step"], spec["workload"]
     config = config_from_dict({
-        "algorithm": "grpo" if grpo else "sft", "seed": spec["seed"], "run_dir": str(Path(spec["workdir"]) / "profile"),
+        "algorithm": workload, "seed": spec["seed"], "run_dir": str(Path(spec["workdir"]) / "profile"),
         "policy": {
             "backend": "dtensor", "model": spec["model_dir"], "dtype": "float32", "train_global_batch_size": rows,
             "train_micro_batch_size": rows, "max_total_sequence_length": spec["max_len"],
@@ -64,7 +65,8 @@ def main() -> None:
         },
         "data": {"train": spec["data"], "shuffle": False, "max_length": spec["max_len"]},
     }, source="profile")
-    if grpo:
+    reference = workload == "dpo"
+    if workload == "grpo":
         from posttrain_grpo.config import ClippedPGConfig
         from posttrain_grpo.loss import ClippedPGLoss
 
@@ -73,16 +75,20 @@ def main() -> None:
         batches = [rollout_batch(prompts, spec) for prompts in itertools.islice(loader, 1 + args.steps)]
         loss_fn = ClippedPGLoss(ClippedPGConfig())
     else:
+        from posttrain_dpo.loss import DPOLoss
         from posttrain_sft.loss import NLLLoss
 
-        dataset = dataset_from_config(config, "train", "sft", encoder_from_config(config))
-        batches = list(itertools.islice(dataloader_from_config(config, dataset, rows), 1 + args.steps))
-        loss_fn = NLLLoss()
+        kind, loss_fn = ("preference", DPOLoss(beta=0.1)) if reference else ("sft", NLLLoss())
+        dataset = dataset_from_config(config, "train", kind, encoder_from_config(config))
+        per_row = 2 if reference else 1
+        batches = list(itertools.islice(dataloader_from_config(config, dataset, rows // per_row), 1 + args.steps))
     worker = DTensorPolicyWorker(config, DTensorConfig())
     batching = Batching.from_policy_config(config.policy, rows)
 
     def step(batch):
         work = plan_pass(batch["input_lengths"].tolist(), 1, batching).work(batch)[0]
+        if reference:
+            work.batch["reference_logprobs"] = worker.logprobs(work, reference=True)["reference_logprobs"]
         return worker.train(work, loss_fn)
 
     step(batches[0])
@@ -92,7 +98,8 @@ def main() -> None:
             step(batch)
         elapsed = (time.perf_counter() - start) / args.steps
     hf = AutoConfig.from_pretrained(spec["model_dir"])
-    flops = sum(3 * forward_flops(hf, b["input_lengths"].tolist()) for b in batches[1:]) / args.steps
+    passes = 4 if reference else 3  # training, plus DPO's reference forward
+    flops = sum(passes * forward_flops(hf, b["input_lengths"].tolist()) for b in batches[1:]) / args.steps
     rate = matmul_flops_per_s(threads=spec["threads"])
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
