@@ -22,8 +22,8 @@ PACKING_ATTENTION = ("sdpa", "eager")
 class DTensorConfig:
     """Options of the ``dtensor`` policy backend.
 
-    - ``attn_implementation``: the attention kernel, ``sdpa`` (PyTorch's fused kernel, one
-      causal call per packed sample: :mod:`posttrain_dtensor.segment_attention`) or
+    - ``attn_implementation``: the attention kernel, ``sdpa`` (PyTorch's fused kernel, causal
+      within each packed sample: :mod:`posttrain_dtensor.segment_attention`) or
       ``eager`` (Hugging Face's reference kernel, with a 4-D block-diagonal mask when packing).
     - ``activation_checkpointing``: recompute each decoder layer in the backward pass
       (less memory, about a third more compute).

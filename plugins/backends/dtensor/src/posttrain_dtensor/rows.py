@@ -6,8 +6,8 @@ Two layouts, same results:
   padding mask (Hugging Face builds the causal mask from it);
 - packed: several samples end to end per row (:func:`posttrain.batch.pack_sequences`),
   positions restarting at 0 for every sample, so no token sees another sample: with the
-  ``sdpa`` kernel, segment bounds for :mod:`posttrain_dtensor.segment_attention` (one
-  causal call per sample, no mask); with ``eager``, a 4-D block-diagonal causal mask,
+  ``sdpa`` kernel, segment bounds for :mod:`posttrain_dtensor.segment_attention` (causal
+  within each sample, no mask); with ``eager``, a 4-D block-diagonal causal mask,
   which Hugging Face hands to the kernel unchanged (transformers 5.18 ``masking_utils``)
   as 0 / dtype-minimum floats added to the scores. There, padding positions attend to
   themselves only: a query row with no allowed key would produce NaN, and its backward

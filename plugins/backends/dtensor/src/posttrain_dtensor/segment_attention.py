@@ -1,4 +1,4 @@
-"""Causal attention inside the segments of packed rows: one SDPA call per segment.
+"""Causal attention inside the segments of packed rows, segments of similar length batched.
 
 A packed row holds several samples end to end, and attention must stay inside each
 sample. A 4-D block-diagonal mask gets that right, but the kernel still scores every query
