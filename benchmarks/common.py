@@ -154,6 +154,18 @@ def set_eos_rate(model_dir: str | Path, rate: float, contexts: int = 64, length:
     return measured
 
 
+def length_stats(lengths: Sequence[int], budget: int) -> dict[str, float]:
+    """Completion length distribution: mean, median, 10th/90th percentile, min, max, and
+    the share that used the whole budget."""
+    ordered = sorted(lengths)
+    n = len(ordered)
+    return {
+        "mean": statistics.mean(ordered), "median": statistics.median(ordered), "p10": ordered[int(0.1 * (n - 1))],
+        "p90": ordered[int(0.9 * (n - 1))], "min": ordered[0], "max": ordered[-1],
+        "at_budget": sum(x >= budget for x in ordered) / n,
+    }
+
+
 def random_text(length: int, g: torch.Generator) -> str:
     """``length`` characters the tiny character tokenizer maps one to one onto tokens."""
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 "

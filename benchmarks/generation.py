@@ -43,6 +43,7 @@ from common import (  # noqa: E402
     _machine,
     _parameters,
     forward_flops,
+    length_stats,
     main,
     random_text,
     set_eos_rate,
@@ -51,12 +52,9 @@ from common import (  # noqa: E402
     weights_digest,
 )
 
-PROMPTS = 16  #: prompts per call
-SAMPLES = 8  #: completions per prompt
-#: Per-token EOS probability of the skewed form's model (the GRPO benchmark's): mean completion
-#: length about 19 of the 64-token budget.
-EOS_RATE = 0.05
-
+# A call is one GRPO step's generation: PROMPTS prompts x GENERATIONS completions each, and
+# the skewed form's model has the GRPO benchmark's EOS rate.
+from grpo import EOS_RATE, GENERATIONS, PROMPTS  # noqa: E402
 
 # ---------------------------------------------------------------------- data
 
@@ -81,9 +79,9 @@ def write_prompts(spec: dict[str, Any], path: Path) -> None:
 
 
 def read_rows(spec: dict[str, Any]) -> list[list[int]]:
-    """The rows of one call: every prompt of ``spec["data"]`` ``SAMPLES`` times, copies adjacent."""
+    """The rows of one call: every prompt of ``spec["data"]`` ``GENERATIONS`` times, copies adjacent."""
     prompts = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines() if line.strip()]
-    return [p for p in prompts for _ in range(SAMPLES)]
+    return [p for p in prompts for _ in range(GENERATIONS)]
 
 
 # ---------------------------------------------------------------------- what a child reports
@@ -188,7 +186,7 @@ def trl_generation(spec: dict[str, Any]) -> dict[str, Any]:
     rows, budget = read_rows(spec), spec["max_new_tokens"]
     args = trl.GRPOConfig(
         output_dir=str(Path(spec["workdir"]) / f"trl_generation_{time.time_ns()}"), report_to=[], use_cpu=True,
-        bf16=False, per_device_train_batch_size=SAMPLES, num_generations=SAMPLES, max_completion_length=budget,
+        bf16=False, per_device_train_batch_size=GENERATIONS, num_generations=GENERATIONS, max_completion_length=budget,
         temperature=1.0, seed=spec["seed"], disable_tqdm=True,
         generation_kwargs={"min_new_tokens": budget} if spec["form"] == "dense" else None,
     )
@@ -198,7 +196,7 @@ def trl_generation(spec: dict[str, Any]) -> dict[str, Any]:
     durations, lengths = [], []
     for _ in range(spec["warmup"] + spec["steps"]):
         start = time.perf_counter()
-        completions, _ = trainer._generate_single_turn(rows, None, {}, SAMPLES)
+        completions, _ = trainer._generate_single_turn(rows, None, {}, GENERATIONS)
         durations.append(time.perf_counter() - start)
         lengths.append([len(c) for c in completions])
     gc = trainer.generation_config
@@ -211,18 +209,6 @@ def trl_generation(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- summary
-
-
-def length_stats(lengths: Sequence[int], budget: int) -> dict[str, float]:
-    """Completion length distribution: mean, median, 10th/90th percentile, min, max, and
-    the share that used the whole budget."""
-    ordered = sorted(lengths)
-    n = len(ordered)
-    return {
-        "mean": statistics.mean(ordered), "median": statistics.median(ordered), "p10": ordered[int(0.1 * (n - 1))],
-        "p90": ordered[int(0.9 * (n - 1))], "min": ordered[0], "max": ordered[-1],
-        "at_budget": sum(x >= budget for x in ordered) / n,
-    }
 
 
 def summarize_generation(workload: Workload, spec: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
@@ -272,7 +258,7 @@ def generation_table(result: dict[str, Any]) -> str:
     eos = f", EOS rate {r['eos_rate']:.3f} per token" if r.get("eos_rate") else ""
     lines = [
         f"**generation, {r['form']}{eos}**, model `{r['model']}` ({r['parameters'] / 1e6:.1f}M parameters), {r['rows']} rows "
-        f"({r['rows'] // SAMPLES} prompts x {SAMPLES}, {r['prompt_tokens']} prompt tokens), up to {r['max_new_tokens']} new tokens, "
+        f"({r['rows'] // GENERATIONS} prompts x {GENERATIONS}, {r['prompt_tokens']} prompt tokens), up to {r['max_new_tokens']} new tokens, "
         f"{r['steps']} timed calls x {next(iter(r['sides'].values()))['reps']} repetitions per side; {r['date']}, {r['machine']}.",
         f"Floor per call: {r['flops_rule']} / {r['matmul_gflops']:.1f} GFLOP/s (float32 torch.mm, median; samples "
         f"{', '.join(f'{x:.0f}' for x in r['matmul_gflops_samples'])}). Load average (1 min) during the run: "
@@ -304,7 +290,7 @@ WORKLOAD = Workload(
     baseline="posttrain-vllm",
     write_data=write_prompts,
     step_flops=lambda config, lengths: forward_flops(config, lengths),
-    rows_per_step=PROMPTS * SAMPLES,
+    rows_per_step=PROMPTS * GENERATIONS,
     flops_rule="a forward pass over every row's prompt + completion tokens",
     options={
         "form": {"choices": ["skewed", "dense"], "default": "skewed",

@@ -53,7 +53,7 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
 
-from common import Workload, child_result, forward_flops, main, random_text, set_eos_rate  # noqa: E402
+from common import Workload, child_result, forward_flops, length_stats, main, random_text, set_eos_rate  # noqa: E402
 
 PROMPTS, GENERATIONS, MAX_NEW_TOKENS = 16, 8, 64
 SAMPLES = PROMPTS * GENERATIONS
@@ -123,13 +123,6 @@ def check_completions(steps: list[dict[str, Any]], form: str) -> None:
         bad = [(k, s["completion_lengths"][0]) for k, s in enumerate(steps, 1) if s["completion_lengths"][0] != MAX_NEW_TOKENS]
         if bad:
             raise AssertionError(f"dense form: completions shorter than {MAX_NEW_TOKENS} tokens (step, shortest): {bad}")
-
-
-def length_stats(lengths: list[int]) -> dict[str, float]:
-    """Mean, p50, p90 and the share of completions at the ``MAX_NEW_TOKENS`` budget."""
-    ordered = sorted(lengths)
-    return {"mean": statistics.mean(ordered), "p50": ordered[len(ordered) // 2], "p90": ordered[int(0.9 * (len(ordered) - 1))],
-            "at_max": sum(n >= MAX_NEW_TOKENS for n in ordered) / len(ordered)}
 
 
 def common_settings(form: str) -> dict[str, Any]:
@@ -321,7 +314,7 @@ def side_extras(reports: list[dict[str, Any]], spec: dict[str, Any], config: Any
     every ``timing/<stage>`` and the floors of the rollout (generation) and training stages."""
     timed = [s for r in reports for s in r["steps"][spec["warmup"]:]]
     extras: dict[str, Any] = {
-        "completions": length_stats([n for s in timed for n in s["completion_lengths"]]),
+        "completions": length_stats([n for s in timed for n in s["completion_lengths"]], MAX_NEW_TOKENS),
         "prompt_tokens_per_step": statistics.mean(s["prompt_tokens"] for s in timed),
         "completion_tokens_per_step": statistics.mean(s["completion_tokens"] for s in timed),
         "mean_reward": statistics.mean(x for r in reports for x in r["rewards"]),
@@ -336,12 +329,12 @@ def side_extras(reports: list[dict[str, Any]], spec: dict[str, Any], config: Any
 
 def extra_table(result: dict[str, Any]) -> str:
     """Completion lengths per side and posttrain's stage times next to their floors."""
-    lines = ["", "| side | completion tokens / step | prompt tokens / step | mean | p50 | p90 | share at 64 | floor s | mean reward |",
+    lines = ["", "| side | completion tokens / step | prompt tokens / step | mean | median | p90 | share at 64 | floor s | mean reward |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in result["sides"].items():
         c = s["completions"]
         lines.append(f"| {name} | {s['completion_tokens_per_step']:.0f} | {s['prompt_tokens_per_step']:.0f} | {c['mean']:.1f} "
-                     f"| {c['p50']} | {c['p90']} | {c['at_max']:.2f} | {s['floor_s']:.3f} | {s['mean_reward']:.3f} |")
+                     f"| {c['median']:.0f} | {c['p90']} | {c['at_budget']:.2f} | {s['floor_s']:.3f} | {s['mean_reward']:.3f} |")
     for name, s in result["sides"].items():
         if "stage_s_median" not in s:
             continue

@@ -64,7 +64,7 @@ def test_settings_check_names_a_different_sampling_setting(tmp_path):
 
 
 def test_length_stats():
-    stats = generation.length_stats([1, 2, 3, 4, 64, 64, 10, 20, 30, 40], budget=64)
+    stats = common.length_stats([1, 2, 3, 4, 64, 64, 10, 20, 30, 40], budget=64)
     assert stats["mean"] == 23.8 and stats["median"] == 15 and stats["min"] == 1 and stats["max"] == 64
     assert stats["at_budget"] == 0.2 and stats["p10"] == 1 and stats["p90"] == 64
 

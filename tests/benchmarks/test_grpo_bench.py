@@ -48,8 +48,8 @@ def test_eos_rate_edit_gives_the_intended_rate_and_completion_lengths(tmp_path):
     completion = out[:, 4:]
     ended = completion == model.config.eos_token_id
     lengths = torch.where(ended.any(1), ended.int().argmax(1) + 1, torch.tensor(grpo.MAX_NEW_TOKENS))
-    stats = grpo.length_stats(lengths.tolist())
-    assert 14 < stats["mean"] < 26 and stats["p90"] > 35 and 0 < stats["at_max"] < 0.15, stats
+    stats = common.length_stats(lengths.tolist(), grpo.MAX_NEW_TOKENS)
+    assert 14 < stats["mean"] < 26 and stats["p90"] > 35 and 0 < stats["at_budget"] < 0.15, stats
 
     again = build_tiny_model(tmp_path / "again", size="tiny", seed=0)
     common.set_eos_rate(again, grpo.EOS_RATE)
@@ -97,7 +97,7 @@ def test_floor_rule_is_four_forward_passes_split_by_stage():
                 "stages": [{"rollout": 2.0, "logprobs": 1.0, "training": 3.0, "step": 6.0}]}]
     extras = grpo.side_extras(reports, {"warmup": 0}, config, rate=1e9)
     assert extras["stage_floor_s"] == pytest.approx({"rollout": one / 1e9, "training": 3 * one / 1e9})
-    assert extras["stage_s_median"]["training"] == 3.0 and extras["completions"]["at_max"] == 0.5
+    assert extras["stage_s_median"]["training"] == 3.0 and extras["completions"]["at_budget"] == 0.5
 
 
 def test_reward_varies_within_a_group_and_is_recorded(tmp_path):
