@@ -73,9 +73,10 @@ class ClippedPGLoss(LossFunction):
     """GRPO's policy loss; options in :class:`~posttrain_grpo.config.ClippedPGConfig`.
 
     Batch fields: ``token_mask`` [b, S], ``sample_mask`` [b], ``advantages`` [b] or [b, S],
-    ``prev_logprobs`` [b, S] (absent: on policy, the logprobs being trained, detached); ``generation_logprobs`` [b, S] with IS correction (otherwise
-    optional, for mismatch metrics); ``reference_logprobs`` [b, S] when ``kl_penalty > 0``
-    (otherwise optional, for the ``kl`` metric).
+    ``prev_logprobs`` [b, S] (absent: on policy, the logprobs being trained, detached);
+    ``generation_logprobs`` [b, S] with IS correction (otherwise optional, for mismatch
+    metrics); ``reference_logprobs`` [b, S] when ``kl_penalty > 0`` (otherwise optional,
+    for the ``kl`` metric).
     """
 
     metric_reductions: ClassVar[Mapping[str, Literal["max", "min"]]] = {
@@ -99,7 +100,10 @@ class ClippedPGLoss(LossFunction):
         cfg = self.config
         reduce = _Reduction(batch, logprobs, cfg.token_level_loss, global_valid_seqs, global_valid_toks)
         logp = torch.where(reduce.valid, logprobs, 0.0)  # no inf/NaN from padding reaches the graph
-        prev = torch.where(reduce.valid, batch["prev_logprobs"].to(logp.dtype), 0.0) if "prev_logprobs" in batch else logp.detach()
+        if "prev_logprobs" in batch:
+            prev = torch.where(reduce.valid, batch["prev_logprobs"].to(logp.dtype), 0.0)
+        else:  # on policy: the logprobs being trained
+            prev = logp.detach()
         adv = _per_token(batch["advantages"], logp)
         metrics: dict[str, torch.Tensor | float] = {}
 

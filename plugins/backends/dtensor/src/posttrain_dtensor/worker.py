@@ -12,10 +12,11 @@ and a CPU workaround for no code removed.
 The rank builds its process group from the worker group's environment (gloo on CPU, NCCL on
 GPU), loads the Hugging Face model from ``policy.model`` in float32 (the master weights),
 shards it (:mod:`posttrain_dtensor.parallel`) and computes in ``policy.dtype`` through
-FSDP2 mixed precision; a single float32 rank keeps the plain module. The driver (:mod:`posttrain_dtensor.policy`) sends each
-data-parallel rank its shard of the batch and its microbatch plan; tensor-parallel ranks of
-one replica receive the same shard. Logprobs, in every pass and in training, are those of
-``logits / T`` with ``T`` from ``generation.temperature`` (read when the rank starts; see
+FSDP2 mixed precision; a single float32 rank keeps the plain module. The driver
+(:mod:`posttrain_dtensor.policy`) sends each data-parallel rank its shard of the batch and
+its microbatch plan; tensor-parallel ranks of one replica receive the same shard. Logprobs,
+in every pass and in training, are those of ``logits / T`` with ``T`` from
+``generation.temperature`` (read when the rank starts; see
 :func:`posttrain.sampling.logprob_temperature`); top-k logits are raw.
 """
 
