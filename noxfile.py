@@ -32,7 +32,7 @@ def install(session: nox.Session, *packages: str) -> None:
     """Install core, every plugin and the given extras, all through the constraints file."""
     editable = [arg for path in ["core", *PLUGINS, *EXAMPLE_PLUGINS] for arg in ("-e", path)]
     session.install("-c", "constraints.txt", "torch==2.13.0")
-    session.install("-c", "constraints.txt", *editable, "pytest", "tensorboard", "matplotlib", *packages)
+    session.install("-c", "constraints.txt", *editable, "pytest", "tensorboard", *packages)
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY_EXTRAS, silent=True)
 
 

@@ -7,7 +7,7 @@ Run on demand (not a test)::
 One step moves what a GRPO step moves, through the same code a GRPO run uses: the rollout
 (``input_ids`` [B, L] int64, lengths, generation logprobs, token and sample masks, rewards,
 advantages, message logs with token ids) is put with ``keep``/``length`` tags; the ``keep``
-tags are read (dynamic sampling); a :class:`~posttrain.policy_driver.ShardedPolicy` over
+tags are read (dynamic sampling); a :class:`~posttrain.backend.policy_driver.ShardedPolicy` over
 two Ray workers then writes previous and reference logprobs of the kept samples into the
 plane (:meth:`~posttrain.interfaces.Policy.logprobs_into`) and runs a train pass on them
 (:meth:`~posttrain.interfaces.Policy.train_from`); the partition is cleared. The workers are
@@ -43,12 +43,12 @@ import attrs
 import psutil
 import torch
 
+from posttrain.backend.policy_driver import ShardedPolicy
 from posttrain.batch import Batch
 from posttrain.config.schema import ClusterConfig, PolicyConfig, RunConfig, WorkerResources
 from posttrain.distributed import VirtualCluster, Worker, WorkerGroup
 from posttrain.interfaces import LossFunction, PlaneSamples
 from posttrain.plugins import plugin_host
-from posttrain.policy_driver import ShardedPolicy
 
 MIB = 2**20
 WORKERS = 2  # data-parallel stand-in policy workers

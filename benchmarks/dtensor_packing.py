@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from posttrain.backend.policy_driver import Batching, plan_pass
 from posttrain.batch import Batch
 from posttrain.config.schema import (
     DynamicBatchingConfig,
@@ -35,9 +36,8 @@ from posttrain.config.schema import (
     SequencePackingConfig,
     WorkerResources,
 )
+from posttrain.models.tiny import build_tiny_model
 from posttrain.plugins import plugin_host
-from posttrain.policy_driver import Batching, plan_pass
-from posttrain.tiny import build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -72,7 +72,7 @@ def processed_tokens(lengths: list[int], dp: int, batching: Batching) -> tuple[i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="small", help="posttrain.tiny size preset")
+    parser.add_argument("--size", default="small", help="posttrain.models.tiny size preset")
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=4)

@@ -125,10 +125,10 @@ def generation_report(spec: dict[str, Any], rows: list[list[int]], durations: Se
 def posttrain_generation(spec: dict[str, Any], backend: str) -> dict[str, Any]:
     """``warmup + steps`` calls of posttrain's ``backend`` generation, built through the plugin
     registry from a run config as a GRPO run builds it; each call is prepare, generate, finish."""
+    from posttrain.backend.generation_group import build_request
     from posttrain.batch import Batch
     from posttrain.config import config_from_dict
     from posttrain.distributed.cluster import VirtualCluster, init_ray
-    from posttrain.generation_group import build_request
     from posttrain.plugins import plugin_host
 
     rows, threads = read_rows(spec), spec["threads"]

@@ -4,7 +4,7 @@
 
 Sides (alternating, each in its own process):
 
-- ``posttrain``: :func:`posttrain.run.run_algorithm` on a GRPO config as a user writes it:
+- ``posttrain``: :func:`posttrain.run.context.run_algorithm` on a GRPO config as a user writes it:
   dtensor policy (one worker, sequence packing), vLLM generation colocated, its own Ray
   cluster, the ``bench_reward`` environment (:mod:`grpo_reward`) as an installed plugin.
   Step times are the ``time`` stamps of consecutive ``metrics.jsonl`` train records; the
@@ -140,9 +140,9 @@ def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm") -> di
     generated from the reward environment's record."""
     from posttrain.config import config_from_dict
     from posttrain.data import encoder_from_config
-    from posttrain.metrics import read_metrics
-    from posttrain.rollout import ChatFormat
-    from posttrain.run import run_algorithm
+    from posttrain.run.context import run_algorithm
+    from posttrain.run.metrics import read_metrics
+    from posttrain.run.rollout import ChatFormat
 
     _install_reward_plugin(Path(spec["workdir"]) / "plugin")
     threads, dense = spec["threads"], spec["form"] == "dense"

@@ -48,9 +48,9 @@ def main() -> None:
 
     from transformers import AutoConfig
 
+    from posttrain.backend.policy_driver import Batching, plan_pass
     from posttrain.config import config_from_dict
     from posttrain.data import dataloader_from_config, dataset_from_config, encoder_from_config
-    from posttrain.policy_driver import Batching, plan_pass
     from posttrain_dtensor.config import DTensorConfig
     from posttrain_dtensor.worker import DTensorPolicyWorker
 

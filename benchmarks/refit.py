@@ -4,7 +4,7 @@
 
 Sides, each in its own process:
 
-- ``posttrain-vllm`` (the baseline): a GRPO run's refit, :func:`posttrain.refit.refit`, from
+- ``posttrain-vllm`` (the baseline): a GRPO run's refit, :func:`posttrain.run.refit.refit`, from
   the ``dtensor`` policy (one worker) into the colocated ``vllm`` engine actor (streamed
   buckets of ``generation.refit_bucket_bytes``, loaded by the vLLM worker extension, prefix
   cache reset);
@@ -67,7 +67,7 @@ def posttrain_refit(spec: dict[str, Any], backend: str) -> dict[str, Any]:
     from posttrain.config import config_from_dict
     from posttrain.distributed.cluster import VirtualCluster, init_ray
     from posttrain.plugins import plugin_host
-    from posttrain.refit import refit
+    from posttrain.run.refit import refit
 
     threads = spec["threads"]
     config = config_from_dict({

@@ -1,6 +1,6 @@
 """The two frameworks' child entry points, written once for SFT and DPO.
 
-``posttrain_side`` runs the algorithm the way a user does (:func:`posttrain.run.run_algorithm`
+``posttrain_side`` runs the algorithm the way a user does (:func:`posttrain.run.context.run_algorithm`
 on a config: dtensor backend, one worker, the example data path) and reads the step ends
 from ``metrics.jsonl``; what each step trained on is read back through the loop's own data
 loader. ``trl_side`` runs TRL's trainer (``trainer.train()``) with a callback that stamps
@@ -25,9 +25,9 @@ def posttrain_side(spec: dict[str, Any], algorithm: str, section: dict[str, Any]
     (one packed row per step) or padded microbatches of the whole step."""
     from posttrain.config import config_from_dict
     from posttrain.data import dataloader_from_config, dataset_from_config, encoder_from_config
-    from posttrain.metrics import read_metrics
     from posttrain.plugins import plugin_host
-    from posttrain.run import run_algorithm
+    from posttrain.run.context import run_algorithm
+    from posttrain.run.metrics import read_metrics
 
     rows, threads = spec["rows_per_step"], spec["threads"]
     run_dir = Path(spec["workdir"]) / f"posttrain_{algorithm}_{time.time_ns()}"

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """A seeded tiny Llama + character tokenizer saved as a Hugging Face folder."""
-    from posttrain.tiny import build_tiny_model
+    from posttrain.models.tiny import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_model"), size="tiny", seed=0))
 

@@ -29,7 +29,7 @@ def eos_probability(model, seed: int) -> torch.Tensor:
 def test_eos_rate_edit_gives_the_intended_rate_and_completion_lengths(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from posttrain.tiny import build_tiny_model
+    from posttrain.models.tiny import build_tiny_model
 
     folder = build_tiny_model(tmp_path / "model", size="tiny", seed=0)
     before = eos_probability(AutoModelForCausalLM.from_pretrained(folder), seed=1)
@@ -87,7 +87,7 @@ def test_step_record_counts_prompt_and_completion_tokens():
 
 
 def test_floor_rule_is_four_forward_passes_split_by_stage():
-    from posttrain.tiny import SIZES, build_tokenizer, tiny_llama_config
+    from posttrain.models.tiny import SIZES, build_tokenizer, tiny_llama_config
 
     config = tiny_llama_config(len(build_tokenizer()), **SIZES["tiny"])
     lengths = [30, 90]

@@ -18,7 +18,7 @@ import common  # noqa: E402
 
 
 def tiny_config():
-    from posttrain.tiny import SIZES, build_tokenizer, tiny_llama_config
+    from posttrain.models.tiny import SIZES, build_tokenizer, tiny_llama_config
 
     return tiny_llama_config(len(build_tokenizer()), **SIZES["tiny"])
 

@@ -9,9 +9,9 @@ import textwrap
 
 import pytest
 
-from posttrain.checkpoint import CheckpointManager, check_checkpoint_fits
 from posttrain.config import config_from_dict, dump_config
 from posttrain.errors import CheckpointError
+from posttrain.run.checkpoint import CheckpointManager, check_checkpoint_fits
 
 
 def _writer(payload: str):
@@ -37,7 +37,7 @@ def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
     script = textwrap.dedent(
         f"""
         import os
-        from posttrain.checkpoint import CheckpointManager
+        from posttrain.run.checkpoint import CheckpointManager
         def write(folder):
             (folder / "state.txt").write_text("partial")
             os._exit(9)  # the process dies mid-save
@@ -158,7 +158,7 @@ def test_a_checkpoint_of_a_model_of_another_shape_is_refused(tmp_path):
 
 def test_a_run_refuses_a_checkpoint_of_another_config_before_ray_starts(tiny_model_path, tmp_path, monkeypatch):
     import posttrain.distributed.cluster as cluster
-    from posttrain.run import run_algorithm
+    from posttrain.run.context import run_algorithm
 
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray was started before the checkpoint was checked")

@@ -25,7 +25,7 @@ from posttrain.data import (
     require_dataset,
 )
 from posttrain.errors import CheckpointError, ConfigError, DataError
-from posttrain.tiny import CHAT_TEMPLATE, build_tokenizer
+from posttrain.models.tiny import CHAT_TEMPLATE, build_tokenizer
 
 TOKENIZER = build_tokenizer()
 VOCAB = TOKENIZER.get_vocab()

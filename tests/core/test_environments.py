@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from posttrain.environments import (
+from posttrain.errors import ConfigError, PluginError
+from posttrain.run.environments import (
     EnvironmentActor,
     RemoteEnvironment,
     check_return,
@@ -15,7 +16,6 @@ from posttrain.environments import (
     start_environments,
     step_contained,
 )
-from posttrain.errors import ConfigError, PluginError
 from tests.core.misbehaving_environments import Flaky
 
 PLUGINS = ["tests.core.misbehaving_environments"]

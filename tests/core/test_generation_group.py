@@ -8,9 +8,7 @@ import json
 import pytest
 import torch
 
-from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig
-from posttrain.errors import ConfigError, DataError
-from posttrain.generation_group import (
+from posttrain.backend.generation_group import (
     Completion,
     ModelTokens,
     assemble_output,
@@ -19,6 +17,8 @@ from posttrain.generation_group import (
     model_tokens,
     split_bounds,
 )
+from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig
+from posttrain.errors import ConfigError, DataError
 from posttrain.testing.generation import check_output_layout, prompt_batch
 
 PROMPTS = [[1, 5, 6], [1, 7], [1, 8, 9, 10, 11]]

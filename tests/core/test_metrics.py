@@ -9,7 +9,7 @@ import pytest
 from posttrain.config.schema import LoggerConfig
 from posttrain.errors import ConfigError
 from posttrain.log import configure_logging, get_logger
-from posttrain.metrics import MetricLogger, read_metrics
+from posttrain.run.metrics import MetricLogger, read_metrics
 
 
 def test_jsonl_sink_records_every_step(tmp_path):

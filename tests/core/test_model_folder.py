@@ -12,7 +12,7 @@ import pytest
 from posttrain import cli
 from posttrain.config import config_from_dict
 from posttrain.errors import ConfigError
-from posttrain.model_folder import check_model_folders
+from posttrain.models.folder import check_model_folders
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -93,7 +93,7 @@ def test_misspelt_hook_is_refused_with_a_suggestion():
 def test_entry_point_plugins_carry_their_distribution():
     host = new_plugin_host()
     core_version = importlib.metadata.version("posttrain")
-    assert host.pm.get_plugin("core") is importlib.import_module("posttrain.builtins")
+    assert host.pm.get_plugin("core") is importlib.import_module("posttrain.builtin.plugin")
     assert host.data_planes.distribution_of("memory") == f"posttrain {core_version}"
     message = host.data_planes.unknown_message("memroy")
     assert f"memory (from posttrain {core_version})" in message and message.endswith("Did you mean 'memory'?")
@@ -170,7 +170,7 @@ def test_clean_install_lists_core_then_a_third_party_plugin(tmp_path):
 #: once that plugin imports torch only inside its factories.
 STILL_IMPORT_TORCH = {
     "grpo": "posttrain_grpo.plugin imports posttrain_grpo.loss (torch) at module level",
-    "code": "posttrain_env_code.plugin imports posttrain.environments (torch) at module level",
+    "code": "posttrain_env_code.plugin imports posttrain.run.environments (torch) at module level",
 }
 HEAVY_MODULES = ("torch", "transformers", "ray", "vllm")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from posttrain.interfaces.generation import Generation, RefitStats
-from posttrain.refit import refit
+from posttrain.run.refit import refit
 from posttrain.testing.generation import weight_buckets
 
 WEIGHTS = {

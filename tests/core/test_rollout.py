@@ -13,11 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.batch import Batch
-from posttrain.environments import EnvironmentTimeout
 from posttrain.errors import ConfigError
 from posttrain.interfaces import Environment, EnvironmentReturn, Generation, RefitStats
-from posttrain.rollout import ChatFormat, run_rollout
-from posttrain.tiny import SPECIAL_TOKENS
+from posttrain.models.tiny import SPECIAL_TOKENS
+from posttrain.run.environments import EnvironmentTimeout
+from posttrain.run.rollout import ChatFormat, run_rollout
 from posttrain_env_math.guess_number import STOP, GuessNumberEnvironment, GuessNumberOptions, guess_number_prompt
 from posttrain_env_math.math_env import MathEnvironment, MathOptions
 from posttrain_env_math.scoring import score_response
@@ -233,8 +233,8 @@ def test_rollout_through_the_hf_backend_and_environment_actors(ray_cluster, tiny
     """The production path: the ``hf`` generation backend and environments in Ray actors."""
     from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig, WorkerResources
     from posttrain.distributed import VirtualCluster
-    from posttrain.environments import start_environments
     from posttrain.plugins import plugin_host
+    from posttrain.run.environments import start_environments
 
     config = RunConfig(
         seed=5,

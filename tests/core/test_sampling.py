@@ -1,11 +1,11 @@
-"""posttrain.sampling: the distribution backends sample from (temperature, top-k, top-p
+"""posttrain.backend.sampling: the distribution backends sample from (temperature, top-k, top-p
 with vLLM's semantics) and the per-row seeds."""
 
 from __future__ import annotations
 
 import torch
 
-from posttrain.sampling import apply_top_k_top_p, sample_seeds, sampling_logprobs
+from posttrain.backend.sampling import apply_top_k_top_p, sample_seeds, sampling_logprobs
 
 
 def independent_filtered_logprobs(logits: torch.Tensor, temperature: float, top_k, top_p) -> torch.Tensor:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from posttrain.stop import StopRequest, stop_on_signals
+from posttrain.run.stop import StopRequest, stop_on_signals
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

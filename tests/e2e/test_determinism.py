@@ -12,8 +12,8 @@ from pathlib import Path
 import attrs
 import pytest
 
-from posttrain.metrics import read_metrics
-from posttrain.run import run_algorithm
+from posttrain.run.context import run_algorithm
+from posttrain.run.metrics import read_metrics
 from posttrain_grpo.config import GRPOConfig
 from tests.e2e.test_faults import sft_config, write_corpus
 from tests.e2e.test_grpo_e2e import make_config, seven_rows, write_rows

@@ -29,9 +29,9 @@ import pytest
 from posttrain import hookimpl
 from posttrain.config import config_from_dict
 from posttrain.errors import RunStopped, WorkerError
-from posttrain.metrics import read_metrics
 from posttrain.plugins import new_plugin_host
-from posttrain.run import run_algorithm
+from posttrain.run.context import run_algorithm
+from posttrain.run.metrics import read_metrics
 
 pytestmark = pytest.mark.ray
 

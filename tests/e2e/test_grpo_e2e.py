@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from posttrain import cli
+from posttrain.builtin.memory_plane import MemoryDataPlane
 from posttrain.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -33,9 +34,8 @@ from posttrain.config.schema import (
     RunConfig,
     WorkerResources,
 )
-from posttrain.memory_plane import MemoryDataPlane
-from posttrain.metrics import read_metrics
-from posttrain.run import RunContext, run_algorithm, seed_everything
+from posttrain.run.context import RunContext, run_algorithm, seed_everything
+from posttrain.run.metrics import read_metrics
 from posttrain_env_math.guess_number import guess_number_prompt
 from posttrain_grpo.algorithm import GRPO
 from posttrain_grpo.config import DynamicSamplingConfig, GRPOConfig

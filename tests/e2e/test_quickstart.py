@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -14,7 +18,7 @@ def _problems(path):
 
 
 def test_task_files_are_disjoint_deterministic_and_answered(tmp_path):
-    from posttrain.quickstart.task import write_task
+    from posttrain_quickstart.task import write_task
 
     files = write_task(tmp_path / "a", num_sft=30, num_rl=20, num_validation=10, max_first=9, max_second=9, seed=3)
     write_task(tmp_path / "b", num_sft=30, num_rl=20, num_validation=10, max_first=9, max_second=9, seed=3)
@@ -33,7 +37,7 @@ def test_task_files_are_disjoint_deterministic_and_answered(tmp_path):
 
 def test_seed_override_is_refused_with_the_option_to_use(tmp_path):
     from posttrain.errors import ConfigError
-    from posttrain.quickstart.run import run_quickstart
+    from posttrain_quickstart.run import run_quickstart
 
     with pytest.raises(ConfigError, match="pass --seed N instead"):
         run_quickstart(tmp_path, ["generation.backend=hf", "seed=3"])
@@ -44,8 +48,8 @@ def test_seed_override_is_refused_with_the_option_to_use(tmp_path):
 def test_short_quickstart_writes_its_outputs(tmp_path, ray_cluster):
     from transformers import AutoModelForCausalLM
 
-    from posttrain.metrics import read_metrics
-    from posttrain.quickstart.run import run_quickstart
+    from posttrain.run.metrics import read_metrics
+    from posttrain_quickstart.run import run_quickstart
 
     accuracies = run_quickstart(tmp_path, ["generation.backend=hf"], seed=1, sft_epochs=1, grpo_steps=2)
 
@@ -61,3 +65,23 @@ def test_short_quickstart_writes_its_outputs(tmp_path, ray_cluster):
         assert all(math.isfinite(v) for k, v in record.items() if isinstance(v, float))
     sft = read_metrics(tmp_path / "sft" / "metrics.jsonl", phase="validation")
     assert sft and math.isfinite(sft[-1]["loss"])
+
+
+def test_quickstart_without_matplotlib_stops_at_once_naming_the_install(tmp_path):
+    """An environment where matplotlib cannot be imported (a stand-in package that raises
+    ImportError shadows it): the command exits 2 within 5 s, before building or training
+    anything, and names the pip command."""
+    shadow = tmp_path / "shadow" / "matplotlib"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('matplotlib is not installed (test stand-in)')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow.parent), os.environ.get("PYTHONPATH", "")])}
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "posttrain.cli", "quickstart", "--run-dir", str(run_dir)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 2, done.stderr
+    assert "posttrain quickstart needs matplotlib, which is not installed; nothing was run." in done.stderr
+    assert "pip install matplotlib" in done.stderr
+    assert not run_dir.exists(), "the quickstart started writing before it checked what it needs"
+    assert elapsed < 5, f"took {elapsed:.1f} s to refuse"

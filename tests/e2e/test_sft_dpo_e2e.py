@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.metrics import read_metrics
+from posttrain.run.metrics import read_metrics
 
 pytestmark = pytest.mark.ray
 
@@ -28,7 +28,7 @@ def run_cli(*args: str, timeout_s: float = 500) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    from posttrain.tiny import build_tiny_model
+    from posttrain.models.tiny import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("e2e_model"), size="tiny", seed=0))
 

@@ -2,7 +2,8 @@
 
     posttrain run ALGORITHM --config FILE [key=value ...]
     posttrain plugins
-    posttrain quickstart [--run-dir DIR] [--seed N]
+    posttrain NAME ...        a command registered by a plugin (posttrain_commands), e.g.
+                              `posttrain quickstart` from posttrain-quickstart
 
 Errors posttrain raises on purpose print as one ``error:`` paragraph and exit with status 2.
 A run stopped by SIGINT / SIGTERM saves a checkpoint at the step boundary, prints one
@@ -17,9 +18,28 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from posttrain.errors import PosttrainError, RunStopped
+import attrs
+
+from posttrain.errors import PluginError, PosttrainError, RunStopped
+
+#: Commands core defines itself; a plugin cannot register these names.
+CORE_COMMANDS = ("run", "plugins")
+
+
+@attrs.frozen
+class Command:
+    """A subcommand a plugin registers through ``posttrain_commands``: ``posttrain NAME ...``.
+
+    ``add_arguments(parser)`` declares its arguments on its own ``argparse`` parser;
+    ``run(args)`` runs it with the parsed arguments and returns the exit status. Raise
+    :class:`~posttrain.errors.PosttrainError` for mistakes the user can fix (exit 2).
+    """
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -39,7 +59,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from posttrain.config import load_config
-    from posttrain.run import run_algorithm
+    from posttrain.run.context import run_algorithm
 
     config = load_config(args.config, [*args.overrides, f"algorithm={args.algorithm}"])
     connected_before = _ray_connected()
@@ -57,13 +77,6 @@ def _ray_connected() -> bool:
     return ray is not None and ray.is_initialized()
 
 
-def _cmd_quickstart(args: argparse.Namespace) -> int:
-    from posttrain.quickstart.run import run_quickstart
-
-    run_quickstart(args.run_dir, list(args.overrides), seed=args.seed)
-    return 0
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description="Post-train language models: SFT, DPO, GRPO.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,12 +90,32 @@ def _parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list installed plugins and what they register")
     plugins.set_defaults(func=_cmd_plugins)
 
-    quick = sub.add_parser("quickstart", help="SFT then GRPO on a tiny built-in model and task, on CPU")
-    quick.add_argument("--run-dir", default="runs/quickstart", help="where outputs go (default: runs/quickstart)")
-    quick.add_argument("--seed", type=int, default=0, help="initial weights, data order and sampling (default: 0)")
-    quick.add_argument("overrides", nargs="*", help="config overrides for both stages")
-    quick.set_defaults(func=_cmd_quickstart)
+    for name, command in _plugin_commands().items():
+        plugin_parser = sub.add_parser(name, help=command.help)
+        command.add_arguments(plugin_parser)
+        plugin_parser.set_defaults(func=command.run)
     return parser
+
+
+def _plugin_commands() -> dict[str, Command]:
+    """The commands installed plugins register, checked; none when the plugins fail to load
+    (``posttrain plugins`` then reports the failure)."""
+    from posttrain.plugins import plugin_host
+
+    try:
+        registry = plugin_host().commands
+        commands = {name: registry[name] for name in registry}
+    except PluginError:
+        return {}
+    for name, command in commands.items():
+        if name in CORE_COMMANDS:
+            raise PluginError(f"{registry.distribution_of(name)} registers the command '{name}', which is core's own")
+        if not isinstance(command, Command):
+            raise PluginError(
+                f"{registry.distribution_of(name)} registers the command '{name}' as a {type(command).__name__}; "
+                "posttrain_commands() must map names to posttrain.cli.Command"
+            )
+    return commands
 
 
 def _terminate_as_interrupt(signum: int, frame: object) -> None:
@@ -90,7 +123,11 @@ def _terminate_as_interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
+    try:
+        parser = _parser()
+    except PosttrainError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     args, extra = parser.parse_known_args(argv)
     # argparse leaves positionals that follow an option (`run sft --config f a=1`) unparsed:
     # take such key=value words as overrides, in order.
@@ -112,5 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m posttrain.cli: run the importable module, whose Command plugins use
+    from posttrain.cli import main as _main
+
+    sys.exit(_main())

@@ -91,6 +91,18 @@ def posttrain_algorithms() -> Mapping[str, Factory]:
     """
 
 
+@hookspec
+def posttrain_commands() -> Mapping[str, Factory]:
+    """Register subcommands of the ``posttrain`` command line (``posttrain NAME ...``).
+
+    Each value is a :class:`posttrain.cli.Command`: its ``help`` line, a function that adds
+    its arguments to an ``argparse`` parser, and a function that runs it with the parsed
+    arguments and returns the exit status. ``run`` and ``plugins`` are core's own and cannot
+    be registered. Errors raised as :class:`posttrain.errors.PosttrainError` print as one
+    ``error:`` paragraph and exit with status 2, as for core's commands.
+    """
+
+
 # --------------------------------------------------------------------------- configuration
 
 

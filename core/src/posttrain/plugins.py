@@ -27,6 +27,7 @@ KINDS: dict[str, str] = {
     "posttrain_losses": "loss",
     "posttrain_data_planes": "data plane",
     "posttrain_algorithms": "algorithm",
+    "posttrain_commands": "command",
     "posttrain_config_sections": "config section",
 }
 
@@ -126,6 +127,10 @@ class PluginHost:
     @property
     def algorithms(self) -> Registry:
         return self.registry("posttrain_algorithms")
+
+    @property
+    def commands(self) -> Registry:
+        return self.registry("posttrain_commands")
 
     @property
     def config_sections(self) -> Registry:

@@ -7,10 +7,10 @@ import torch
 
 
 def build_tiny_lm(seed: int):
-    """A seeded tiny Llama in memory (the same architecture as ``posttrain.tiny``), eval mode."""
+    """A seeded tiny Llama in memory (the same architecture as ``posttrain.models.tiny``), eval mode."""
     from transformers import LlamaForCausalLM
 
-    from posttrain.tiny import build_tokenizer, tiny_llama_config
+    from posttrain.models.tiny import build_tokenizer, tiny_llama_config
 
     state = torch.random.get_rng_state()
     try:

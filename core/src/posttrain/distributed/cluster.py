@@ -28,7 +28,7 @@ def init_ray(config: ClusterConfig) -> None:
     dashboard. ``RAY_AUTH_MODE`` defaults to ``disabled`` (no token file is written).
 
     ``ray.init`` replaces the SIGTERM handler with one that exits at once; a handler the
-    program installed before (a run's graceful stop, :mod:`posttrain.stop`) is put back.
+    program installed before (a run's graceful stop, :mod:`posttrain.run.stop`) is put back.
     """
     if ray.is_initialized():
         return

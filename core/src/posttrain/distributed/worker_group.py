@@ -64,7 +64,7 @@ class Worker:
 
     def run_work(self, work: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         """``work.run(self, method, *args, **kwargs)``: let a work item wrap this worker's
-        ``method`` in the worker's process (a :class:`~posttrain.policy_driver.RankWork`
+        ``method`` in the worker's process (a :class:`~posttrain.backend.policy_driver.RankWork`
         that refers to a data plane stores the method's result there)."""
         return work.run(self, method, *args, **kwargs)
 

@@ -10,7 +10,7 @@ Batch fields a policy reads (all on CPU, first dimension = samples):
 Logprob convention: ``logprobs[:, t] = log p(x_t | x_<t)`` for ``1 <= t < length``; position 0,
 padding, and (when ``token_mask`` is present) masked positions hold 0.
 
-Temperature: ``p = softmax(logits / T)`` with ``T = posttrain.sampling.logprob_temperature(
+Temperature: ``p = softmax(logits / T)`` with ``T = posttrain.backend.sampling.logprob_temperature(
 config.generation.temperature)`` (the generation temperature; 1 when it is 0, greedy), in
 :meth:`Policy.get_logprobs`, :meth:`Policy.get_reference_policy_logprobs` and the logprobs
 :meth:`Policy.train` passes to the loss, so they are comparable with the sampled tokens'

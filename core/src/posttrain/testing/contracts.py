@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from posttrain.batch import Batch
+from posttrain.builtin.memory_plane import MemoryDataPlane
 from posttrain.config.schema import ClusterConfig, RunConfig, WorkerResources
 from posttrain.distributed import VirtualCluster, WorkerGroup
 from posttrain.interfaces.environment import EnvironmentReturn, Message
-from posttrain.memory_plane import MemoryDataPlane
 from posttrain.plugins import PluginHost
 from posttrain.testing.probe import ContractProbe
 

@@ -16,12 +16,12 @@ from typing import Any
 import attrs
 import torch
 
+from posttrain.backend.sampling import sampling_logprobs
 from posttrain.batch import Batch
 from posttrain.interfaces.generation import Generation
 from posttrain.interfaces.loss import LossFunction
 from posttrain.interfaces.policy import Policy
-from posttrain.refit import refit
-from posttrain.sampling import sampling_logprobs
+from posttrain.run.refit import refit
 
 
 @attrs.define
@@ -248,7 +248,7 @@ def reference_logprobs(
     model: torch.nn.Module, output: Batch, *, temperature: float, top_k: int | None = None, top_p: float = 1.0
 ) -> torch.Tensor:
     """Logprobs [B, S] of each row's tokens under ``model`` (one forward pass per row,
-    no padding), by :func:`posttrain.sampling.sampling_logprobs`; 0 at position 0 and on padding."""
+    no padding), by :func:`posttrain.backend.sampling.sampling_logprobs`; 0 at position 0 and on padding."""
     ids = output["output_ids"]
     result = torch.zeros(ids.shape, dtype=torch.float32)
     for row, length in enumerate(output["unpadded_sequence_lengths"].tolist()):

@@ -14,12 +14,12 @@ import string
 import pytest
 import torch
 
+from posttrain.backend.policy_driver import Batching, plan_pass
 from posttrain.batch import Batch
 from posttrain.config import config_from_dict
 from posttrain.errors import ConfigError
-from posttrain.metrics import read_metrics
-from posttrain.policy_driver import Batching, plan_pass
-from posttrain.run import RunContext, run_algorithm
+from posttrain.run.context import RunContext, run_algorithm
+from posttrain.run.metrics import read_metrics
 from posttrain_dpo.loss import DPOLoss
 
 STEPS = 8

@@ -11,8 +11,8 @@ from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
 from posttrain.data import ChatEncoder, build_dataset
 from posttrain.errors import ConfigError
+from posttrain.models.tiny import build_tokenizer
 from posttrain.plugins import plugin_host
-from posttrain.tiny import build_tokenizer
 from posttrain_dpo import plugin as dpo_plugin
 from posttrain_dpo.config import DPOConfig
 from posttrain_dpo.loss import DPOLoss

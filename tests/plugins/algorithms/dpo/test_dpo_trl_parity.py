@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from posttrain.data import ChatEncoder, build_dataset
-from posttrain.tiny import build_tokenizer
+from posttrain.models.tiny import build_tokenizer
 from posttrain_dpo.loss import DPOLoss
 
 pytestmark = pytest.mark.trl

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from posttrain.batch import Batch
-from posttrain.checkpoint import rng_state, set_rng_state
 from posttrain.config import GenerationConfig, PolicyConfig, RunConfig
 from posttrain.data import ChatEncoder, StatefulDataLoader, build_dataset
 from posttrain.errors import CheckpointError, ConfigError
+from posttrain.models.tiny import build_tokenizer
 from posttrain.plugins import plugin_host
-from posttrain.tiny import build_tokenizer
+from posttrain.run.checkpoint import rng_state, set_rng_state
 from posttrain_grpo.algorithm import GRPO, environment_names
 from posttrain_grpo.config import GRPOConfig, OverlongRewardShapingConfig, RewardScalingConfig
 from posttrain_grpo.state import PromptStream, read_checkpoint
@@ -293,7 +293,7 @@ def test_max_val_samples_must_be_positive():
 
 def test_an_unset_schedule_horizon_becomes_the_runs_optimizer_steps():
     from posttrain.config import SchedulerConfig
-    from posttrain.run import with_schedule_horizon
+    from posttrain.run.context import with_schedule_horizon
 
     config = RunConfig(policy=PolicyConfig(scheduler=SchedulerConfig(name="cosine")), sections={"grpo": GRPOConfig()})
     filled = with_schedule_horizon(config, 40)

@@ -17,8 +17,8 @@ import torch
 from posttrain.config import config_from_dict
 from posttrain.data import dataset_from_config, encoder_from_config
 from posttrain.errors import ConfigError
-from posttrain.metrics import read_metrics
-from posttrain.run import run_algorithm
+from posttrain.run.context import run_algorithm
+from posttrain.run.metrics import read_metrics
 
 ANSWER_TOKENS = 4 + 1  # four letters and <|end|>
 ROWS = 8  # policy.train_global_batch_size

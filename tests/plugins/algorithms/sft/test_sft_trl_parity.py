@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from posttrain.data import ChatEncoder, build_dataset
-from posttrain.tiny import build_tokenizer
+from posttrain.models.tiny import build_tokenizer
 from posttrain_sft.loss import NLLLoss
 
 pytestmark = pytest.mark.trl

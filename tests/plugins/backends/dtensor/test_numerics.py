@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
+from posttrain.backend.hf_export import bucket_names
+from posttrain.backend.logprobs import loss_positions, sequence_logprobs, target_logprobs, topk_logits
+from posttrain.backend.lr_schedule import build_scheduler, lr_factor
+from posttrain.backend.policy_driver import Batching, plan_pass
 from posttrain.config.schema import OptimizerConfig, SchedulerConfig
 from posttrain.errors import ConfigError
-from posttrain.hf_export import bucket_names
 from posttrain.interfaces.loss import global_valid_counts
-from posttrain.logprobs import loss_positions, sequence_logprobs, target_logprobs, topk_logits
-from posttrain.lr_schedule import build_scheduler, lr_factor
-from posttrain.policy_driver import Batching, plan_pass
 from posttrain_dtensor.config import DTensorConfig, validate_policy_config
 from posttrain_dtensor.optim import build_optimizer, clip_grads_, total_grad_norm
 from posttrain_dtensor.rows import packed_rows, padded_rows

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.generation_group import GenerationRequest
+from posttrain.backend.generation_group import GenerationRequest
 from posttrain.testing.generation import stop_string_prefix
 from posttrain_hf.decode import decode
 from posttrain_hf.stop_strings import StopStringMatcher

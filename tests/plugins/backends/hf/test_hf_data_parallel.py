@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from posttrain.backend.generation_group import GenerationRequest
+from posttrain.backend.sampling import sample_seeds
 from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig, WorkerResources
 from posttrain.distributed import VirtualCluster
-from posttrain.generation_group import GenerationRequest
 from posttrain.plugins import plugin_host
-from posttrain.sampling import sample_seeds
 from posttrain.testing.generation import check_output_layout, generated_tokens, prompt_batch
 from posttrain_hf.decode import decode
 

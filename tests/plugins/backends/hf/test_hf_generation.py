@@ -11,7 +11,7 @@ from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig, W
 from posttrain.distributed import VirtualCluster
 from posttrain.errors import DataError, WorkerError
 from posttrain.plugins import plugin_host
-from posttrain.refit import refit
+from posttrain.run.refit import refit
 from posttrain.testing.generation import ExportedWeights, GenerationContract, prompt_batch, stop_token_for
 
 pytestmark = pytest.mark.ray

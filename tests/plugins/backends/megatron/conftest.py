@@ -121,7 +121,7 @@ def save_tiny_qwen2(path) -> str:
     so a misplaced bias changes the numbers."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from posttrain.tiny import build_tokenizer
+    from posttrain.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(
@@ -144,7 +144,7 @@ def save_tiny_qwen2(path) -> str:
 @pytest.fixture(scope="session")
 def llama_path(tmp_path_factory):
     """The tiny Llama with 4 query and 2 key/value heads (tensor parallel 2 divides both)."""
-    from posttrain.tiny import build_tiny_model
+    from posttrain.models.tiny import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("llama_4h"), size="tiny", seed=0, num_heads=4, num_kv_heads=2))
 

@@ -1,5 +1,5 @@
 """The collectives the megatron backend adds, on two gloo ranks in a fresh interpreter (forked
-ranks, no Ray): the vocabulary-parallel logprob and top-k head of ``posttrain.logprobs``
+ranks, no Ray): the vocabulary-parallel logprob and top-k head of ``posttrain.backend.logprobs``
 against the whole vocabulary in float64, including a rank that holds no vocabulary row, and
 the context-parallel gather of :mod:`posttrain_megatron.head` (forward places every rank's
 positions, backward returns each rank its own)."""
@@ -24,7 +24,7 @@ RANKS = textwrap.dedent(
     def run(rank, port, splits):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=2)
-        from posttrain.logprobs import VocabShard, target_logprobs, topk_logits
+        from posttrain.backend.logprobs import VocabShard, target_logprobs, topk_logits
         from posttrain_megatron.head import _GatherContextParallel, cp_positions
 
         g = torch.Generator().manual_seed(0)

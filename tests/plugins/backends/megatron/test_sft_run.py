@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install posttrain-megatron)")
 
 from posttrain.config import config_from_dict  # noqa: E402
-from posttrain.metrics import read_metrics  # noqa: E402
-from posttrain.run import run_algorithm  # noqa: E402
+from posttrain.run.context import run_algorithm  # noqa: E402
+from posttrain.run.metrics import read_metrics  # noqa: E402
 from tests.plugins.algorithms.sft.test_algorithm import write_corpus  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.ray]

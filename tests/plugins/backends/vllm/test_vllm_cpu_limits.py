@@ -25,7 +25,7 @@ pytestmark = [
 def test_unsupported_head_size_is_refused_with_the_fix(ray_cluster, tmp_path):
     import torch
 
-    from posttrain.tiny import build_tiny_model
+    from posttrain.models.tiny import build_tiny_model
 
     if torch.cuda.is_available():
         pytest.skip("the head-size limit is vLLM's CPU attention's")

@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("transfer_queue", reason="transferqueue is not installed (pip install posttrain-transferqueue)")
 
-from posttrain.metrics import read_metrics  # noqa: E402
-from posttrain.run import run_algorithm  # noqa: E402
+from posttrain.run.context import run_algorithm  # noqa: E402
+from posttrain.run.metrics import read_metrics  # noqa: E402
 from posttrain_transferqueue.runtime import controller_running  # noqa: E402
 from tests.plugins.algorithms.dpo.test_algorithm import dpo_config, write_pairs  # noqa: E402
 

@@ -20,10 +20,10 @@ import pytest
 
 pytest.importorskip("transfer_queue", reason="transferqueue is not installed (pip install posttrain-transferqueue)")
 
+from posttrain.backend.policy_driver import ShardedPolicy  # noqa: E402
 from posttrain.config.schema import DataPlaneConfig, RunConfig, WorkerResources  # noqa: E402
-from posttrain.metrics import read_metrics  # noqa: E402
-from posttrain.policy_driver import ShardedPolicy  # noqa: E402
-from posttrain.run import run_algorithm  # noqa: E402
+from posttrain.run.context import run_algorithm  # noqa: E402
+from posttrain.run.metrics import read_metrics  # noqa: E402
 from posttrain_grpo.config import ClippedPGConfig, DynamicSamplingConfig, GRPOConfig  # noqa: E402
 from posttrain_transferqueue.runtime import controller_running  # noqa: E402
 from tests.e2e.test_grpo_e2e import make_config, seven_rows, write_rows  # noqa: E402

@@ -18,10 +18,10 @@ import torch
 pytest.importorskip("transfer_queue", reason="transferqueue is not installed (pip install posttrain-transferqueue)")
 
 from posttrain.batch import Batch  # noqa: E402
+from posttrain.builtin.memory_plane import MemoryDataPlane  # noqa: E402
 from posttrain.config.schema import ClusterConfig, OptimizerConfig, PolicyConfig, RunConfig, WorkerResources  # noqa: E402
 from posttrain.distributed import VirtualCluster  # noqa: E402
 from posttrain.interfaces import PlaneSamples  # noqa: E402
-from posttrain.memory_plane import MemoryDataPlane  # noqa: E402
 from posttrain.plugins import new_plugin_host  # noqa: E402
 from posttrain_dtensor.policy import DTensorPolicy  # noqa: E402
 from posttrain_sft.loss import NLLLoss  # noqa: E402

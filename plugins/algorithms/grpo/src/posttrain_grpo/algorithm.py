@@ -48,12 +48,12 @@ from posttrain.data import (
     require_dataset,
 )
 from posttrain.distributed.cluster import init_ray
-from posttrain.environments import start_environments
 from posttrain.errors import ConfigError
 from posttrain.interfaces import Algorithm, PlaneSamples
-from posttrain.refit import refit
-from posttrain.rollout import run_rollout
-from posttrain.run import RunContext, with_schedule_horizon
+from posttrain.run.context import RunContext, with_schedule_horizon
+from posttrain.run.environments import start_environments
+from posttrain.run.refit import refit
+from posttrain.run.rollout import run_rollout
 from posttrain_grpo.config import GRPOConfig
 from posttrain_grpo.dynamic_sampling import DynamicSampler
 from posttrain_grpo.state import PromptStream, read_checkpoint, write_checkpoint

@@ -2,7 +2,7 @@
 position and the driver's random states, and the checkpoint files that hold them.
 
 A GRPO checkpoint folder (``step_N/``, written atomically by
-:class:`~posttrain.checkpoint.CheckpointManager`, which adds ``training_info.json`` and
+:class:`~posttrain.run.checkpoint.CheckpointManager`, which adds ``training_info.json`` and
 ``config.yaml``) holds::
 
     policy/         Policy.save_checkpoint: weights, optimizer, scheduler
@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from posttrain.batch import Batch
-from posttrain.checkpoint import rng_state, set_rng_state
 from posttrain.data import StatefulDataLoader
 from posttrain.errors import CheckpointError
 from posttrain.interfaces import Policy
+from posttrain.run.checkpoint import rng_state, set_rng_state
 
 POLICY_DIR = "policy"
 DATALOADER_FILE = "dataloader.pt"

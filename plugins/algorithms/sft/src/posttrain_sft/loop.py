@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from posttrain.batch import Batch
-from posttrain.checkpoint import rng_state, set_rng_state
 from posttrain.config import dump_config
 from posttrain.data import (
     StatefulDataLoader,
@@ -40,11 +39,12 @@ from posttrain.interfaces.algorithm import Algorithm
 from posttrain.interfaces.data_plane import DataPlane, PlaneSamples
 from posttrain.interfaces.loss import LossFunction, LossType
 from posttrain.interfaces.policy import Policy
-from posttrain.run import with_schedule_horizon
+from posttrain.run.checkpoint import rng_state, set_rng_state
+from posttrain.run.context import with_schedule_horizon
 from posttrain_sft.config import SFTConfig
 
 if TYPE_CHECKING:
-    from posttrain.run import RunContext
+    from posttrain.run.context import RunContext
 
 #: Metrics of ``policy.train`` that describe the pass, not the loss: not averaged over
 #: validation batches.

@@ -4,7 +4,7 @@
   folder, written by every rank in parallel and loadable under any rank layout; the
   scheduler state and step beside it in ``trainer_state.pt`` (written by rank 0).
 - Weight export: full (unsharded) tensors under their Hugging Face names, gathered in
-  buckets of bounded size (:mod:`posttrain.hf_export` groups and writes them).
+  buckets of bounded size (:mod:`posttrain.backend.hf_export` groups and writes them).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from posttrain.checkpoint import require_policy_checkpoint
+from posttrain.run.checkpoint import require_policy_checkpoint
 
 TRAINER_STATE = "trainer_state.pt"
 DCP_METADATA = ".metadata"

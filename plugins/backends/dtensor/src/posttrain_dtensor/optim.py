@@ -1,5 +1,5 @@
 """Optimizer and gradient norm over sharded (DTensor) parameters (the learning-rate schedule
-is :mod:`posttrain.lr_schedule`)."""
+is :mod:`posttrain.backend.lr_schedule`)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ The mesh has axes ``("dp", "tp")``. Tensor parallel follows the model's own
 ``base_model_tp_plan`` (transformers ships one per architecture: column-wise q/k/v/gate/up,
 row-wise o/down), applied with ``parallelize_module`` over the ``tp`` axis. The language-
 model head and embeddings stay whole across ``tp`` (the head is applied in vocabulary
-chunks, see :mod:`posttrain.logprobs`). FSDP2 ``fully_shard`` then shards every
+chunks, see :mod:`posttrain.backend.logprobs`). FSDP2 ``fully_shard`` then shards every
 decoder layer and the root over the ``dp`` axis.
 
 The root FSDP unit is :class:`CausalLMHead`, a thin module around the Hugging Face model

@@ -1,4 +1,4 @@
-"""The driver side of the dtensor policy: a :class:`~posttrain.policy_driver.ShardedPolicy`
+"""The driver side of the dtensor policy: a :class:`~posttrain.backend.policy_driver.ShardedPolicy`
 over :class:`~posttrain_dtensor.worker.DTensorPolicyWorker` ranks.
 
 Rank ``r`` of the group is data-parallel rank ``r // tp`` and tensor-parallel rank
@@ -8,10 +8,10 @@ the tensor-parallel ranks of a replica and keeps tensor-parallel rank 0's result
 
 from __future__ import annotations
 
+from posttrain.backend.policy_driver import ShardedPolicy
 from posttrain.config.schema import RunConfig
 from posttrain.config.validate import validate_config
 from posttrain.distributed import VirtualCluster, WorkerGroup
-from posttrain.policy_driver import ShardedPolicy
 from posttrain_dtensor.config import SECTION, DTensorConfig
 from posttrain_dtensor.worker import DTensorPolicyWorker
 

@@ -17,7 +17,7 @@ FSDP2 mixed precision; a single float32 rank keeps the plain module. The driver
 its microbatch plan; tensor-parallel ranks of one replica receive the same shard. Logprobs,
 in every pass and in training, are those of ``logits / T`` with ``T`` from
 ``generation.temperature`` (read when the rank starts; see
-:func:`posttrain.sampling.logprob_temperature`); top-k logits are raw.
+:func:`posttrain.backend.sampling.logprob_temperature`); top-k logits are raw.
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from posttrain.backend.hf_export import write_hf_metadata, write_hf_shards
+from posttrain.backend.logprobs import loss_positions, sequence_logprobs, topk_logits
+from posttrain.backend.lr_schedule import build_scheduler
+from posttrain.backend.policy_driver import Batching, RankWork
+from posttrain.backend.sampling import logprob_temperature
 from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
 from posttrain.distributed import Worker
-from posttrain.hf_export import write_hf_metadata, write_hf_shards
 from posttrain.interfaces.loss import LossFunction, combine_metrics, global_valid_counts
-from posttrain.logprobs import loss_positions, sequence_logprobs, topk_logits
-from posttrain.lr_schedule import build_scheduler
-from posttrain.model_folder import read_model_config
-from posttrain.policy_driver import Batching, RankWork
-from posttrain.sampling import logprob_temperature
+from posttrain.models.folder import read_model_config
 from posttrain_dtensor import checkpoint
 from posttrain_dtensor.config import DTensorConfig
 from posttrain_dtensor.optim import build_optimizer, clip_grads_, total_grad_norm

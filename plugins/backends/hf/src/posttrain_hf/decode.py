@@ -2,7 +2,7 @@
 
 Prompts are left-padded inside (so every row's next token sits in the last column) and
 rows leave the batch, and the cache, as soon as they finish. What is sampled and which
-logprob is reported is :func:`posttrain.sampling.sampling_logprobs`; each row draws from its
+logprob is reported is :func:`posttrain.backend.sampling.sampling_logprobs`; each row draws from its
 own ``torch.Generator`` seeded with the request's seed for that row, so a row's sample
 does not depend on the other rows or on how the batch is chunked.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from posttrain.generation_group import Completion, GenerationRequest
-from posttrain.sampling import sampling_logprobs
+from posttrain.backend.generation_group import Completion, GenerationRequest
+from posttrain.backend.sampling import sampling_logprobs
 from posttrain_hf.stop_strings import StopStringMatcher
 
 

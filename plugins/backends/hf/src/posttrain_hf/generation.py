@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from posttrain.backend.generation_group import WorkerGroupGeneration, check_sampling_config
 from posttrain.config.schema import RunConfig
 from posttrain.distributed import VirtualCluster
 from posttrain.errors import ConfigError
-from posttrain.generation_group import WorkerGroupGeneration, check_sampling_config
 from posttrain_hf.config import SECTION, HFGenerationConfig
 from posttrain_hf.worker import HFEngineWorker
 

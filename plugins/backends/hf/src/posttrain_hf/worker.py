@@ -6,15 +6,15 @@ from typing import Any
 
 import torch
 
+from posttrain.backend.generation_group import Completion, EngineWorker, GenerationRequest, model_tokens
 from posttrain.errors import WorkerError, did_you_mean
-from posttrain.generation_group import Completion, EngineWorker, GenerationRequest, model_tokens
 from posttrain_hf.decode import decode
 from posttrain_hf.stop_strings import StopStringMatcher
 
 
 class HFEngineWorker(EngineWorker):
     """Loads ``model_path`` with transformers (on CUDA when the actor has a GPU) and
-    serves :class:`~posttrain.generation_group.EngineWorker` calls.
+    serves :class:`~posttrain.backend.generation_group.EngineWorker` calls.
 
     The tokenizer is loaded from the model folder on first use, and only to check stop
     strings. ``sleep``/``wake_up`` move the model to the CPU and back when it lives on a GPU

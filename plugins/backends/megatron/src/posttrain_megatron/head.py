@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from posttrain.backend.logprobs import VocabShard, loss_positions, target_logprobs, topk_logits
 from posttrain.batch import Batch
-from posttrain.logprobs import VocabShard, loss_positions, target_logprobs, topk_logits
 
 
 @attrs.frozen

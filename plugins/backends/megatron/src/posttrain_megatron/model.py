@@ -5,7 +5,7 @@ The model is built from :class:`~posttrain_megatron.convert.Architecture` with m
 local layers (runs on any device; :class:`RMSNorm` as its layer norm) or Transformer Engine's, holds
 this rank's pipeline stage (``pre_process`` on the first, ``post_process`` on the last) and
 its tensor-parallel slices. Its forward stops after the final layer norm
-(:class:`HiddenStateGPTModel`): the vocabulary-chunked head of :mod:`posttrain.logprobs`
+(:class:`HiddenStateGPTModel`): the vocabulary-chunked head of :mod:`posttrain.backend.logprobs`
 replaces the logits layer.
 """
 

@@ -1,4 +1,4 @@
-"""The driver side of the megatron policy: a :class:`~posttrain.policy_driver.ShardedPolicy`
+"""The driver side of the megatron policy: a :class:`~posttrain.backend.policy_driver.ShardedPolicy`
 over :class:`~posttrain_megatron.worker.MegatronPolicyWorker` ranks.
 
 megatron-core decides which rank is which (its order is tensor, context, data, then
@@ -9,10 +9,10 @@ holds them (tensor and context parallel rank 0 of the last pipeline stage).
 
 from __future__ import annotations
 
+from posttrain.backend.policy_driver import ShardedPolicy
 from posttrain.config.schema import RunConfig
 from posttrain.config.validate import validate_config
 from posttrain.distributed import VirtualCluster, WorkerGroup
-from posttrain.policy_driver import ShardedPolicy
 from posttrain_megatron.config import options_of
 from posttrain_megatron.worker import MegatronPolicyWorker
 

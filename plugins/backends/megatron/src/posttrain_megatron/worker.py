@@ -9,7 +9,7 @@ at a time and keeps this rank's slices of them on CPU as the frozen reference. W
 CUDA, every call into megatron-core runs under :mod:`posttrain_megatron.cpu_compat`.
 
 Passes: every rank of a data-parallel replica receives the replica's
-:class:`~posttrain.policy_driver.RankWork`; the ranks holding tensor-parallel rank 0 and
+:class:`~posttrain.backend.policy_driver.RankWork`; the ranks holding tensor-parallel rank 0 and
 context-parallel rank 0 of the last pipeline stage return the results, the others None
 (``train`` returns only ``step_time_s`` there).
 """
@@ -29,17 +29,17 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+from posttrain.backend.hf_export import write_hf_metadata, write_hf_shards
+from posttrain.backend.lr_schedule import check_scheduler_config, lr_factor
+from posttrain.backend.policy_driver import RankWork
+from posttrain.backend.sampling import logprob_temperature
 from posttrain.batch import Batch
-from posttrain.checkpoint import require_policy_checkpoint
 from posttrain.config.schema import RunConfig
 from posttrain.distributed import Worker
 from posttrain.errors import ConfigError
-from posttrain.hf_export import write_hf_metadata, write_hf_shards
 from posttrain.interfaces.loss import LossFunction, combine_metrics, global_valid_counts
-from posttrain.lr_schedule import check_scheduler_config, lr_factor
-from posttrain.model_folder import read_model_config
-from posttrain.policy_driver import RankWork
-from posttrain.sampling import logprob_temperature
+from posttrain.models.folder import read_model_config
+from posttrain.run.checkpoint import require_policy_checkpoint
 from posttrain_megatron import adam_fallback, cpu_compat
 from posttrain_megatron.config import MegatronConfig
 from posttrain_megatron.convert import Architecture, exported_names, hf_shapes, to_hf, tp_merge

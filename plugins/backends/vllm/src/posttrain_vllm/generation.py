@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import attrs
 
+from posttrain.backend.generation_group import WorkerGroupGeneration, check_sampling_config
 from posttrain.config.schema import RunConfig
 from posttrain.distributed import VirtualCluster
-from posttrain.generation_group import WorkerGroupGeneration, check_sampling_config
 from posttrain_vllm.config import SECTION, VllmGenerationConfig
 from posttrain_vllm.worker import VllmEngineWorker
 

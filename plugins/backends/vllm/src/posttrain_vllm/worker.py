@@ -8,7 +8,7 @@ was started with ``detokenize``, which stop strings need.
 Sampling: one ``SamplingParams`` per row with the row's seed and
 ``logprobs_mode="processed_logprobs"`` for the engine, so the reported logprob is that of
 the temperature-scaled, top-k/top-p-filtered distribution the token was drawn from
-(:mod:`posttrain.sampling`). ``ignore_eos`` with explicit ``stop_token_ids`` (which hold
+(:mod:`posttrain.backend.sampling`). ``ignore_eos`` with explicit ``stop_token_ids`` (which hold
 the model's EOS ids) makes the stop set exactly the request's.
 
 Colocation: with CUDA and ``enable_sleep_mode``, :meth:`sleep` frees the weights and KV
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from posttrain.backend.generation_group import Completion, EngineWorker, GenerationRequest
 from posttrain.errors import ConfigError, WorkerError
-from posttrain.generation_group import Completion, EngineWorker, GenerationRequest
 from posttrain_vllm.extension import bucket_payload
 
 #: Prompt tokens one CPU engine step may prefill (whole prompts; at least max_model_len).

@@ -7,7 +7,7 @@ from typing import Any
 
 from posttrain import hookimpl
 from posttrain.config import RunConfig
-from posttrain.environments import CALL_TIMEOUT_KEY
+from posttrain.run.environments import CALL_TIMEOUT_KEY
 from posttrain_env_code.environment import build_code_environment
 from posttrain_env_code.options import read_options
 

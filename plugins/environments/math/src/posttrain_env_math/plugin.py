@@ -42,7 +42,7 @@ def posttrain_environments() -> Mapping[str, Callable[..., Any]]:
 @hookimpl
 def posttrain_validate_config(config: RunConfig) -> None:
     """Check ``environments.math`` and ``environments.guess_number`` before any worker starts."""
-    from posttrain.environments import CALL_TIMEOUT_KEY  # imports torch: only when validating a run
+    from posttrain.run.environments import CALL_TIMEOUT_KEY  # imports torch: only when validating a run
 
     for name, options_cls in _OPTIONS.items():
         options = {k: v for k, v in config.environments.get(name, {}).items() if k != CALL_TIMEOUT_KEY}

@@ -10,14 +10,14 @@ from typing import Any
 
 import attrs
 
-from posttrain.checkpoint import CheckpointManager, check_checkpoint_fits
 from posttrain.config.schema import RunConfig
 from posttrain.errors import RunStopped
 from posttrain.log import configure_logging, get_logger
-from posttrain.metrics import MetricLogger, ProgressBar
-from posttrain.model_folder import check_model_folders
+from posttrain.models.folder import check_model_folders
 from posttrain.plugins import PluginHost, plugin_host
-from posttrain.stop import StopRequest, stop_on_signals
+from posttrain.run.checkpoint import CheckpointManager, check_checkpoint_fits
+from posttrain.run.metrics import MetricLogger, ProgressBar
+from posttrain.run.stop import StopRequest, stop_on_signals
 
 
 class RunContext:
@@ -126,7 +126,7 @@ def run_algorithm(config: RunConfig, host: PluginHost | None = None) -> dict[str
     """Run ``config.algorithm`` to completion and return its final metrics.
 
     Inputs are checked first (:func:`check_inputs`). While the algorithm runs, SIGINT and
-    SIGTERM request a stop (:mod:`posttrain.stop`); a run that stopped early on one raises
+    SIGTERM request a stop (:mod:`posttrain.run.stop`); a run that stopped early on one raises
     :class:`~posttrain.errors.RunStopped` after the algorithm saved and shut down. Calls the
     ``posttrain_run_start`` / ``posttrain_run_end`` hooks around the run; the end hook
     learns whether the run completed, was interrupted or failed.

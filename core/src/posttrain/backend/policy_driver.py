@@ -34,6 +34,7 @@ from typing import Any
 import attrs
 import torch
 
+from posttrain.backend.hf_export import bucket_names
 from posttrain.batch import (
     Batch,
     balanced_shard_indices,
@@ -44,7 +45,6 @@ from posttrain.batch import (
 )
 from posttrain.config.schema import PolicyConfig, RunConfig
 from posttrain.distributed import WorkerGroup
-from posttrain.hf_export import bucket_names
 from posttrain.interfaces.data_plane import PlaneSamples, WorkerPlaneHandle
 from posttrain.interfaces.loss import LossFunction, combine_metrics
 from posttrain.interfaces.policy import Policy

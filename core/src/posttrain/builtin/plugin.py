@@ -9,7 +9,7 @@ from posttrain import hookimpl
 
 
 def _memory_data_plane(config: Any) -> Any:
-    from posttrain.memory_plane import MemoryDataPlane
+    from posttrain.builtin.memory_plane import MemoryDataPlane
 
     return MemoryDataPlane()
 

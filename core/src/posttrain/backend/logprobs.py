@@ -8,7 +8,7 @@ instead of keeping them, so training memory is bounded the same way.
 
 Logits are computed in float32 (float64 when the inputs are float64, for checks) whatever
 the model's compute dtype. Logprobs are those of ``logits / temperature`` (the sampler's
-distribution, see :mod:`posttrain.sampling`); each chunk of logits is divided as it is
+distribution, see :mod:`posttrain.backend.sampling`); each chunk of logits is divided as it is
 computed, in that dtype, so temperature 1 leaves every value unchanged. Top-k logits are
 raw (unscaled) logits.
 

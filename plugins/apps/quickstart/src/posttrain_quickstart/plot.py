@@ -19,7 +19,7 @@ def plot_curves(path: str | Path, train: Sequence[dict[str, Any]], validation: S
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ConfigError("the quickstart plot needs matplotlib: pip install 'posttrain[plot]'") from exc
+        raise ConfigError("the quickstart plot needs matplotlib: pip install matplotlib") from exc
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     steps = [r["step"] for r in train if reward_key in r]
     left.plot(steps, [r[reward_key] for r in train if reward_key in r], marker=".")

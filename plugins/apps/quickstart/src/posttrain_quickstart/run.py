@@ -18,12 +18,13 @@ from typing import Any
 
 from posttrain.config import config_from_dict
 from posttrain.errors import ConfigError
-from posttrain.metrics import read_metrics
+from posttrain.models.tiny import build_tiny_model
 from posttrain.plugins import plugin_host
-from posttrain.quickstart.plot import plot_curves
-from posttrain.quickstart.task import TaskFiles, write_task
-from posttrain.run import run_algorithm
-from posttrain.tiny import build_tiny_model
+from posttrain.run.context import run_algorithm
+from posttrain.run.metrics import read_metrics
+from posttrain_quickstart.plot import plot_curves
+from posttrain_quickstart.requirements import check_requirements
+from posttrain_quickstart.task import TaskFiles, write_task
 
 #: The task: a+b with a in 0..99 and b in 0..9 (1000 distinct problems), split three ways:
 #: worked examples for SFT, prompts for GRPO, held-out problems for validation.
@@ -94,6 +95,7 @@ def run_quickstart(run_dir: str | Path, overrides: list[str], *, seed: int = 0, 
     ``seed`` sets the model's initial weights and every random choice of the runs (data
     order, sampling); the task's problems are the same for every seed.
     """
+    check_requirements()
     if any(item.split("=", 1)[0].strip() == "seed" for item in overrides):
         raise ConfigError("posttrain quickstart: the override 'seed=...' would change the runs' seed but not the model's "
                           "initial weights; pass --seed N instead (run_quickstart(..., seed=N) from Python)")

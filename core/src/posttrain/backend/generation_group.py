@@ -8,7 +8,7 @@ data-parallel engine, and assembles the engines' :class:`Completion` lists into 
 batch described in :mod:`posttrain.interfaces.generation`. Refit streams buckets to every
 engine through the Ray object store (one ``ray.put`` per bucket, shared by all engines).
 
-What a row's logprobs and seeds mean is defined once in :mod:`posttrain.sampling`.
+What a row's logprobs and seeds mean is defined once in :mod:`posttrain.backend.sampling`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import attrs
 import ray
 import torch
 
+from posttrain.backend.sampling import sample_seeds
 from posttrain.batch import Batch
 from posttrain.config.schema import GenerationConfig, RunConfig, WorkerResources
 from posttrain.distributed import VirtualCluster, Worker, WorkerGroup
 from posttrain.errors import ConfigError, DataError
 from posttrain.interfaces.generation import Generation, RefitStats
-from posttrain.sampling import sample_seeds
 
 
 @attrs.frozen
@@ -253,7 +253,7 @@ class WorkerGroupGeneration(Generation):
     ``context_key`` names the config key that sets it, for error messages.
     ``worker_kwargs`` go to ``worker_cls.__init__``. Sampling seeds derive from
     ``config.seed`` (or the seed of the last :meth:`set_sampling_seed`) and the index of the
-    ``generate`` call since then (see :mod:`posttrain.sampling`).
+    ``generate`` call since then (see :mod:`posttrain.backend.sampling`).
     """
 
     def __init__(

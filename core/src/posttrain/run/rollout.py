@@ -7,7 +7,7 @@ for at most ``max_turns`` turns, for the samples still active:
 1. generate one assistant turn each (with the stop strings their environment asked for);
 2. decode the new tokens and append the assistant message (with its ``token_ids``);
 3. call each task's environment once, on all its samples of this turn
-   (failures contained: :func:`posttrain.environments.step_contained`);
+   (failures contained: :func:`posttrain.run.environments.step_contained`);
 4. add the step's reward; a sample stops when the environment terminates it, when the
    turn budget is spent, or when no room is left under ``max_total_length``;
 5. otherwise append the observation message, rendered with the template's formatting for
@@ -43,9 +43,9 @@ import attrs
 import torch
 
 from posttrain.batch import Batch
-from posttrain.environments import metrics_contained, step_contained
 from posttrain.errors import ConfigError
 from posttrain.interfaces import Environment, EnvironmentReturn, Generation, Message
+from posttrain.run.environments import metrics_contained, step_contained
 
 
 def run_rollout(
@@ -81,7 +81,7 @@ def run_rollout(
     ``rollout/truncation_rate``,
     ``rollout/mean_reward``, ``rollout/mean_sequence_length``, and per environment
     ``env/<name>/<metric>`` from its ``metrics()`` plus ``env/<name>/errors`` and
-    ``env/<name>/timeouts`` (samples lost to failures, see :mod:`posttrain.environments`).
+    ``env/<name>/timeouts`` (samples lost to failures, see :mod:`posttrain.run.environments`).
     """
     if max_turns < 1:
         raise ConfigError(f"max_turns must be at least 1, got {max_turns}")

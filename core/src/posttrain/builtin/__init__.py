@@ -1,0 +1,1 @@
+"""Core's own plugin (entry point ``core``), registered like any third-party plugin."""
