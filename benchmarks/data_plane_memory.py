@@ -44,9 +44,10 @@ import psutil
 import torch
 
 from posttrain.backend.policy_driver import ShardedPolicy
+from posttrain.backend.policy_worker import PolicyWorker
 from posttrain.batch import Batch
 from posttrain.config.schema import ClusterConfig, PolicyConfig, RunConfig, WorkerResources
-from posttrain.distributed import VirtualCluster, Worker, WorkerGroup
+from posttrain.distributed import VirtualCluster, WorkerGroup
 from posttrain.interfaces import LossFunction, PlaneSamples
 from posttrain.plugins import plugin_host
 
@@ -116,8 +117,9 @@ def storage_rss() -> int | None:
     return sum(client._run_coroutine(probe)["process_rss_bytes"] for probe in probes)
 
 
-class StandInWorker(Worker):
-    """A policy rank that reads its shard like a real one and computes nothing worth timing."""
+class StandInWorker(PolicyWorker):
+    """A policy rank that reads its shard like a real one and computes nothing worth timing;
+    the benchmark never calls the methods that hold or export weights."""
 
     def logprobs(self, work: Any, reference: bool = False) -> Batch:
         shape = work.batch["input_ids"].shape
@@ -126,6 +128,11 @@ class StandInWorker(Worker):
     def train(self, work: Any, loss_fn: Any, eval_mode: bool = False) -> dict[str, Any]:
         tokens = float(work.batch["token_mask"].sum())
         return {"loss": 0.0, "metrics": {}, "num_tokens": tokens, "lr": 0.0, "grad_norm": 0.0, "step_time_s": 0.0}
+
+    def topk(self, work: Any, k: int) -> Batch:
+        raise NotImplementedError("the data-plane benchmark runs logprob and train passes only")
+
+    save_checkpoint = load_checkpoint = weight_sizes = gather_weights = export_hf = info = topk
 
 
 class NoLoss(LossFunction):

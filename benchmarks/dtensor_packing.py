@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.backend.policy_driver import Batching, plan_pass
+from posttrain.backend.work import Batching, plan_pass
 from posttrain.batch import Batch
 from posttrain.config.schema import (
     DynamicBatchingConfig,

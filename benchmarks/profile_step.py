@@ -48,7 +48,7 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from posttrain.backend.policy_driver import Batching, plan_pass
+    from posttrain.backend.work import Batching, plan_pass
     from posttrain.config import config_from_dict
     from posttrain.data import dataloader_from_config, dataset_from_config, encoder_from_config
     from posttrain_dtensor.config import DTensorConfig

@@ -90,13 +90,13 @@ def pair(cluster):
 
     resources = WorkerResources(cpus=0.5, env_vars={"POSTTRAIN_TEST_FLAG": "on"})
     group = WorkerGroup(cluster, RankedWorker, name="pair", num_workers=2, resources=resources, args=("hello",))
-    assert group.run_all("init_gloo") == [0, 1]
+    assert group.run_all(RankedWorker.init_gloo) == [0, 1]
     yield group
     group.shutdown()
 
 
 def test_ranks_see_their_environment_before_init(pair):
-    infos = pair.run_all("info")
+    infos = pair.run_all(RankedWorker.info)
     assert [i["rank"] for i in infos] == [0, 1]
     assert [i["world_size"] for i in infos] == [2, 2]
     assert [i["local_rank"] for i in infos] == [0, 1]
@@ -117,42 +117,44 @@ def test_workers_load_entry_point_plugins(pair):
 
     expected = sorted(name for name, _ in new_plugin_host().pm.list_name_plugin())
     assert "core" in expected
-    assert pair.run_rank0("info")["plugins"] == expected
+    assert pair.run_rank0(RankedWorker.info)["plugins"] == expected
 
 
 def test_gloo_all_reduce_across_actors(pair):
     # rank r contributes (r + 1) * values; the sum over 2 ranks is 3 * values
-    assert pair.run_all("all_reduce", [1.0, -2.5, 10.0]) == [[3.0, -7.5, 30.0]] * 2
+    assert pair.run_all(RankedWorker.all_reduce, [1.0, -2.5, 10.0]) == [[3.0, -7.5, 30.0]] * 2
 
 
 def test_run_sharded_gives_each_rank_its_shard(pair):
-    assert pair.run_sharded("take", [[1, 2], [3]], scale=10) == [(0, [10, 20]), (1, [30])]
+    assert pair.run_sharded(RankedWorker.take, [[1, 2], [3]], scale=10) == [(0, [10, 20]), (1, [30])]
 
 
 def test_run_sharded_replicates_with_shard_of_rank(pair):
     # tensor-parallel style: both ranks belong to replica 0 and get shard 0
-    assert pair.run_sharded("take", [[7, 8], [9]], shard_of_rank=lambda rank: rank // 2) == [(0, [7, 8]), (1, [7, 8])]
+    assert pair.run_sharded(RankedWorker.take, [[7, 8], [9]], shard_of_rank=lambda rank: rank // 2) == [(0, [7, 8]), (1, [7, 8])]
     with pytest.raises(ValueError, match="got 3 shards for 2 ranks"):
-        pair.run_sharded("take", [[1], [2], [3]])
+        pair.run_sharded(RankedWorker.take, [[1], [2], [3]])
     with pytest.raises(ValueError, match=r"shard_of_rank\(1\) = 2, outside the 2 shards"):
-        pair.run_sharded("take", [[1], [2]], shard_of_rank=lambda rank: 2 * rank)
+        pair.run_sharded(RankedWorker.take, [[1], [2]], shard_of_rank=lambda rank: 2 * rank)
 
 
 def test_async_calls_and_rank0(pair):
-    refs = pair.run_all_async("ping")
+    refs = pair.run_all_async(RankedWorker.ping)
     assert pair.get(refs) == [0, 1]
-    assert pair.get(pair.run_rank0_async("ping")) == 0
-    assert pair.run_rank0("take", [2], scale=3) == (0, [6])
+    assert pair.get(pair.run_rank0_async(RankedWorker.ping)) == 0
+    assert pair.run_rank0(RankedWorker.take, [2], scale=3) == (0, [6])
 
 
 def test_exception_in_method_names_group_rank_and_method(pair):
 
     with pytest.raises(WorkerError) as info:
-        pair.run_rank0("fail", "bad shard 17")
+        pair.run_rank0(RankedWorker.fail, "bad shard 17")
     assert str(info.value) == "worker group 'pair' rank 0: fail() raised ValueError: bad shard 17"
-    assert pair.run_all("ping") == [0, 1]  # an exception does not kill the actor
-    with pytest.raises(AttributeError, match="RankedWorker has no method 'nope'"):
+    assert pair.run_all(RankedWorker.ping) == [0, 1]  # an exception does not kill the actor
+    with pytest.raises(TypeError, match=r"e\.g\. group\.run_all\(RankedWorker\.nope\), not by the string 'nope'"):
         pair.run_all("nope")
+    with pytest.raises(AttributeError, match="'BrokenWorker.__init__' is not a method of RankedWorker or of a class it"):
+        pair.run_all(BrokenWorker.__init__)
 
 
 def test_dead_ranks_surface_as_worker_errors_without_hanging(cluster):
@@ -161,15 +163,15 @@ def test_dead_ranks_surface_as_worker_errors_without_hanging(cluster):
     with WorkerGroup(
         cluster, RankedWorker, name="dies", num_workers=2, resources=WorkerResources(cpus=0.5), args=("x",)
     ) as group:
-        group.run_all("init_gloo")
+        group.run_all(RankedWorker.init_gloo)
         start = time.monotonic()
         # rank 0 blocks in all_reduce waiting for rank 1, which calls os._exit: no hang
         with pytest.raises(WorkerError, match=r"^worker group 'dies' rank 1 died: "):
-            group.run_all("exit_or_reduce", 1)
+            group.run_all(RankedWorker.exit_or_reduce, 1)
         assert time.monotonic() - start < 30
         # rank 0 may still be stuck in the collective or may have seen it fail: either way a
         # call that is pending on it when it is killed surfaces as its death
-        pending = group.run_rank0_async("block", 300)
+        pending = group.run_rank0_async(RankedWorker.block, 300)
         ray.kill(group.actors[0])
         start = time.monotonic()
         with pytest.raises(WorkerError, match=r"^worker group 'dies' rank 0 died: "):
@@ -178,7 +180,7 @@ def test_dead_ranks_surface_as_worker_errors_without_hanging(cluster):
     assert "dies" not in cluster.placement_groups()
     group.shutdown()  # a second shutdown is a no-op
     with pytest.raises(WorkerError, match="worker group 'dies' is shut down; cannot call ping"):
-        group.run_all("ping")
+        group.run_all(RankedWorker.ping)
 
 
 def test_failing_init_names_rank_and_releases_resources(cluster):

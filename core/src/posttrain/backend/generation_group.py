@@ -300,7 +300,7 @@ class WorkerGroupGeneration(Generation):
         self.num_calls += 1
         bounds = split_bounds(len(request), self._group.world_size)
         shards = [request.rows(start, stop) for start, stop in itertools.pairwise(bounds)]
-        completions = [c for shard in self._group.run_sharded("generate", shards) for c in shard]
+        completions = [c for shard in self._group.run_sharded(EngineWorker.generate, shards) for c in shard]
         return assemble_output(request.prompts, completions, self.tokens.pad_token_id)
 
     def set_sampling_seed(self, seed: int) -> None:
@@ -315,29 +315,29 @@ class WorkerGroupGeneration(Generation):
         engines load the previous one. Returns the time, bytes and counts of this call."""
         start = time.perf_counter()
         num_bytes = num_tensors = num_buckets = 0
-        self._group.run_all("begin_weight_update")
+        self._group.run_all(EngineWorker.begin_weight_update)
         in_flight: list[ray.ObjectRef] = []
         for bucket in buckets:
             bucket = dict(bucket)
             num_bytes += sum(t.numel() * t.element_size() for t in bucket.values())
             num_tensors += len(bucket)
             num_buckets += 1
-            loading = self._group.run_all_async("load_weights", ray.put(bucket))
+            loading = self._group.run_all_async(EngineWorker.load_weights, ray.put(bucket))
             self._group.get(in_flight)
             in_flight = loading
         self._group.get(in_flight)
-        self._group.run_all("finish_weight_update")
+        self._group.run_all(EngineWorker.finish_weight_update)
         return RefitStats(time.perf_counter() - start, num_bytes, num_tensors, num_buckets)
 
     # ------------------------------------------------------------------ lifecycle
 
     def prepare_for_generation(self) -> None:
         if self.config.generation.colocated:
-            self._group.run_all("wake_up")
+            self._group.run_all(EngineWorker.wake_up)
 
     def finish_generation(self) -> None:
         if self.config.generation.colocated:
-            self._group.run_all("sleep")
+            self._group.run_all(EngineWorker.sleep)
 
     def shutdown(self) -> None:
         self._group.shutdown()

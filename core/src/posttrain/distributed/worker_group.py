@@ -8,7 +8,10 @@ group. ``MASTER_ADDR`` is 127.0.0.1 when every rank is on one node, else rank 0'
 address; ``MASTER_PORT`` is a port that was free on rank 0's node when the group started.
 
 Calls go to every rank (:meth:`WorkerGroup.run_all`), to each rank with its own shard
-(:meth:`WorkerGroup.run_sharded`) or to rank 0 only (:meth:`WorkerGroup.run_rank0`).
+(:meth:`WorkerGroup.run_sharded`) or to rank 0 only (:meth:`WorkerGroup.run_rank0`). A call
+names the method itself, e.g. ``group.run_all(PolicyWorker.save_checkpoint, path)``, never
+a string: a type checker sees the arguments, and the group refuses a method its worker
+class does not have (the rank runs its own override of it).
 Results are gathered with :meth:`WorkerGroup.get`, which surfaces the first failure as a
 :class:`~posttrain.errors.WorkerError` naming the group, the rank and the method, instead
 of waiting on the ranks that are still running (they may be blocked in a collective
@@ -22,7 +25,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
@@ -62,14 +65,25 @@ class Worker:
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", "0"))
 
-    def run_work(self, work: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    def run_work(self, work: Any, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``work.run(self, method, *args, **kwargs)``: let a work item wrap this worker's
-        ``method`` in the worker's process (a :class:`~posttrain.backend.policy_driver.RankWork`
+        ``method`` in the worker's process (a :class:`~posttrain.backend.work.RankWork`
         that refers to a data plane stores the method's result there)."""
         return work.run(self, method, *args, **kwargs)
 
 
-class WorkerGroup:
+W = TypeVar("W", bound=Worker)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def bound_method(worker: Worker, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (a function of the worker's class or of a base class) bound to ``worker``:
+    the worker's own override of it."""
+    return getattr(worker, method.__name__)
+
+
+class WorkerGroup(Generic[W]):
     """``num_workers`` actors of ``worker_cls``, rank r on bundle r of a placement group
     reserved from ``cluster`` under ``name``.
 
@@ -84,7 +98,7 @@ class WorkerGroup:
     def __init__(
         self,
         cluster: VirtualCluster,
-        worker_cls: type[Worker],
+        worker_cls: type[W],
         *,
         name: str,
         num_workers: int,
@@ -111,18 +125,18 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ calls
 
-    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def run_all(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Call ``method(*args, **kwargs)`` on every rank; results in rank order."""
         return self.get(self.run_all_async(method, *args, **kwargs))
 
     def run_sharded(
         self,
-        method: str,
+        method: Callable[..., R],
         shards: Sequence[Any],
         *args: Any,
         shard_of_rank: Callable[[int], int] | None = None,
         **kwargs: Any,
-    ) -> list[Any]:
+    ) -> list[R]:
         """Call ``method(shards[shard_of_rank(r)], *args, **kwargs)`` on each rank r.
 
         Without ``shard_of_rank`` rank r gets ``shards[r]`` and there must be exactly one
@@ -132,26 +146,29 @@ class WorkerGroup:
         """
         return self.get(self.run_sharded_async(method, shards, *args, shard_of_rank=shard_of_rank, **kwargs))
 
-    def run_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def run_rank0(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Call ``method(*args, **kwargs)`` on rank 0 only and return its result."""
         return self.get(self.run_rank0_async(method, *args, **kwargs))
 
-    def run_all_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+    def run_all_async(
+        self, method: Callable[Concatenate[W, P], Any], *args: P.args, **kwargs: P.kwargs
+    ) -> list[ray.ObjectRef]:
         """Like :meth:`run_all` but returns one ObjectRef per rank; resolve with :meth:`get`."""
         return [self._call(rank, method, args, kwargs) for rank in range(self.world_size)]
 
     def run_sharded_async(
         self,
-        method: str,
+        method: Callable[..., Any],
         shards: Sequence[Any],
         *args: Any,
         shard_of_rank: Callable[[int], int] | None = None,
         **kwargs: Any,
     ) -> list[ray.ObjectRef]:
         """Like :meth:`run_sharded` but returns one ObjectRef per rank; resolve with :meth:`get`."""
+        name = self._method_name(method)
         if shard_of_rank is None and len(shards) != self.world_size:
             raise ValueError(
-                f"worker group '{self.name}': run_sharded('{method}') got {len(shards)} shards for "
+                f"worker group '{self.name}': run_sharded({name}) got {len(shards)} shards for "
                 f"{self.world_size} ranks; pass one shard per rank or a shard_of_rank function"
             )
         pick = shard_of_rank or (lambda rank: rank)
@@ -160,7 +177,7 @@ class WorkerGroup:
             if not 0 <= index < len(shards):
                 raise ValueError(
                     f"worker group '{self.name}': shard_of_rank({rank}) = {index}, outside the "
-                    f"{len(shards)} shards given to run_sharded('{method}')"
+                    f"{len(shards)} shards given to run_sharded({name})"
                 )
         payload = {
             index: ray.put(shards[index])
@@ -170,7 +187,9 @@ class WorkerGroup:
         }
         return [self._call(rank, method, (payload[index], *args), kwargs) for rank, index in enumerate(chosen)]
 
-    def run_rank0_async(self, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+    def run_rank0_async(
+        self, method: Callable[Concatenate[W, P], Any], *args: P.args, **kwargs: P.kwargs
+    ) -> ray.ObjectRef:
         """Like :meth:`run_rank0` but returns the ObjectRef; resolve with :meth:`get`."""
         return self._call(0, method, args, kwargs)
 
@@ -224,7 +243,7 @@ class WorkerGroup:
             self.cluster.release(self.name)
         self._calls.clear()
 
-    def __enter__(self) -> WorkerGroup:
+    def __enter__(self) -> WorkerGroup[W]:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -250,12 +269,31 @@ class WorkerGroup:
             for rank, env in enumerate(rank_environments(group))
         ]
 
-    def _call(self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ray.ObjectRef:
+    def _method_name(self, method: Callable[..., Any]) -> str:
+        """The name ``method`` has on the worker class; refuses strings and methods of other
+        classes."""
+        if isinstance(method, str):
+            raise TypeError(
+                f"worker group '{self.name}': call a worker method by the method itself, e.g. "
+                f"group.run_all({self.worker_cls.__name__}.{method}), not by the string '{method}'"
+            )
+        name = getattr(method, "__name__", None)
+        owner = getattr(method, "__qualname__", "").rpartition(".")[0]
+        mro = {klass.__qualname__ for klass in self.worker_cls.__mro__}
+        if not isinstance(name, str) or owner not in mro or not callable(getattr(self.worker_cls, name, None)):
+            raise AttributeError(
+                f"worker group '{self.name}': {getattr(method, '__qualname__', method)!r} is not a method of "
+                f"{self.worker_cls.__name__} or of a class it inherits from"
+            )
+        return name
+
+    def _call(
+        self, rank: int, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> ray.ObjectRef:
+        name = self._method_name(method)
         if self._closed:
-            raise WorkerError(f"worker group '{self.name}' is shut down; cannot call {method}()")
-        if not callable(getattr(self.worker_cls, method, None)):
-            raise AttributeError(f"worker group '{self.name}': {self.worker_cls.__name__} has no method '{method}'")
-        return self._track(getattr(self.actors[rank], method).remote(*args, **kwargs), rank, method)
+            raise WorkerError(f"worker group '{self.name}' is shut down; cannot call {name}()")
+        return self._track(getattr(self.actors[rank], name).remote(*args, **kwargs), rank, name)
 
     def _track(self, ref: ray.ObjectRef, rank: int, method: str) -> ray.ObjectRef:
         self._calls[ref.hex()] = (rank, method)

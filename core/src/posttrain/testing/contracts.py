@@ -116,9 +116,9 @@ class EnvironmentContract:
                 cluster, ContractProbe, name=f"contract-{name}", num_workers=1, resources=WorkerResources(cpus=0.5)
             )
             with group:
-                assert group.run_rank0("pid") != os.getpid()
+                assert group.run_rank0(ContractProbe.pid) != os.getpid()
                 remote = group.run_rank0(
-                    "step_environment",
+                    ContractProbe.step_environment,
                     name,
                     dict(self.options),
                     environment_case.message_logs,

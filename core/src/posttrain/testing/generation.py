@@ -155,7 +155,7 @@ class NegativeLogLikelihood(LossFunction):
     def __call__(self, logprobs, batch, global_valid_seqs, global_valid_toks):
         mask = batch["token_mask"] * batch["sample_mask"][:, None]
         loss = -(logprobs * mask).sum() / global_valid_toks
-        return loss, {"nll": float(loss)}
+        return loss, {"nll": float(loss.detach())}
 
 
 def check_trained_policy_refit(policy: Policy, generation: Generation, prompts: list[list[int]], *, bucket_bytes: int) -> None:

@@ -14,7 +14,7 @@ import string
 import pytest
 import torch
 
-from posttrain.backend.policy_driver import Batching, plan_pass
+from posttrain.backend.work import Batching, plan_pass
 from posttrain.batch import Batch
 from posttrain.config import config_from_dict
 from posttrain.errors import ConfigError

@@ -11,7 +11,7 @@ import torch
 from posttrain.backend.hf_export import bucket_names
 from posttrain.backend.logprobs import loss_positions, sequence_logprobs, target_logprobs, topk_logits
 from posttrain.backend.lr_schedule import build_scheduler, lr_factor
-from posttrain.backend.policy_driver import Batching, plan_pass
+from posttrain.backend.work import Batching, plan_pass
 from posttrain.config.schema import OptimizerConfig, SchedulerConfig
 from posttrain.errors import ConfigError
 from posttrain.interfaces.loss import global_valid_counts

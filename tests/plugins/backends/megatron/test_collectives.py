@@ -59,7 +59,7 @@ RANKS = textwrap.dedent(
         assert torch.equal(gathered, full), "cp gather"
         (gathered * full).sum().backward()
         assert torch.equal(local.grad, full[:, positions]), "cp gather backward"
-        print("rank", rank, "ok")
+        print(f"rank {rank} ok", flush=True)  # one write: the two ranks share the pipe
 
     if __name__ == "__main__":
         sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]; sock.close()

@@ -61,9 +61,9 @@ def test_grpo_logs_identical_metrics_with_either_plane(ray_cluster, tiny_model_p
     returned: list[tuple[str, Any]] = []
     run_pass = ShardedPolicy._run_pass
 
-    def recording(self: ShardedPolicy, method: str, work: list, *args: Any) -> Any:
+    def recording(self: ShardedPolicy, method: Any, work: list, *args: Any) -> Any:
         results = run_pass(self, method, work, *args)
-        returned.append((method, args, results[1]))
+        returned.append((method.__name__, args, results[1]))
         return results
 
     monkeypatch.setattr(ShardedPolicy, "_run_pass", recording)

@@ -326,7 +326,7 @@ def test_ray_workers_attach_and_read_their_own_shards(shared_plane: Any) -> None
             resources=WorkerResources(cpus=0.5),
             args=(shared_plane.namespace,),
         ) as group:
-            results = group.run_sharded("read", shards, "train/5")
+            results = group.run_sharded(ShardReader.read, shards, "train/5")
     finally:
         cluster.shutdown()
     for shard, (shard_ids, shard_logs, pid) in zip(shards, results, strict=True):

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from posttrain.run.checkpoint import require_policy_checkpoint
+from posttrain.backend.policy_worker import require_policy_checkpoint
 
 TRAINER_STATE = "trainer_state.pt"
 DCP_METADATA = ".metadata"

@@ -35,11 +35,11 @@ from torch.distributed.tensor import DTensor
 from posttrain.backend.hf_export import write_hf_metadata, write_hf_shards
 from posttrain.backend.logprobs import loss_positions, sequence_logprobs, topk_logits
 from posttrain.backend.lr_schedule import build_scheduler
-from posttrain.backend.policy_driver import Batching, RankWork
+from posttrain.backend.policy_worker import PolicyWorker, RankTrainResult
 from posttrain.backend.sampling import logprob_temperature
+from posttrain.backend.work import Batching, RankWork
 from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
-from posttrain.distributed import Worker
 from posttrain.interfaces.loss import LossFunction, combine_metrics, global_valid_counts
 from posttrain.models.folder import read_model_config
 from posttrain_dtensor import checkpoint
@@ -67,7 +67,7 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-class DTensorPolicyWorker(Worker):
+class DTensorPolicyWorker(PolicyWorker):
     """One rank. Public methods are called by the driver through the worker group; the
     passes taking a :class:`RankWork` run collectives: every rank gets one with the same
     number of microbatches."""
@@ -208,7 +208,7 @@ class DTensorPolicyWorker(Worker):
 
     # ------------------------------------------------------------------ training
 
-    def train(self, work: RankWork, loss_fn: LossFunction, eval_mode: bool = False) -> dict:
+    def train(self, work: RankWork, loss_fn: LossFunction, eval_mode: bool = False) -> RankTrainResult:
         """Forward/backward over this rank's microbatches, then (unless ``eval_mode``) one
         clipped optimizer step. Returns this rank's shares of the loss and loss metrics
         (``loss``, ``metrics``) and the step's ``grad_norm``, ``lr``, ``num_tokens``,
@@ -229,11 +229,12 @@ class DTensorPolicyWorker(Worker):
                     loss.backward()
                 loss_total += float(loss.detach())
                 parts.append(metrics)
-        result: dict[str, Any] = {
+        result: RankTrainResult = {
             "loss": loss_total,
             "metrics": combine_metrics(parts, loss_fn.metric_reductions),
             "num_tokens": float(toks),
             "lr": self.optimizer.param_groups[0]["lr"],
+            "step_time_s": 0.0,
         }
         if eval_mode:
             reshard_all(self.model)

@@ -29,7 +29,7 @@ class MegatronPolicy(ShardedPolicy):
             args=(config, options_of(config)),
         )
         try:
-            coordinates = group.run_all("coordinates")
+            coordinates = group.run_all(MegatronPolicyWorker.coordinates)
         except BaseException:
             group.shutdown()
             raise

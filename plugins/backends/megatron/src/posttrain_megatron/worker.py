@@ -9,7 +9,7 @@ at a time and keeps this rank's slices of them on CPU as the frozen reference. W
 CUDA, every call into megatron-core runs under :mod:`posttrain_megatron.cpu_compat`.
 
 Passes: every rank of a data-parallel replica receives the replica's
-:class:`~posttrain.backend.policy_driver.RankWork`; the ranks holding tensor-parallel rank 0 and
+:class:`~posttrain.backend.work.RankWork`; the ranks holding tensor-parallel rank 0 and
 context-parallel rank 0 of the last pipeline stage return the results, the others None
 (``train`` returns only ``step_time_s`` there).
 """
@@ -31,15 +31,14 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from posttrain.backend.hf_export import write_hf_metadata, write_hf_shards
 from posttrain.backend.lr_schedule import check_scheduler_config, lr_factor
-from posttrain.backend.policy_driver import RankWork
+from posttrain.backend.policy_worker import PolicyWorker, require_policy_checkpoint
 from posttrain.backend.sampling import logprob_temperature
+from posttrain.backend.work import RankWork
 from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
-from posttrain.distributed import Worker
 from posttrain.errors import ConfigError
 from posttrain.interfaces.loss import LossFunction, combine_metrics, global_valid_counts
 from posttrain.models.folder import read_model_config
-from posttrain.run.checkpoint import require_policy_checkpoint
 from posttrain_megatron import adam_fallback, cpu_compat
 from posttrain_megatron.config import MegatronConfig
 from posttrain_megatron.convert import Architecture, exported_names, hf_shapes, to_hf, tp_merge
@@ -62,7 +61,7 @@ MEGATRON_STATE = "megatron"  # the megatron-core distributed checkpoint under th
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-class MegatronPolicyWorker(Worker):
+class MegatronPolicyWorker(PolicyWorker):
     """One rank. Public methods are called by the driver through the worker group; passes,
     checkpoints and weight gathering are collectives: every rank is called."""
 
