@@ -1,0 +1,1 @@
+"""posttrain-policy-torch: an example third-party policy backend for posttrain."""

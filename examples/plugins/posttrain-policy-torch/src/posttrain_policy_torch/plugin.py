@@ -1,0 +1,62 @@
+"""Hook implementations: registers the ``torch`` policy backend and checks its settings.
+
+Kept free of heavy imports (torch, transformers and Ray are imported when the backend is
+built), so listing plugins stays fast and every Ray worker can load it cheaply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from posttrain import hookimpl
+from posttrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from posttrain.config import RunConfig
+    from posttrain.distributed import VirtualCluster
+    from posttrain.interfaces import Policy
+
+BACKEND = "torch"
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+def build_torch_policy(config: RunConfig, cluster: VirtualCluster) -> Policy:
+    """The factory posttrain calls for ``policy.backend: torch``: one worker, driven by the kit."""
+    from posttrain_policy_torch.worker import start_policy
+
+    return start_policy(config, cluster)
+
+
+@hookimpl
+def posttrain_policy_backends() -> Mapping[str, Callable[..., Any]]:
+    return {BACKEND: build_torch_policy}
+
+
+@hookimpl
+def posttrain_validate_config(config: RunConfig) -> None:
+    """Refuse what one float32 process cannot do, before any worker starts."""
+    from posttrain.backend.lr_schedule import SCHEDULES
+    from posttrain.config import where_set
+
+    policy = config.policy
+    if policy.backend != BACKEND:
+        return
+    for key, value in (("num_workers", policy.num_workers), ("tensor_parallel_size", policy.tensor_parallel_size)):
+        if value != 1:
+            raise ConfigError(
+                f"policy.{key}: the torch backend trains in one process, so it must be 1; found {value}. "
+                f"Set policy.{key}=1, or use a distributed backend (policy.backend=dtensor)."
+                f"{where_set(config, f'policy.{key}')}"
+            )
+    checks = (
+        ("dtype", policy.dtype, ("float32",)),
+        ("optimizer.name", policy.optimizer.name, OPTIMIZERS),
+        ("scheduler.name", policy.scheduler.name, SCHEDULES),
+    )
+    for key, value, allowed in checks:
+        if value not in allowed:
+            raise ConfigError(
+                f"policy.{key}: the torch backend supports {', '.join(allowed)}; found '{value}'."
+                f"{where_set(config, f'policy.{key}')}"
+            )
