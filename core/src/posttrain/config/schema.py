@@ -122,11 +122,52 @@ class GenerationConfig:
 
 
 @attrs.define
-class DataConfig:
-    """Datasets the run reads (local JSONL, JSON or parquet files)."""
+class DataSource:
+    """A dataset written as a mapping under ``data.train`` or ``data.validation``, e.g.
+    ``{name: openai/gsm8k, subset: main, split: train}`` or ``{path: saved, split: test}``.
+    Set exactly one of ``name`` (a Hugging Face Hub dataset) and ``path`` (a local file or
+    folder). Folders and Hub datasets are read through the ``datasets`` library."""
 
-    train: str | None = None
-    validation: str | None = None
+    name: str | None = None  # a Hub dataset id (org/dataset); offline (HF_HUB_OFFLINE=1) read from the datasets cache
+    path: str | None = None  # a .jsonl/.json/.parquet file, a save_to_disk folder or a dataset repository folder
+    subset: str | None = None  # the dataset's configuration (load_dataset's name), e.g. main
+    split: str | None = None  # None: the only split, else the one named like the key (train or validation)
+    revision: str | None = None  # a Hub branch, tag or commit of name (offline: the cached copy, whatever its revision)
+    columns: dict[str, str] | None = None  # {column: row key} renames for this dataset; None: data.columns
+
+    def __attrs_post_init__(self) -> None:
+        if (self.name is None) == (self.path is None):
+            found = "both" if self.name is not None else "neither"
+            raise ValueError(
+                f"set exactly one of name (a Hub dataset id, e.g. org/dataset) and path (a local file or folder), "
+                f"found {found}"
+            )
+        if self.revision is not None and self.name is None:
+            raise ValueError("revision applies to a Hub dataset (name), not to a local path")
+
+
+@attrs.define
+class DataConfig:
+    """Datasets the run reads. ``train`` and ``validation`` each take a path or a
+    :class:`DataSource` mapping (keys ``name``, ``path``, ``subset``, ``split``, ``revision``,
+    ``columns``). A path is a JSON Lines, JSON or parquet file (read row by row, as
+    written), a folder written by ``save_to_disk`` (a Dataset, or a DatasetDict), or a
+    dataset repository folder (data files, optionally a README declaring configs) read with
+    ``load_dataset``. ``{name: org/dataset, subset: main, split: train, revision: v1}`` is a
+    Hugging Face Hub dataset, read with ``load_dataset``; offline, only a copy in the
+    datasets cache is used. Of several splits, the one named like the key is taken unless
+    ``split`` says otherwise.
+
+    Rows are recognised by their keys (``format``). Columns named otherwise are renamed by
+    ``columns``. Without renames, common layouts are recognised when there is no
+    ``messages`` column: ``question`` or ``problem`` is the ``prompt`` and, for SFT,
+    ``completion``, ``answer`` or ``solution`` is the ``response`` (for RL prompts a
+    reference ``answer`` stays the answer; beside ``chosen``/``rejected``, ``question`` is
+    the prompt)."""
+
+    train: str | DataSource | None = None  # a path, or {name: org/dataset, subset, split, revision} / {path, split}
+    validation: str | DataSource | None = None  # like train; split defaults to the one named validation
+    columns: dict[str, str] = attrs.field(factory=dict)  # {column: row key}, e.g. {question: prompt, answer: response}
     format: str = "auto"  # auto | prompt | messages | prompt_response | preference
     shuffle: bool = True
     seed: int | None = None  # None: the run's seed

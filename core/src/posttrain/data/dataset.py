@@ -1,4 +1,4 @@
-"""Tokenised datasets: read a file, check and encode every row, collate batches.
+"""Tokenised datasets: read a dataset's rows, check and encode every row, collate batches.
 
 Three kinds, by what an algorithm consumes (see :data:`~posttrain.data.formats.KIND_FORMATS`):
 
@@ -32,7 +32,8 @@ import torch
 
 from posttrain.batch import Batch
 from posttrain.data.chat import ChatEncoder, Encoded
-from posttrain.data.files import Unparsable, read_rows
+from posttrain.data.columns import plan_columns, rename_row
+from posttrain.data.files import Unparsable
 from posttrain.data.formats import (
     FORMATS,
     KIND_FORMATS,
@@ -43,6 +44,7 @@ from posttrain.data.formats import (
     detect_format,
     parse_row,
 )
+from posttrain.data.sources import RowSource, open_source
 from posttrain.errors import ConfigError, DataError, did_you_mean
 from posttrain.log import get_logger
 
@@ -58,7 +60,8 @@ _REPORTED_SKIPS = 5  # skipped rows quoted in the load report
 
 @attrs.frozen
 class LoadReport:
-    """What loading a file did. ``skipped`` quotes the first few skipped rows' errors."""
+    """What loading a dataset did. ``source`` is its label (the path for a local file);
+    ``skipped`` quotes the first few skipped rows' errors."""
 
     source: str
     format: str
@@ -106,7 +109,7 @@ class TokenizedDataset:
 
 
 def build_dataset(
-    source: str | Path,
+    source: str | Path | RowSource,
     kind: str,
     encoder: ChatEncoder,
     *,
@@ -114,12 +117,15 @@ def build_dataset(
     max_length: int | None = None,
     skip_malformed: bool = False,
 ) -> TokenizedDataset:
-    """Read ``source`` (.jsonl, .json or .parquet), check every row and encode it.
+    """Read ``source``, rename its columns, check every row and encode it.
 
-    ``fmt`` is ``auto`` (the first row whose keys show a format fixes it for the file) or
-    one of :data:`FORMATS`. A malformed row raises :class:`DataError` naming the file, the
-    row (1-based; the line for JSON Lines) and the problem, unless ``skip_malformed``: then
-    it is skipped, counted in the report and logged.
+    ``source`` is a path (a .jsonl, .json or .parquet file, or a dataset folder: see
+    :mod:`posttrain.data.sources`) or an opened :class:`RowSource`. Columns are renamed as
+    :func:`~posttrain.data.columns.plan_columns` says (the source's renames, or the common
+    layouts of ``kind``). ``fmt`` is ``auto`` (the first row whose keys show a format fixes
+    it for the dataset) or one of :data:`FORMATS`. A malformed row raises :class:`DataError`
+    naming the source, the row (1-based; the line for JSON Lines) and the problem, unless
+    ``skip_malformed``: then it is skipped, counted in the report and logged.
     """
     if kind not in KIND_FORMATS:
         raise ValueError(f"unknown dataset kind '{kind}'; kinds: {', '.join(KIND_FORMATS)}")
@@ -128,51 +134,56 @@ def build_dataset(
         raise ConfigError(
             f"data.format: '{fmt}' does not fit {kind} data; use auto or one of {', '.join(KIND_FORMATS[kind])}.{hint}"
         )
+    rows = source if isinstance(source, RowSource) else open_source(source)
+    plan = plan_columns(rows, kind)
+    label = rows.label
     builder = _TableBuilder(kind)
     skipped: list[str] = []
     num_rows = num_truncated = num_without_loss = 0
-    for number, row in read_rows(source):
+    for number, row in rows:
         num_rows += 1
         try:
             if isinstance(row, Unparsable):
                 raise RowError(row.reason)
+            if plan and isinstance(row, dict):
+                row = rename_row(row, plan)
             if fmt == "auto":
-                fmt = _detect(source, kind, number, row)
+                fmt = _detect(label, kind, number, row)
             example = parse_row(row, fmt)
             columns, truncated = _encode(example, encoder, max_length)
         except RowError as exc:
-            message = f"{source} row {number}: {exc}"
+            message = f"{label} row {number}: {exc}"
             if not skip_malformed:
                 raise DataError(message) from None
             skipped.append(message)
             continue
         except ConfigError as exc:
-            raise ConfigError(f"{source} row {number}: {exc}") from None
+            raise ConfigError(f"{label} row {number}: {exc}") from None
         num_truncated += truncated
         num_without_loss += not columns["sample_mask"]
         builder.add(columns, number)
     report = LoadReport(
-        str(source), fmt, num_rows, builder.size, len(skipped), tuple(skipped[:_REPORTED_SKIPS]),
+        label, fmt, num_rows, builder.size, len(skipped), tuple(skipped[:_REPORTED_SKIPS]),
         num_truncated, num_without_loss,
     )
     if builder.size == 0:
-        raise DataError(f"{source}: no usable rows ({num_rows} read, {len(skipped)} skipped as malformed)")
+        raise DataError(f"{label}: no usable rows ({num_rows} read, {len(skipped)} skipped as malformed)")
     _log_report(report)
     return TokenizedDataset(builder.finish(), kind, encoder.pad_token_id, report)
 
 
-def _detect(source: str | Path, kind: str, number: int, row: Any) -> str:
-    """The file's format from this row's keys ("auto"), or a row error when they show none."""
+def _detect(label: str, kind: str, number: int, row: Any) -> str:
+    """The dataset's format from this row's keys ("auto"), or a row error when they show none."""
     keys = sorted(row) if isinstance(row, dict) else []
     fmt = detect_format(row) if isinstance(row, dict) else None
     if fmt is None:
         raise RowError(
             f"cannot tell the row format from its keys {keys}; {kind} data needs {KIND_NEEDS[kind]} "
-            "(or set data.format)"
+            "(or set data.format, or rename columns to these keys with data.columns)"
         )
     if fmt not in KIND_FORMATS[kind]:
         raise DataError(
-            f"{source}: rows look like {fmt} data (row {number} has keys {keys}), but {kind} data needs "
+            f"{label}: rows look like {fmt} data (row {number} has keys {keys}), but {kind} data needs "
             f"{KIND_NEEDS[kind]}"
         )
     return fmt

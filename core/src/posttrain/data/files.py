@@ -54,6 +54,21 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
         raise DataError(f"{path}: unsupported file type '{path.suffix}'; use one of {', '.join(SUFFIXES)}")
 
 
+def read_columns(path: str | Path) -> tuple[str, ...]:
+    """The column names of a file: parquet's schema; for JSON and JSON Lines every key of
+    any object row, in order of first appearance (one pass over the file)."""
+    path = Path(path)
+    if path.is_file() and path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        return tuple(pq.ParquetFile(path).schema_arrow.names)
+    seen: dict[str, None] = {}
+    for _, row in read_rows(path):
+        if isinstance(row, dict):
+            seen.update(dict.fromkeys(row))
+    return tuple(seen)
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
     with path.open(encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):

@@ -27,6 +27,9 @@ import attrs
 
 FORMATS = ("messages", "prompt_response", "preference", "prompt")
 
+#: Every key a format reads; ``data.columns`` renames dataset columns to these.
+ROW_KEYS = ("messages", "prompt", "response", "system", "chosen", "rejected", "answer", "task", "metadata")
+
 #: What each kind of dataset (what an algorithm consumes) accepts.
 KIND_FORMATS: dict[str, tuple[str, ...]] = {
     "sft": ("messages", "prompt_response"),

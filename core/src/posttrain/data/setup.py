@@ -6,6 +6,7 @@ from posttrain.config.schema import RunConfig
 from posttrain.data.chat import ChatEncoder, load_tokenizer, read_chat_template
 from posttrain.data.dataset import TokenizedDataset, build_dataset
 from posttrain.data.loader import StatefulDataLoader
+from posttrain.data.sources import open_source
 from posttrain.errors import ConfigError
 
 
@@ -19,29 +20,33 @@ def encoder_from_config(config: RunConfig) -> ChatEncoder:
 def dataset_from_config(
     config: RunConfig, split: str, kind: str, encoder: ChatEncoder, *, max_length: int | None = None
 ) -> TokenizedDataset | None:
-    """The ``data.train`` or ``data.validation`` file as a dataset of ``kind``; None when unset.
+    """The ``data.train`` or ``data.validation`` dataset as a dataset of ``kind``; None when unset.
 
-    ``max_length`` defaults to ``data.max_length``, then ``policy.max_total_sequence_length``.
+    The key holds a path or a :class:`~posttrain.config.schema.DataSource` (see
+    :mod:`posttrain.data.sources`); its columns are renamed by its own ``columns``, else by
+    ``data.columns``. ``max_length`` defaults to ``data.max_length``, then
+    ``policy.max_total_sequence_length``.
     """
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got '{split}'")
     data = config.data
-    path = getattr(data, split)
-    if path is None:
+    spec = getattr(data, split)
+    if spec is None:
         return None
+    source = open_source(spec, key=f"data.{split}", default_split=split, columns=data.columns)
     limit = max_length or data.max_length or config.policy.max_total_sequence_length
-    return build_dataset(path, kind, encoder, fmt=data.format, max_length=limit, skip_malformed=data.skip_malformed)
+    return build_dataset(source, kind, encoder, fmt=data.format, max_length=limit, skip_malformed=data.skip_malformed)
 
 
 def require_dataset(
     config: RunConfig, split: str, kind: str, encoder: ChatEncoder, *, max_length: int | None = None
 ) -> TokenizedDataset:
-    """Like :func:`dataset_from_config`, but a missing file is a config error naming the key."""
+    """Like :func:`dataset_from_config`, but an unset key is a config error naming it."""
     dataset = dataset_from_config(config, split, kind, encoder, max_length=max_length)
     if dataset is None:
         raise ConfigError(
             f"data.{split} is not set; {config.algorithm or 'this algorithm'} needs a file of {kind} data "
-            "(.jsonl, .json or .parquet)"
+            f"(.jsonl, .json or .parquet), a dataset folder, or a Hub dataset (data.{split}: {{name: org/dataset}})"
         )
     return dataset
 
