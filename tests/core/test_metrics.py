@@ -6,14 +6,20 @@ import json
 
 import pytest
 
-from posttrain.config.schema import LoggerConfig
+from posttrain import __version__
+from posttrain.config.schema import LoggerConfig, RunConfig
 from posttrain.errors import ConfigError
 from posttrain.log import configure_logging, get_logger
+from posttrain.plugins import plugin_host
 from posttrain.run.metrics import MetricLogger, read_metrics
 
 
+def open_logger(tmp_path, **logger):
+    return MetricLogger.open(RunConfig(logger=LoggerConfig(**logger)), tmp_path)
+
+
 def test_jsonl_sink_records_every_step(tmp_path):
-    logger = MetricLogger(LoggerConfig(), tmp_path)
+    logger = open_logger(tmp_path)
     logger.log(1, {"loss": 2.0, "reward": 0.25})
     logger.log(1, {"accuracy": 0.5}, phase="validation")
     logger.log(2, {"loss": float("nan")})
@@ -27,25 +33,52 @@ def test_jsonl_sink_records_every_step(tmp_path):
 
 def test_tensorboard_sink_writes_event_file(tmp_path):
     pytest.importorskip("tensorboard")
-    logger = MetricLogger(LoggerConfig(tensorboard=True), tmp_path)
+    logger = open_logger(tmp_path, tensorboard=True)
     logger.log(1, {"loss": 1.0})
     logger.close()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_enabled_sink_without_package_is_a_config_error(tmp_path, monkeypatch):
+def refuse_import(monkeypatch, module: str) -> None:
+    """Make ``import <module>`` fail as if the package were not installed."""
     import builtins
 
     real_import = builtins.__import__
 
-    def no_wandb(name, *args, **kwargs):
-        if name == "wandb":
-            raise ImportError("no wandb")
+    def refusing(name, *args, **kwargs):
+        if name == module:
+            raise ImportError(f"no {module}")
         return real_import(name, *args, **kwargs)
 
-    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    monkeypatch.setattr(builtins, "__import__", refusing)
+
+
+def test_enabled_sink_without_package_is_a_config_error(tmp_path, monkeypatch):
+    refuse_import(monkeypatch, "wandb")
     with pytest.raises(ConfigError, match="logger.wandb is true but wandb is not installed"):
-        MetricLogger(LoggerConfig(wandb=True), tmp_path)
+        open_logger(tmp_path, wandb=True)
+
+
+def test_core_registers_its_sinks_as_a_plugin_and_the_logger_keys_turn_them_on(tmp_path):
+    sinks = plugin_host().metric_sinks
+    core = {name: sinks.distribution_of(name) for name in ("jsonl", "tensorboard", "wandb", "mlflow")}
+    assert set(core.values()) == {f"posttrain {__version__}"}
+    on = open_logger(tmp_path / "on")
+    assert [type(sink).__name__ for sink in on.sinks] == ["JsonlSink"]  # the defaults: metrics.jsonl only
+    on.close()
+    assert open_logger(tmp_path / "off", jsonl=False).sinks == []
+    assert not (tmp_path / "off").exists()
+
+
+def test_a_sink_that_cannot_open_closes_the_sinks_opened_before_it(tmp_path, monkeypatch):
+    from posttrain.builtin.sinks import JsonlSink
+
+    closed = []
+    monkeypatch.setattr(JsonlSink, "close", lambda self: closed.append(type(self).__name__))
+    refuse_import(monkeypatch, "wandb")
+    with pytest.raises(ConfigError, match="logger.wandb is true but wandb is not installed"):
+        open_logger(tmp_path, wandb=True)
+    assert closed == ["JsonlSink"]
 
 
 def test_structlog_events_go_to_json_file(tmp_path):

@@ -6,93 +6,150 @@ checks argument names against these specifications when the plugin is registered
 
 Registration hooks (one per seam) each return ``{name: factory}``. The host merges the
 answers of all plugins into one registry per kind and refuses a name registered twice,
-naming both distributions. What a factory must accept and return is stated per hook.
-Every Ray worker and ``posttrain plugins`` load every plugin and call these hooks, so a
-plugin module and its registration hooks import nothing heavy (torch, transformers, Ray):
-a factory imports its implementation when it is called.
+naming both distributions. What a factory is called with and returns is its registry's
+protocol below (:class:`PolicyBackendFactory`, ...). Every Ray worker and ``posttrain
+plugins`` load every plugin and call these hooks, so a plugin module and its registration
+hooks import nothing heavy (torch, transformers, Ray): a factory imports its implementation
+when it is called.
 
 Lifecycle hooks observe or adjust a run; every implementation is called (no first-result).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
 
 if TYPE_CHECKING:
+    from posttrain.cli import Command
     from posttrain.config import RunConfig
+    from posttrain.distributed.cluster import VirtualCluster
+    from posttrain.interfaces import Algorithm, DataPlane, Environment, Generation, LossFunction, Policy
+    from posttrain.interfaces.metric_sink import MetricSink
 
 hookspec = pluggy.HookspecMarker("posttrain")
 
-Factory = Callable[..., Any]
+
+# --------------------------------------------------------------------------- factories
+
+
+class PolicyBackendFactory(Protocol):
+    """``factory(config, cluster)``: start a policy backend's workers on ``cluster`` for the
+    run ``config`` and return its :class:`~posttrain.interfaces.Policy`."""
+
+    def __call__(self, config: RunConfig, cluster: VirtualCluster, /) -> Policy: ...
+
+
+class GenerationBackendFactory(Protocol):
+    """``factory(config, cluster)``: start a generation backend's engines on ``cluster`` and
+    return its :class:`~posttrain.interfaces.Generation`."""
+
+    def __call__(self, config: RunConfig, cluster: VirtualCluster, /) -> Generation: ...
+
+
+class EnvironmentFactory(Protocol):
+    """``factory(options)``: the :class:`~posttrain.interfaces.Environment` built from the
+    mapping under ``environments.<name>`` (inside the environment's own Ray actor)."""
+
+    def __call__(self, options: Mapping[str, Any], /) -> Environment: ...
+
+
+class LossFactory(Protocol):
+    """``factory(options)``: the :class:`~posttrain.interfaces.LossFunction` built from its
+    algorithm's typed loss options (e.g. ``grpo.loss``, the ``sft`` section)."""
+
+    def __call__(self, options: Any, /) -> LossFunction: ...
+
+
+class DataPlaneFactory(Protocol):
+    """``factory(config)``: the run's :class:`~posttrain.interfaces.DataPlane`."""
+
+    def __call__(self, config: RunConfig, /) -> DataPlane: ...
+
+
+class AlgorithmFactory(Protocol):
+    """``factory()``: an :class:`~posttrain.interfaces.Algorithm` (its class, usually)."""
+
+    def __call__(self) -> Algorithm: ...
+
+
+class MetricSinkFactory(Protocol):
+    """``factory(config, run_dir)``: the :class:`~posttrain.interfaces.MetricSink` opened for
+    the run ``config`` writing under ``run_dir``, or None when the config leaves it off."""
+
+    def __call__(self, config: RunConfig, run_dir: Path, /) -> MetricSink | None: ...
 
 
 # --------------------------------------------------------------------------- registration
 
 
 @hookspec
-def posttrain_policy_backends() -> Mapping[str, Factory]:
+def posttrain_policy_backends() -> Mapping[str, PolicyBackendFactory]:
     """Register policy (training) backends.
 
-    Each factory is called as ``factory(config: RunConfig, cluster: VirtualCluster)`` and
-    returns a :class:`posttrain.interfaces.Policy`. It reads ``config.policy`` and its own
-    section (registered with :func:`posttrain_config_sections`). Selected by
-    ``policy.backend``.
+    Each factory is a :class:`PolicyBackendFactory`: called as ``factory(config: RunConfig,
+    cluster: VirtualCluster)``, it returns a :class:`posttrain.interfaces.Policy`. It reads
+    ``config.policy`` and its own section (registered with
+    :func:`posttrain_config_sections`). Selected by ``policy.backend``.
     """
 
 
 @hookspec
-def posttrain_generation_backends() -> Mapping[str, Factory]:
+def posttrain_generation_backends() -> Mapping[str, GenerationBackendFactory]:
     """Register generation (rollout) backends.
 
-    Each factory is called as ``factory(config: RunConfig, cluster: VirtualCluster)`` and
-    returns a :class:`posttrain.interfaces.Generation`. Selected by ``generation.backend``.
+    Each factory is a :class:`GenerationBackendFactory`: called as ``factory(config:
+    RunConfig, cluster: VirtualCluster)``, it returns a
+    :class:`posttrain.interfaces.Generation`. Selected by ``generation.backend``.
     """
 
 
 @hookspec
-def posttrain_environments() -> Mapping[str, Factory]:
+def posttrain_environments() -> Mapping[str, EnvironmentFactory]:
     """Register environments.
 
-    Each factory is called as ``factory(options: Mapping[str, Any])`` with the mapping under
-    ``environments.<name>`` and returns a :class:`posttrain.interfaces.Environment`. It is
-    called inside a Ray worker process, so the plugin must be importable there (it is: the
-    host loads entry points in every worker).
+    Each factory is an :class:`EnvironmentFactory`: called as ``factory(options:
+    Mapping[str, Any])`` with the mapping under ``environments.<name>``, it returns a
+    :class:`posttrain.interfaces.Environment`. It is called inside a Ray worker process, so
+    the plugin must be importable there (it is: the host loads entry points in every
+    worker). Algorithms start environments with
+    :meth:`posttrain.run.context.RunContext.build_environments`.
     """
 
 
 @hookspec
-def posttrain_losses() -> Mapping[str, Factory]:
+def posttrain_losses() -> Mapping[str, LossFactory]:
     """Register loss functions.
 
-    Each factory is called as ``factory(options)`` with its algorithm's typed loss options
-    and returns a :class:`posttrain.interfaces.LossFunction`.
+    Each factory is a :class:`LossFactory`: called as ``factory(options)`` with its
+    algorithm's typed loss options, it returns a :class:`posttrain.interfaces.LossFunction`.
     """
 
 
 @hookspec
-def posttrain_data_planes() -> Mapping[str, Factory]:
+def posttrain_data_planes() -> Mapping[str, DataPlaneFactory]:
     """Register data planes (how a step's batch moves between driver and workers).
 
-    Each factory is called as ``factory(config: RunConfig)`` and returns a
-    :class:`posttrain.interfaces.DataPlane`. Selected by ``data_plane.backend``; core
-    registers ``memory``.
+    Each factory is a :class:`DataPlaneFactory`: called as ``factory(config: RunConfig)``,
+    it returns a :class:`posttrain.interfaces.DataPlane`. Selected by
+    ``data_plane.backend``; core registers ``memory``.
     """
 
 
 @hookspec
-def posttrain_algorithms() -> Mapping[str, Factory]:
+def posttrain_algorithms() -> Mapping[str, AlgorithmFactory]:
     """Register algorithms (what ``posttrain run NAME`` runs).
 
-    Each factory is a class or callable returning a :class:`posttrain.interfaces.Algorithm`
-    when called with no arguments.
+    Each factory is an :class:`AlgorithmFactory`: a class or callable returning a
+    :class:`posttrain.interfaces.Algorithm` when called with no arguments.
     """
 
 
 @hookspec
-def posttrain_commands() -> Mapping[str, Factory]:
+def posttrain_commands() -> Mapping[str, Command]:
     """Register subcommands of the ``posttrain`` command line (``posttrain NAME ...``).
 
     Each value is a :class:`posttrain.cli.Command`: its ``help`` line, a function that adds
@@ -100,6 +157,32 @@ def posttrain_commands() -> Mapping[str, Factory]:
     arguments and returns the exit status. ``run`` and ``plugins`` are core's own and cannot
     be registered. Errors raised as :class:`posttrain.errors.PosttrainError` print as one
     ``error:`` paragraph and exit with status 2, as for core's commands.
+    """
+
+
+@hookspec
+def posttrain_metric_sinks() -> Mapping[str, MetricSinkFactory]:
+    """Register metric sinks: where every step's scalar metrics are written.
+
+    Each factory is a :class:`MetricSinkFactory`: called once per run, as the run's context
+    is created and before any worker starts, as ``factory(config: RunConfig, run_dir:
+    Path)``; it returns a :class:`posttrain.interfaces.MetricSink` opened for that run, or
+    None when the config leaves the sink off (core's ``jsonl``, ``tensorboard``, ``wandb``
+    and ``mlflow`` read their ``logger.*`` keys; a third-party sink reads its own section,
+    or is on whenever installed). The run writes every training step's and validation
+    pass's metrics to every open sink, then tells the ``posttrain_step_end`` observers, and
+    closes each sink when it ends, however it ends. A factory that raises (a missing
+    library: :class:`~posttrain.errors.ConfigError` naming the key) stops the run before it
+    starts, after closing the sinks already open.
+
+    Why a registry and not the lifecycle hooks alone: a sink is per-run state (an open file,
+    a tracking-server run), which a factory returns as an object the run owns, where a
+    plugin made of hook functions would keep it in module globals shared by every run of
+    the process; the run writes to its sinks before any ``posttrain_step_end`` observer acts
+    on the step (an observer may stop or kill the run, and the step's metrics must be on
+    disk by then), whatever order pluggy calls hooks in; a sink that cannot open fails at
+    once, before workers start; and sinks are named, listed by ``posttrain plugins`` and
+    refused when registered twice, like every other seam.
     """
 
 
@@ -115,6 +198,13 @@ def posttrain_config_sections() -> Mapping[str, type]:
     structures the YAML subtree at that path into the class (every field needs a default
     unless the user must set it) and refuses keys no class declares. Read the result with
     ``config.section("grpo")``. A path may be contributed by one plugin only.
+
+    A policy backend's section (``policy.<backend>``) may define ``replica_factors(self) ->
+    list[tuple[str, int]]``: the ``(config key, size)`` of the parallel dimensions it adds to
+    one data-parallel replica beyond ``policy.tensor_parallel_size`` (e.g. megatron's
+    pipeline and context parallel sizes). Core divides ``policy.num_workers`` by their
+    product (:attr:`posttrain.config.schema.RunConfig.data_parallel_size`) and names those
+    keys in its checks.
     """
 
 
@@ -135,10 +225,9 @@ def posttrain_validate_config(config: RunConfig) -> None:
 
 @hookspec
 def posttrain_run_start(config: RunConfig, run_dir: str) -> None:
-    """Called once when a run starts, after validation and before the first step.
-
-    Metric loggers open their sinks here; ``run_dir`` is where the run writes its outputs.
-    """
+    """Called once when a run starts, after its inputs are checked and its metric sinks
+    opened (:func:`posttrain_metric_sinks`), before the first step. ``run_dir`` is where
+    the run writes its outputs."""
 
 
 @hookspec
@@ -146,12 +235,14 @@ def posttrain_step_end(step: int, metrics: Mapping[str, float], phase: str) -> N
     """Called after every training step (``phase == "train"``) and every validation pass
     (``phase == "validation"``) with that step's scalar metrics.
 
-    ``step`` counts from 1. Observers (metric sinks, early stoppers, alerting) implement
-    this; they must not mutate ``metrics``.
+    ``step`` counts training steps from 1 (a validation pass before the first is step 0).
+    Called after every metric sink has written the step (sinks register with
+    :func:`posttrain_metric_sinks`). Observers (early stoppers, alerting, fault injection)
+    implement this; they must not mutate ``metrics``.
     """
 
 
 @hookspec
 def posttrain_run_end(config: RunConfig, run_dir: str, status: str) -> None:
     """Called once when a run ends; ``status`` is ``"completed"``, ``"interrupted"`` or
-    ``"failed"``. Sinks flush and close here."""
+    ``"failed"``. The run's metric sinks are closed right after this hook."""

@@ -27,6 +27,7 @@ KINDS: dict[str, str] = {
     "posttrain_losses": "loss",
     "posttrain_data_planes": "data plane",
     "posttrain_algorithms": "algorithm",
+    "posttrain_metric_sinks": "metric sink",
     "posttrain_commands": "command",
     "posttrain_config_sections": "config section",
 }
@@ -127,6 +128,10 @@ class PluginHost:
     @property
     def algorithms(self) -> Registry:
         return self.registry("posttrain_algorithms")
+
+    @property
+    def metric_sinks(self) -> Registry:
+        return self.registry("posttrain_metric_sinks")
 
     @property
     def commands(self) -> Registry:

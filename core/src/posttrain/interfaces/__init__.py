@@ -5,6 +5,7 @@ from posttrain.interfaces.data_plane import DataPlane, PlaneSamples, WorkerPlane
 from posttrain.interfaces.environment import Environment, EnvironmentReturn, Message
 from posttrain.interfaces.generation import Generation, RefitStats
 from posttrain.interfaces.loss import LossFunction, LossType, combine_metrics
+from posttrain.interfaces.metric_sink import MetricSink
 from posttrain.interfaces.policy import Policy
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "LossFunction",
     "LossType",
     "Message",
+    "MetricSink",
     "PlaneSamples",
     "Policy",
     "RefitStats",

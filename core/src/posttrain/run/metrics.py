@@ -1,109 +1,51 @@
-"""Metric sinks and the progress bar.
+"""A run's metrics: the logger that fans them out to the metric sinks, reading
+``metrics.jsonl`` back, and the progress bar.
 
-:class:`MetricLogger` writes every step's scalars to ``<run_dir>/metrics.jsonl`` (always, unless
-``logger.jsonl`` is off) and to TensorBoard, wandb and MLflow when enabled. Each line of the
-JSONL file is ``{"step": N, "phase": "train"|"validation", "time": unix_s, <name>: value...}``.
+The sinks are plugins (``posttrain_metric_sinks``, :mod:`posttrain.hookspecs`); core's own,
+``metrics.jsonl`` among them, are in :mod:`posttrain.builtin.sinks`.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from posttrain.config.schema import LoggerConfig
-from posttrain.errors import ConfigError
+from posttrain.plugins import PluginHost, plugin_host
 
-
-class Sink(Protocol):
-    def write(self, step: int, metrics: Mapping[str, float], phase: str) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class JsonlSink:
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", buffering=1)
-
-    def write(self, step: int, metrics: Mapping[str, float], phase: str) -> None:
-        record = {"step": step, "phase": phase, "time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        self._file.close()
-
-
-class TensorBoardSink:
-    def __init__(self, log_dir: Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise ConfigError(
-                "logger.tensorboard is true but tensorboard is not installed; "
-                "pip install 'posttrain[tensorboard]' or set logger.tensorboard=false"
-            ) from exc
-        self._writer = SummaryWriter(log_dir=str(log_dir))
-
-    def write(self, step: int, metrics: Mapping[str, float], phase: str) -> None:
-        for name, value in metrics.items():
-            self._writer.add_scalar(f"{phase}/{name}", value, step)
-
-    def close(self) -> None:
-        self._writer.close()
-
-
-class WandbSink:
-    def __init__(self, project: str, run_dir: Path, config: Mapping[str, Any]):
-        try:
-            import wandb
-        except ImportError as exc:
-            raise ConfigError("logger.wandb is true but wandb is not installed; pip install wandb or set logger.wandb=false") from exc
-        self._run = wandb.init(project=project, dir=str(run_dir), config=dict(config))
-
-    def write(self, step: int, metrics: Mapping[str, float], phase: str) -> None:
-        self._run.log({f"{phase}/{k}": v for k, v in metrics.items()}, step=step)
-
-    def close(self) -> None:
-        self._run.finish()
-
-
-class MlflowSink:
-    def __init__(self, experiment: str):
-        try:
-            import mlflow
-        except ImportError as exc:
-            raise ConfigError("logger.mlflow is true but mlflow is not installed; pip install mlflow or set logger.mlflow=false") from exc
-        self._mlflow = mlflow
-        mlflow.set_experiment(experiment)
-        mlflow.start_run()
-
-    def write(self, step: int, metrics: Mapping[str, float], phase: str) -> None:
-        self._mlflow.log_metrics({f"{phase}/{k}".replace(":", "_"): float(v) for k, v in metrics.items()}, step=step)
-
-    def close(self) -> None:
-        self._mlflow.end_run()
+if TYPE_CHECKING:
+    from posttrain.config.schema import RunConfig
+    from posttrain.interfaces.metric_sink import MetricSink
 
 
 class MetricLogger:
-    """Fans one step's scalar metrics out to every enabled sink."""
+    """Fans one step's scalar metrics out to a run's sinks, in order."""
 
-    def __init__(self, config: LoggerConfig, run_dir: str | Path, run_config: Mapping[str, Any] | None = None):
+    def __init__(self, sinks: Sequence[MetricSink]):
+        self.sinks = list(sinks)
+
+    @classmethod
+    def open(cls, config: RunConfig, run_dir: str | Path, host: PluginHost | None = None) -> MetricLogger:
+        """Every sink registered with ``host`` (this process's host by default) that
+        ``config`` turns on, opened for ``run_dir``, in the registry's (name) order. When one
+        fails to open, those opened before it are closed and its error is raised."""
+        registry = (host or plugin_host()).metric_sinks
         run_dir = Path(run_dir)
-        self.sinks: list[Sink] = []
-        if config.jsonl:
-            self.sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
-        if config.tensorboard:
-            self.sinks.append(TensorBoardSink(run_dir / "tensorboard"))
-        if config.wandb:
-            self.sinks.append(WandbSink(config.wandb_project, run_dir, run_config or {}))
-        if config.mlflow:
-            self.sinks.append(MlflowSink(config.mlflow_experiment))
+        sinks: list[MetricSink] = []
+        try:
+            for name in registry:
+                sink = registry[name](config, run_dir)
+                if sink is not None:
+                    sinks.append(sink)
+        except BaseException:
+            cls(sinks).close()
+            raise
+        return cls(sinks)
 
-    def log(self, step: int, metrics: Mapping[str, float], phase: str = "train") -> None:
+    def log(self, step: int, metrics: Mapping[str, Any], phase: str = "train") -> None:
+        """Write the scalar values of ``metrics`` (numbers and one-element tensors, as
+        floats; anything else is left out) to every sink."""
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) or _is_scalar_tensor(v)}
         for sink in self.sinks:
             sink.write(step, scalars, phase)
@@ -142,7 +84,3 @@ class ProgressBar:
 def _is_scalar_tensor(value: Any) -> bool:
     return hasattr(value, "numel") and value.numel() == 1
 
-
-def _jsonable(value: float) -> float | str:
-    value = float(value)
-    return value if math.isfinite(value) else str(value)
