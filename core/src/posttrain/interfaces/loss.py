@@ -7,7 +7,7 @@ microbatch losses, so gradient accumulation equals one full-batch step exactly.
 
 Metrics are combined the same way (summed over microbatches and ranks), except those a loss
 names in ``metric_reductions`` (extremes such as ``ratio_max``); :func:`combine_metrics`
-does both.
+does both, and combines the results of several passes too.
 """
 
 from __future__ import annotations
@@ -61,15 +61,47 @@ class LossFunction(abc.ABC):
         """
 
 
-def combine_metrics(parts: Sequence[Mapping[str, float]], reductions: Mapping[str, str]) -> dict[str, float]:
-    """Combine per-microbatch (or per-rank) metrics: ``max``/``min`` for the names in
-    ``reductions`` (a loss's ``metric_reductions``), a sum for every other name."""
-    reducers = {"max": max, "min": min, "sum": sum}
-    names = dict.fromkeys(name for part in parts for name in part)
+Reduction = Literal["sum", "mean", "max", "min"]
+
+
+def combine_metrics(
+    parts: Sequence[Mapping[str, float]],
+    reductions: Mapping[str, str],
+    *,
+    default: Reduction = "sum",
+    weights: Sequence[float] | None = None,
+) -> dict[str, float]:
+    """One value per metric name from the metrics several parts reported, names in the
+    order first seen. The one combiner of posttrain: microbatches and ranks of a pass, the
+    passes of an algorithm step, the batches of a validation.
+
+    A name is reduced by ``reductions.get(name, default)``, over the parts that report it:
+
+    - ``"sum"``: contributions that add up to the whole (a loss's metrics, normalised by
+      global counts, over microbatches and ranks; token counts; seconds);
+    - ``"mean"``: the mean of per-part values, each part weighted by ``weights[i]`` when
+      given (e.g. each validation batch's normaliser), equally otherwise;
+    - ``"max"`` / ``"min"``: extremes (a loss's :attr:`LossFunction.metric_reductions`).
+    """
+    if weights is not None and len(weights) != len(parts):
+        raise ValueError(f"combine_metrics: {len(weights)} weights for {len(parts)} parts")
     out = {}
-    for name in names:
-        values = [part[name] for part in parts if name in part]
-        out[name] = float(reducers[reductions.get(name, "sum")](values))
+    for name in dict.fromkeys(name for part in parts for name in part):
+        present = [(i, float(part[name])) for i, part in enumerate(parts) if name in part]
+        values = [value for _, value in present]
+        kind = reductions.get(name, default)
+        if kind == "max":
+            out[name] = max(values)
+        elif kind == "min":
+            out[name] = min(values)
+        elif kind == "sum":
+            out[name] = sum(values)
+        elif kind != "mean":
+            raise ValueError(f"combine_metrics: unknown reduction '{kind}' for '{name}'; expected sum, mean, max or min")
+        elif weights is None:
+            out[name] = sum(values) / len(values)
+        else:
+            out[name] = sum(weights[i] * value for i, value in present) / sum(weights[i] for i, _ in present)
     return out
 
 

@@ -5,7 +5,9 @@ Layout under the checkpoint directory::
     step_12/               a complete checkpoint (renamed into place only when complete)
         config.yaml        the resolved run config
         training_info.json {"step": 12, "metrics": {...}}
-        ...                whatever the algorithm writes (policy/, dataloader.pt, rng.pt)
+        policy/            the algorithm's TrainingState: the policy's own checkpoint,
+        dataloader.pt      the training data loader's position,
+        rng.pt             the driver's random states
     tmp_step_13/           a save in progress (or one killed midway); never loaded
 
 A save writes everything into ``tmp_step_N``, flushes it to disk, then renames it to
@@ -21,10 +23,16 @@ import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from posttrain.errors import CheckpointError
 from posttrain.log import get_logger
+
+if TYPE_CHECKING:
+    from posttrain.data import StatefulDataLoader
+    from posttrain.interfaces.policy import Policy
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -107,6 +115,52 @@ class CheckpointManager:
         if value is None:  # checkpoints without the metric rank below every scored one
             return (float("-inf"), step)
         return (value if self.higher_is_better else -value, step)
+
+
+#: The files of a :class:`TrainingState` in a checkpoint folder.
+POLICY_DIR = "policy"
+DATALOADER_FILE = "dataloader.pt"
+RNG_FILE = "rng.pt"
+
+
+@attrs.frozen
+class TrainingState:
+    """What an algorithm's run carries across a resume, written into a checkpoint folder
+    (``step_N/``, which :class:`CheckpointManager` completes with ``training_info.json`` and
+    ``config.yaml``)::
+
+        policy/         Policy.save_checkpoint: weights, optimizer, scheduler
+        dataloader.pt   the training data loader's position (StatefulDataLoader.state_dict)
+        rng.pt          the driver's Python, NumPy and torch random states (rng_state)
+    """
+
+    policy: Policy
+    loader: StatefulDataLoader
+
+    def save(self, folder: Path) -> None:
+        """Fill ``folder`` (see the class docstring)."""
+        import torch
+
+        self.policy.save_checkpoint(str(folder / POLICY_DIR))
+        torch.save(self.loader.state_dict(), folder / DATALOADER_FILE)
+        torch.save(rng_state(), folder / RNG_FILE)
+
+    def load(self, folder: Path, algorithm: str) -> None:
+        """Restore the policy, the loader's position and the driver's random states from a
+        folder :meth:`save` filled. A folder without one of the files is refused before
+        anything is restored, with a :class:`CheckpointError` naming what is missing and
+        ``algorithm`` (the run's, as in the message: ``"GRPO"``)."""
+        import torch
+
+        missing = [name for name in (POLICY_DIR, DATALOADER_FILE, RNG_FILE) if not (folder / name).exists()]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {folder} has no {', '.join(missing)}; it was not written by a {algorithm} run. "
+                f"Point checkpointing.dir at a {algorithm} run's checkpoints, or set checkpointing.resume=false"
+            )
+        self.policy.load_checkpoint(str(folder / POLICY_DIR))
+        self.loader.load_state_dict(torch.load(folder / DATALOADER_FILE))
+        set_rng_state(torch.load(folder / RNG_FILE))
 
 
 #: Config keys a checkpoint's state depends on: resuming with another value is refused.

@@ -1,12 +1,13 @@
 """What an algorithm receives: the typed config, the plugin host, and builders for backends,
-plus the run's metric logger, checkpoint manager and progress bar."""
+environments, data planes and losses, plus the run's metric logger, checkpoint manager and
+progress bar."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -19,10 +20,22 @@ from posttrain.run.checkpoint import CheckpointManager, check_checkpoint_fits
 from posttrain.run.metrics import MetricLogger, ProgressBar
 from posttrain.run.stop import StopRequest, stop_on_signals
 
+if TYPE_CHECKING:
+    from posttrain.distributed.cluster import VirtualCluster
+    from posttrain.hookspecs import (
+        DataPlaneFactory,
+        GenerationBackendFactory,
+        LossFactory,
+        PolicyBackendFactory,
+    )
+    from posttrain.interfaces import DataPlane, Environment, Generation, LossFunction, Policy
+
 
 class RunContext:
-    """One run's services. Backends are built on request; the algorithm owns and shuts
-    down what it builds. The Ray cluster starts on first use.
+    """One run's services. Backends and environments are built on request, each by the
+    factory its registry holds under the name the config gives; the algorithm owns and shuts
+    down what it builds. The Ray cluster starts on first use. ``config`` is the run's config
+    as loaded; nothing here changes it.
 
     ``stop`` is set by SIGINT / SIGTERM during :func:`run_algorithm`: a training loop checks
     :attr:`stop_requested` before each step and, once it is set, saves a checkpoint of the
@@ -34,14 +47,14 @@ class RunContext:
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log = get_logger()
-        self.metrics = MetricLogger(config.logger, self.run_dir, config.raw)
+        self.metrics = MetricLogger.open(config, self.run_dir, self.host)
         ckpt = config.checkpointing
         self.checkpoints: CheckpointManager | None = (
             CheckpointManager(ckpt.dir or self.run_dir / "checkpoints", ckpt.keep_top_k, ckpt.metric, ckpt.higher_is_better)
             if ckpt.enabled
             else None
         )
-        self._cluster: Any = None
+        self._cluster: VirtualCluster | None = None
         self.stop = StopRequest()
 
     @property
@@ -50,29 +63,56 @@ class RunContext:
         return self.stop.requested
 
     @property
-    def cluster(self) -> Any:
-        """The :class:`~posttrain.distributed.cluster.VirtualCluster`, starting Ray if needed."""
+    def cluster(self) -> VirtualCluster:
+        """The run's :class:`~posttrain.distributed.cluster.VirtualCluster`, starting Ray if needed."""
         if self._cluster is None:
-            from posttrain.distributed.cluster import VirtualCluster, init_ray
+            from posttrain.distributed.cluster import VirtualCluster
 
-            init_ray(self.config.cluster)
+            self._start_ray()
             self._cluster = VirtualCluster(self.config.cluster)
         return self._cluster
 
-    def build_policy(self) -> Any:
-        return self.host.policy_backends[self.config.policy.backend](self.config, self.cluster)
+    def build_policy(self, *, schedule_steps: int | None = None) -> Policy:
+        """The ``policy.backend`` policy, its workers started on :attr:`cluster`.
 
-    def build_generation(self) -> Any:
-        return self.host.generation_backends[self.config.generation.backend](self.config, self.cluster)
+        ``schedule_steps`` is the run's number of optimizer steps, which only the algorithm
+        knows: when ``policy.scheduler.total_steps`` is unset (its documented default, the
+        run's length), the backend is given the config with it set to ``schedule_steps``
+        (:func:`with_schedule_horizon`); :attr:`config` stays as loaded."""
+        config = self.config if schedule_steps is None else with_schedule_horizon(self.config, schedule_steps)
+        factory: PolicyBackendFactory = self.host.policy_backends[config.policy.backend]
+        return factory(config, self.cluster)
 
-    def build_data_plane(self) -> Any:
-        return self.host.data_planes[self.config.data_plane.backend](self.config)
+    def build_generation(self) -> Generation:
+        """The ``generation.backend`` generation backend, its engines started on :attr:`cluster`."""
+        factory: GenerationBackendFactory = self.host.generation_backends[self.config.generation.backend]
+        return factory(self.config, self.cluster)
 
-    def build_loss(self, name: str, options: Any) -> Any:
-        return self.host.losses[name](options)
+    def build_data_plane(self) -> DataPlane:
+        """The ``data_plane.backend`` data plane."""
+        factory: DataPlaneFactory = self.host.data_planes[self.config.data_plane.backend]
+        return factory(self.config)
+
+    def build_loss(self, name: str, options: Any) -> LossFunction:
+        """The loss registered as ``name``, built from the algorithm's typed ``options``."""
+        factory: LossFactory = self.host.losses[name]
+        return factory(options)
+
+    def build_environments(self, names: Iterable[str], *, plugins: Sequence[str] = ()) -> Mapping[str, Environment]:
+        """One environment per name in ``names``, each in its own Ray actor
+        (:class:`~posttrain.run.environments.RemoteEnvironment`) built from the options under
+        ``environments.<name>``. Ray starts with the run's cluster settings if it is not
+        running yet. Every name in ``names`` and under ``environments`` must be registered:
+        an unknown one fails before any actor starts. ``plugins`` are extra plugin modules
+        (importable names) registered in every environment actor, for environments not
+        installed as distributions. The caller shuts each environment down."""
+        from posttrain.run.environments import start_environments
+
+        self._start_ray()
+        return start_environments(names, self.config.environments, plugins=plugins)
 
     def log_metrics(self, step: int, metrics: Mapping[str, float], phase: str = "train") -> None:
-        """Write ``metrics`` to every sink and tell ``posttrain_step_end`` observers."""
+        """Write ``metrics`` to every sink, then tell the ``posttrain_step_end`` observers."""
         self.metrics.log(step, metrics, phase)
         self.host.hook.posttrain_step_end(step=step, metrics=dict(metrics), phase=phase)
 
@@ -84,6 +124,11 @@ class RunContext:
         if self._cluster is not None:
             self._cluster.shutdown()
             self._cluster = None
+
+    def _start_ray(self) -> None:
+        from posttrain.distributed.cluster import init_ray
+
+        init_ray(self.config.cluster)
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:

@@ -1,5 +1,6 @@
 """A run's metrics: the logger that fans them out to the metric sinks, reading
-``metrics.jsonl`` back, and the progress bar.
+``metrics.jsonl`` back, how the results of several policy passes combine, and the progress
+bar.
 
 The sinks are plugins (``posttrain_metric_sinks``, :mod:`posttrain.hookspecs`); core's own,
 ``metrics.jsonl`` among them, are in :mod:`posttrain.builtin.sinks`.
@@ -54,6 +55,21 @@ class MetricLogger:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
+
+
+#: Metrics of ``Policy.train`` that describe the pass (learning rate, gradient norm, loss
+#: tokens, seconds), not the loss.
+PASS_METRICS = ("lr", "num_tokens", "step_time_s", "grad_norm")
+
+
+def combine_train_passes(parts: Sequence[Mapping[str, float]], reductions: Mapping[str, str]) -> dict[str, float]:
+    """The metrics of one algorithm step that ran several ``Policy.train`` calls (one per
+    global batch): ``num_tokens`` and ``step_time_s`` add up, names in ``reductions`` (the
+    loss's ``metric_reductions``) take their max or min, everything else (each call's value
+    is normalised over its own global batch) is averaged."""
+    from posttrain.interfaces.loss import combine_metrics  # torch: only when a run combines
+
+    return combine_metrics(parts, {"num_tokens": "sum", "step_time_s": "sum", **reductions}, default="mean")
 
 
 def read_metrics(path: str | Path, phase: str | None = None) -> list[dict[str, Any]]:

@@ -18,13 +18,13 @@ from posttrain.data import ChatEncoder, StatefulDataLoader, build_dataset
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models.tiny import build_tokenizer
 from posttrain.plugins import plugin_host
-from posttrain.run.checkpoint import rng_state, set_rng_state
+from posttrain.run.checkpoint import TrainingState, rng_state, set_rng_state
+from posttrain.run.metrics import combine_train_passes
 from posttrain_grpo.algorithm import GRPO, environment_names
 from posttrain_grpo.config import GRPOConfig, OverlongRewardShapingConfig, RewardScalingConfig
-from posttrain_grpo.state import PromptStream, read_checkpoint
+from posttrain_grpo.prompts import PromptStream
 from posttrain_grpo.step import (
     batch_metrics,
-    combine_train_metrics,
     first_nonfinite,
     nonfinite_fields,
     rollout_summary,
@@ -117,7 +117,7 @@ def test_train_metrics_of_several_optimizer_steps():
         {"loss": 1.0, "ratio_max": 1.1, "ratio_min": 0.9, "num_tokens": 10.0, "step_time_s": 0.5},
         {"loss": 3.0, "ratio_max": 1.3, "ratio_min": 0.95, "num_tokens": 14.0, "step_time_s": 0.25},
     ]
-    combined = combine_train_metrics(parts, {"ratio_max": "max", "ratio_min": "min"})
+    combined = combine_train_passes(parts, {"ratio_max": "max", "ratio_min": "min"})
     assert combined == {"loss": 2.0, "ratio_max": 1.3, "ratio_min": 0.9, "num_tokens": 24.0, "step_time_s": 0.75}
 
 
@@ -229,7 +229,7 @@ def test_random_states_survive_the_checkpoint_file(tmp_path):
 def test_a_checkpoint_without_grpo_state_is_refused(tmp_path):
     (tmp_path / "policy").mkdir()
     with pytest.raises(CheckpointError, match=r"has no dataloader\.pt, rng\.pt; it was not written by a GRPO run"):
-        read_checkpoint(tmp_path, policy=None, prompts=None)  # refused before either is touched
+        TrainingState(policy=None, loader=None).load(tmp_path, "GRPO")  # refused before either is touched
 
 
 # ----------------------------------------------------------------------------- environments

@@ -1,4 +1,4 @@
-"""The ``dpo`` algorithm: the supervised loop over preference pairs with the DPO loss."""
+"""The ``dpo`` algorithm: core's supervised loop over preference pairs with the DPO loss."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import attrs
 
 from posttrain.interfaces.data_plane import PlaneSamples
 from posttrain.interfaces.policy import Policy
+from posttrain.run.supervised import SupervisedAlgorithm
 from posttrain_dpo.config import DPOConfig
-from posttrain_sft.loop import SupervisedAlgorithm
 
 
 class DPO(SupervisedAlgorithm):
-    """Direct preference optimisation with the supervised loop (:mod:`posttrain_sft.loop`).
+    """Direct preference optimisation with core's supervised loop (:mod:`posttrain.run.supervised`).
 
     Reads ``preference`` data: each example gives two rows, chosen (even) then rejected
     (odd), so ``policy.train_global_batch_size`` counts rows, twice the pairs. Before each

@@ -1,4 +1,4 @@
-"""The ``dpo`` config section: the SFT loop options plus the DPO loss options."""
+"""The ``dpo`` config section: the supervised loop's options plus the DPO loss options."""
 
 from __future__ import annotations
 
@@ -7,14 +7,16 @@ from typing import Any
 import attrs
 
 from posttrain.config import where_set
-from posttrain_sft.config import SFTConfig, check_loop_options
+from posttrain.run.supervised_config import SupervisedConfig, check_supervised_config
 
 LOSS_TYPES = ("sigmoid", "ipo")
 
 
 @attrs.define
-class DPOConfig(SFTConfig):
-    """Options of the ``dpo`` algorithm and its loss (see :class:`posttrain_dpo.loss.DPOLoss`)."""
+class DPOConfig(SupervisedConfig):
+    """Options of the ``dpo`` algorithm: the supervised loop's
+    (:class:`~posttrain.run.supervised_config.SupervisedConfig`) and its loss's (see
+    :class:`posttrain_dpo.loss.DPOLoss`)."""
 
     beta: float = 0.1  # strength of the pull towards the reference policy
     loss_type: str = "sigmoid"  # sigmoid | ipo
@@ -27,7 +29,7 @@ class DPOConfig(SFTConfig):
 
 def check_options(options: DPOConfig) -> list[str]:
     """Problems with the ``dpo`` section, each naming its key, what was expected and what was found."""
-    problems = check_loop_options("dpo", options)
+    problems = check_supervised_config("dpo", options)
     if options.loss_type not in LOSS_TYPES:
         problems.append(f"dpo.loss_type: expected one of {', '.join(LOSS_TYPES)}, found '{options.loss_type}'")
     if not options.beta > 0:

@@ -1,4 +1,5 @@
-"""The GRPO training loop (``posttrain run grpo``), written once, against the interfaces only.
+"""GRPO (``posttrain run grpo``): its steps, written once, against the interfaces only, run
+by core's :class:`~posttrain.run.loop.TrainingLoop`.
 
 One step, as data::
 
@@ -17,13 +18,10 @@ One step, as data::
       -> metrics -> validation every grpo.val_period steps -> checkpoint every
          checkpointing.save_period steps and at the end
 
-Stop: after SIGINT / SIGTERM (``ctx.stop_requested``) no new step starts; the last finished
-step is checkpointed and the run returns without exporting.
-
-Resume: with ``checkpointing.resume`` and a checkpoint in ``checkpointing.dir``, the run
-restores the policy (weights, optimizer, scheduler), the data loader position and the
-driver's random states from the latest one, refits the generation backend, and continues
-with the next step. Sampling does not depend on the process: before each step the
+Stop, resume, validation and checkpoint periods, the export: core's loop (see
+:mod:`posttrain.run.loop`). A resumed run restores the policy (weights, optimizer,
+scheduler), the data loader position and the driver's random states from the latest
+checkpoint, refits the generation backend, and continues with the next step. Sampling does not depend on the process: before each step the
 generation backend is reseeded from ``(seed, step)`` (:func:`~posttrain_grpo.step.step_seed`),
 so a resumed run samples exactly what an uninterrupted run would.
 
@@ -35,11 +33,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from posttrain.batch import Batch
-from posttrain.config import dump_config
 from posttrain.data import (
     TokenizedDataset,
     dataloader_from_config,
@@ -47,16 +43,17 @@ from posttrain.data import (
     encoder_from_config,
     require_dataset,
 )
-from posttrain.distributed.cluster import init_ray
 from posttrain.errors import ConfigError
 from posttrain.interfaces import Algorithm, PlaneSamples
-from posttrain.run.context import RunContext, with_schedule_horizon
-from posttrain.run.environments import start_environments
+from posttrain.run.checkpoint import TrainingState
+from posttrain.run.context import RunContext
+from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
+from posttrain.run.metrics import combine_train_passes
 from posttrain.run.refit import refit
 from posttrain.run.rollout import run_rollout
 from posttrain_grpo.config import GRPOConfig
 from posttrain_grpo.dynamic_sampling import DynamicSampler
-from posttrain_grpo.state import PromptStream, read_checkpoint, write_checkpoint
+from posttrain_grpo.prompts import PromptStream
 from posttrain_grpo.step import (
     LOGPROB_FIELDS,
     METRIC_FIELDS,
@@ -66,7 +63,6 @@ from posttrain_grpo.step import (
     StageTimer,
     TrainingDiverged,
     batch_metrics,
-    combine_train_metrics,
     first_nonfinite,
     nonfinite_fields,
     rollout_summary,
@@ -96,12 +92,13 @@ class GRPO(Algorithm):
 
     def run(self, context: RunContext) -> dict[str, Any]:
         with contextlib.ExitStack() as cleanup:
-            return GRPORun(context, self.environment_plugins, cleanup).train()
+            run = GRPORun(context, self.environment_plugins, cleanup)
+            return TrainingLoop(context, run.plan, run, TrainingState(run.policy, run.prompts.loader)).run()
 
 
-class GRPORun:
-    """One run's services and loop state. The constructor starts everything and registers
-    its shutdown with ``cleanup``; :meth:`train` runs the steps."""
+class GRPORun(LoopSteps):
+    """One run's services and the steps core's loop runs. The constructor starts everything
+    and registers its shutdown with ``cleanup``."""
 
     def __init__(self, ctx: RunContext, environment_plugins: Sequence[str], cleanup: contextlib.ExitStack):
         self.ctx = ctx
@@ -116,18 +113,24 @@ class GRPORun:
             dataloader_from_config(config, train_set, self.grpo.num_prompts_per_step), self.grpo.max_num_epochs
         )
         self.val_prompts = _validation_prompts(val_set, self.grpo.max_val_samples) if val_set is not None else None
-        self.total_steps = min(self.grpo.max_num_steps, self.prompts.total_batches)
+        total_steps = min(self.grpo.max_num_steps, self.prompts.total_batches)
         updates_per_step = max(1, self.grpo.samples_per_step // config.policy.train_global_batch_size)
-        ctx.config = self.config = config = with_schedule_horizon(config, self.total_steps * updates_per_step)
+        self.plan = LoopPlan(
+            label="GRPO",
+            total_steps=total_steps,
+            schedule_steps=total_steps * updates_per_step,
+            val_period=self.grpo.val_period,
+            val_at_start=self.grpo.val_at_start,
+            export_dir=self.grpo.export_dir,
+        )
         self.loss_fn = ctx.build_loss("clipped_pg", self.grpo.loss)
         self.needs_reference = self.grpo.loss.kl_penalty > 0 or not self.grpo.skip_reference_logprobs_when_kl_off
         self.needs_prev = updates_per_step > 1 or not self.grpo.skip_prev_logprobs_when_on_policy
 
-        init_ray(config.cluster)  # with the run's cluster settings, before the first actor starts
-        self.environments = start_environments(names, config.environments, plugins=environment_plugins)
+        self.environments = ctx.build_environments(names, plugins=environment_plugins)
         for env in self.environments.values():
             cleanup.callback(env.shutdown)
-        self.policy = ctx.build_policy()
+        self.policy = ctx.build_policy(schedule_steps=self.plan.schedule_steps)
         cleanup.callback(self.policy.shutdown)
         self.generation = ctx.build_generation()
         cleanup.callback(self.generation.shutdown)
@@ -135,41 +138,16 @@ class GRPORun:
         cleanup.callback(self.plane.shutdown)
 
         self.colocated = config.generation.colocated
-        self.last_validation: dict[str, float] = {}
-        self.resumed_metrics: dict[str, float] = {}  # the checkpoint's step metrics, when resuming
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ the loop's steps
 
-    def train(self) -> dict[str, Any]:
-        """Run (or resume) to ``grpo.max_num_steps`` or the end of the data; return the
-        last step's metrics, with the last validation's under ``validation/``."""
-        step = self.resume()
-        start = step
+    def start(self, step: int) -> None:
+        """A resumed run refits the generation backend to the restored weights; a colocated
+        policy gives its devices to generation until the first training pass."""
+        if step:
+            refit(self.policy, self.generation, self.config.generation.refit_bucket_bytes)
         if self.colocated:
             self.policy.offload()
-        if step == 0 and self.grpo.val_at_start:
-            self.validate(0)
-        metrics = self.resumed_metrics
-        bar = self.ctx.progress(self.total_steps, "GRPO", initial=step)
-        try:
-            while step < self.grpo.max_num_steps and not self.ctx.stop_requested:
-                step_metrics = self.train_step(step + 1)
-                if step_metrics is None:  # the data loader has run out of epochs
-                    break
-                step, metrics = step + 1, step_metrics
-                self.ctx.log_metrics(step, metrics)
-                bar.update(metrics)
-                if self.grpo.val_period and step % self.grpo.val_period == 0:
-                    self.validate(step)
-                if step % self.config.checkpointing.save_period == 0 or step == self.total_steps:
-                    self.save(step, metrics)
-        finally:
-            bar.close()
-        if step > start and self.ctx.checkpoints is not None and step not in self.ctx.checkpoints.steps():
-            self.save(step, metrics)
-        if self.grpo.export_dir and not self.ctx.stop_requested:
-            self.policy.export_hf(self.grpo.export_dir)
-        return {"step": step, **metrics, **{f"validation/{k}": v for k, v in self.last_validation.items()}}
 
     def train_step(self, step: int) -> dict[str, float] | None:
         """One GRPO step; None when the data ran out before the step's batch was full."""
@@ -284,7 +262,7 @@ class GRPORun:
             if bad is not None:
                 raise self.diverged(step, bad, metrics[bad], chunk.get())
             parts.append(metrics)
-        return combine_train_metrics(parts, self.loss_fn.metric_reductions)
+        return combine_train_passes(parts, self.loss_fn.metric_reductions)
 
     def diverged(self, step: int, metric: str, value: float, batch: Batch) -> TrainingDiverged:
         latest = self.ctx.checkpoints.latest() if self.ctx.checkpoints is not None else None
@@ -298,13 +276,14 @@ class GRPORun:
             "then resume from the checkpoint."
         )
 
-    # ------------------------------------------------------------------ validation and checkpoints
+    # ------------------------------------------------------------------ validation
 
-    def validate(self, step: int) -> None:
-        """Greedy rollouts of the validation prompts; logs ``accuracy`` (mean environment
-        reward) and the rollout and environment metrics under phase ``validation``."""
+    def validate(self, step: int) -> dict[str, float] | None:
+        """Greedy rollouts of the validation prompts: ``accuracy`` (mean environment reward),
+        the mean response length, and the rollout and environment metrics; None without
+        validation prompts."""
         if self.val_prompts is None:
-            return
+            return None
         timer = StageTimer()
         partition = f"validation/{step}"
         with timer("validation"):
@@ -320,45 +299,12 @@ class GRPORun:
                 results = self.plane.get(partition, keys, ("rewards", "response_lengths"))
             finally:
                 self.plane.clear(partition)
-        self.last_validation = {
+        return {
             "accuracy": float(results["rewards"].float().mean()),
             "mean_response_length": float(results["response_lengths"].float().mean()),
             **metrics,
             **timer.metrics(),
         }
-        self.ctx.log_metrics(step, self.last_validation, phase="validation")
-
-    def save(self, step: int, metrics: dict[str, float]) -> None:
-        """Checkpoint ``step``, scored by its metrics and the last validation's
-        (``validation/<name>``) for ``checkpointing.keep_top_k``."""
-        if self.ctx.checkpoints is None:
-            return
-        scored = {**metrics, **{f"validation/{k}": v for k, v in self.last_validation.items()}}
-        self.ctx.checkpoints.save(
-            step,
-            lambda folder: write_checkpoint(folder, self.policy, self.prompts),
-            metrics=scored,
-            config_yaml=dump_config(self.config),
-        )
-
-    def resume(self) -> int:
-        """Restore the latest checkpoint when resuming is on; return its step (0: fresh run)."""
-        manager = self.ctx.checkpoints
-        if manager is None or not self.config.checkpointing.resume:
-            return 0
-        folder = manager.latest()
-        if folder is None:
-            return 0
-        info = manager.info(folder)
-        read_checkpoint(Path(folder), self.policy, self.prompts)
-        for name, value in info.get("metrics", {}).items():
-            if name.startswith("validation/"):
-                self.last_validation[name.removeprefix("validation/")] = value
-            else:
-                self.resumed_metrics[name] = value
-        refit(self.policy, self.generation, self.config.generation.refit_bucket_bytes)
-        self.ctx.log.info("resumed GRPO", checkpoint=str(folder), step=info["step"])
-        return int(info["step"])
 
 
 def environment_names(config: Any, datasets: Sequence[TokenizedDataset | None]) -> tuple[list[str], str | None]:

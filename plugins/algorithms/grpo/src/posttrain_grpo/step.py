@@ -2,8 +2,9 @@
 
 Pure functions of :class:`~posttrain.batch.Batch` es and tensors: no backend is called here.
 :func:`score` turns a rollout batch's environment rewards into advantages;
-:func:`combine_train_metrics`, :func:`rollout_summary` and :func:`batch_metrics` build the
-step's logged metrics; :func:`nonfinite_fields` diagnoses a diverged step.
+:func:`rollout_summary` and :func:`batch_metrics` build the step's logged metrics (with
+core's :func:`~posttrain.run.metrics.combine_train_passes` for the training passes);
+:func:`nonfinite_fields` diagnoses a diverged step.
 """
 
 from __future__ import annotations
@@ -99,26 +100,6 @@ class StageTimer:
     def metrics(self) -> dict[str, float]:
         """``timing/<stage>`` in seconds."""
         return {f"timing/{stage}": seconds for stage, seconds in self.seconds.items()}
-
-
-def combine_train_metrics(parts: Sequence[Mapping[str, float]], reductions: Mapping[str, str]) -> dict[str, float]:
-    """Metrics of several ``policy.train`` calls (one per global batch of the step): the
-    max or min for names in ``reductions`` (the loss's ``metric_reductions``), the sum of
-    ``num_tokens`` and ``step_time_s``, the mean of everything else (each call's metrics
-    are already normalised over its own global batch)."""
-    out: dict[str, float] = {}
-    for name in dict.fromkeys(n for part in parts for n in part):
-        values = [float(part[name]) for part in parts if name in part]
-        kind = reductions.get(name)
-        if kind == "max":
-            out[name] = max(values)
-        elif kind == "min":
-            out[name] = min(values)
-        elif name in ("num_tokens", "step_time_s"):
-            out[name] = sum(values)
-        else:
-            out[name] = sum(values) / len(values)
-    return out
 
 
 def rollout_summary(rollouts: Sequence[tuple[Batch, Mapping[str, float]]]) -> dict[str, float]:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from posttrain_sft.loop import SupervisedAlgorithm
+from posttrain.run.supervised import SupervisedAlgorithm
 
 
 class SFT(SupervisedAlgorithm):
-    """Supervised fine-tuning with the supervised loop (:mod:`posttrain_sft.loop`).
+    """Supervised fine-tuning with core's supervised loop (:mod:`posttrain.run.supervised`).
 
     Reads ``sft`` data (conversations or prompt/response rows; only assistant tokens carry
     loss) and trains with the loss named by ``sft.loss`` (default ``nll``).

@@ -13,7 +13,8 @@ from posttrain import hookimpl
 from posttrain.config import require_registered
 from posttrain.errors import ConfigError
 from posttrain.plugins import plugin_host
-from posttrain_sft.config import SFTConfig, check_loop_options
+from posttrain.run.supervised_config import check_supervised_config
+from posttrain_sft.config import SFTConfig
 
 if TYPE_CHECKING:
     from posttrain_sft.algorithm import SFT
@@ -54,7 +55,7 @@ def posttrain_validate_config(config: Any) -> None:
     options = config.sections.get("sft")
     if options is None:
         return
-    problems = check_loop_options("sft", options)
+    problems = check_supervised_config("sft", options)
     if problems:
         raise ConfigError("; ".join(problems))
     if config.algorithm == "sft":
