@@ -42,7 +42,7 @@ def posttrain_validate_config(config: RunConfig) -> None:
     policy = config.policy
     if policy.backend != BACKEND:
         return
-    for key, value in (("num_workers", policy.num_workers), ("tensor_parallel_size", policy.tensor_parallel_size)):
+    for key, value in (("tensor_parallel_size", policy.tensor_parallel_size), ("num_workers", policy.num_workers)):
         if value != 1:
             raise ConfigError(
                 f"policy.{key}: the torch backend trains in one process, so it must be 1; found {value}. "
