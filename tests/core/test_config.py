@@ -37,6 +37,9 @@ class ToyConfig:
 class ToyBackendConfig:
     shards: int = 1
 
+    def replica_factors(self) -> list[tuple[str, int]]:
+        return [("policy.toy_backend.shards", self.shards)]
+
 
 @attrs.define
 class NeedsValueConfig:
@@ -443,19 +446,38 @@ def test_batch_arithmetic_message_shows_the_numbers(in_tmp, host):
         in message
     )
     # The same numbers with a divisible global batch pass.
-    assert load_config("exp.yaml", ["policy.train_global_batch_size=32"], host=host).policy.data_parallel_size == 2
+    assert load_config("exp.yaml", ["policy.train_global_batch_size=32"], host=host).data_parallel_size == 2
 
 
 def test_parallelism_must_divide_workers(host):
     with pytest.raises(ConfigError) as err:
         config_from_dict({"policy": {"num_workers": 3, "tensor_parallel_size": 2}}, host=host)
     assert (
-        "policy.num_workers=3 is not divisible by policy.tensor_parallel_size (2) x "
-        "policy.pipeline_parallel_size (1) x policy.context_parallel_size (1) = 2. Use a multiple of 2, e.g. 4."
+        "policy.num_workers=3 is not divisible by policy.tensor_parallel_size (2) = 2. Use a multiple of 2, e.g. 4."
     ) in str(err.value)
 
     with pytest.raises(ConfigError, match=r"policy.train_micro_batch_size must be at least 1, found 0"):
         config_from_dict({"policy": {"train_micro_batch_size": 0}}, host=host)
+
+
+def test_a_backend_section_adds_its_model_parallel_sizes(host):
+    """A policy backend's own section may split a replica further (replica_factors): core
+    divides the workers by every factor and names the backend's keys."""
+    policy = {"backend": "toy_backend", "num_workers": 4, "tensor_parallel_size": 1, "toy_backend": {"shards": 2}}
+    config = config_from_dict({"policy": {**policy, "train_global_batch_size": 8, "train_micro_batch_size": 2}},
+                              host=host)
+    assert config.replica_factors() == [("policy.tensor_parallel_size", 1), ("policy.toy_backend.shards", 2)]
+    assert config.data_parallel_size == 2
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"policy": {**policy, "num_workers": 3}}, host=host)
+    assert (
+        "policy.num_workers=3 is not divisible by policy.tensor_parallel_size (1) x policy.toy_backend.shards (2) "
+        "= 2. Use a multiple of 2, e.g. 4."
+    ) in str(err.value)
+    with pytest.raises(ConfigError, match=r"policy.toy_backend.shards must be at least 1, found 0"):
+        config_from_dict({"policy": {**policy, "toy_backend": {"shards": 0}}}, host=host)
+    with pytest.raises(ConfigError, match=r"data-parallel size \(2\) = 6\. Use a multiple of 6, e.g. 12\."):
+        config_from_dict({"policy": {**policy, "train_global_batch_size": 8, "train_micro_batch_size": 3}}, host=host)
 
 
 def test_unknown_data_plane(host):

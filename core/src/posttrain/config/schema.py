@@ -80,9 +80,7 @@ class PolicyConfig:
     tokenizer: str | None = None  # None: the model folder
     dtype: str = "float32"  # float32 | bfloat16 | float16
     num_workers: int = 1  # ranks in the training worker group
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    context_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # more model-parallel sizes live in the backend's section (policy.<backend>)
     train_global_batch_size: int = 32  # samples per optimizer step
     train_micro_batch_size: int = 4  # samples per forward/backward per rank
     logprob_micro_batch_size: int = 8
@@ -97,7 +95,9 @@ class PolicyConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.num_workers // (self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size)
+        """Transitional: ``num_workers // tensor_parallel_size``, which ignores the backend's own
+        model-parallel sizes; use :attr:`RunConfig.data_parallel_size`."""
+        return self.num_workers // self.tensor_parallel_size
 
 
 @attrs.define
@@ -226,6 +226,26 @@ class RunConfig:
     # ("exp.yaml:12" or "command line override 'a.b=1'"), for error messages.
     raw: dict[str, Any] = attrs.field(factory=dict, repr=False, eq=False)
     sources: dict[str, str] = attrs.field(factory=dict, repr=False, eq=False)
+
+    def replica_factors(self) -> list[tuple[str, int]]:
+        """``(config key, size)`` of each parallel dimension within one data-parallel replica
+        of the policy: ``policy.tensor_parallel_size``, then those the policy backend's own
+        section adds through a ``replica_factors()`` method (e.g. megatron's pipeline and
+        context parallel sizes). Their product is the number of ranks per replica."""
+        factors = [("policy.tensor_parallel_size", self.policy.tensor_parallel_size)]
+        backend_section = self.sections.get(f"policy.{self.policy.backend}")
+        if backend_section is not None and hasattr(backend_section, "replica_factors"):
+            factors.extend(backend_section.replica_factors())
+        return factors
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel replicas of the policy: ``policy.num_workers`` over the ranks per
+        replica (the product of :meth:`replica_factors`)."""
+        ranks_per_replica = 1
+        for _, size in self.replica_factors():
+            ranks_per_replica *= size
+        return self.policy.num_workers // ranks_per_replica
 
     def section(self, path: str) -> Any:
         """A plugin's typed section, e.g. ``config.section("grpo")``."""

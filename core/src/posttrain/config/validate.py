@@ -40,34 +40,20 @@ def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
     """
     host = host if host is not None else plugin_host()
     policy = config.policy
-    for name in (
-        "num_workers",
-        "tensor_parallel_size",
-        "pipeline_parallel_size",
-        "context_parallel_size",
-        "train_global_batch_size",
-        "train_micro_batch_size",
-    ):
-        value = getattr(policy, name)
+    factors = config.replica_factors()
+    sizes = [(f"policy.{name}", getattr(policy, name)) for name in
+             ("num_workers", "train_global_batch_size", "train_micro_batch_size")]
+    for key, value in [*sizes, *factors]:
         if value < 1:
-            raise ConfigError(f"policy.{name} must be at least 1, found {value}.{where_set(config, 'policy.' + name)}")
-    _require_multiple(
-        config,
-        "policy.num_workers",
-        policy.num_workers,
-        [
-            ("policy.tensor_parallel_size", policy.tensor_parallel_size),
-            ("policy.pipeline_parallel_size", policy.pipeline_parallel_size),
-            ("policy.context_parallel_size", policy.context_parallel_size),
-        ],
-    )
+            raise ConfigError(f"{key} must be at least 1, found {value}.{where_set(config, key)}")
+    _require_multiple(config, "policy.num_workers", policy.num_workers, factors)
     _require_multiple(
         config,
         "policy.train_global_batch_size",
         policy.train_global_batch_size,
         [
             ("policy.train_micro_batch_size", policy.train_micro_batch_size),
-            ("data-parallel size", policy.data_parallel_size),
+            ("data-parallel size", config.data_parallel_size),
         ],
     )
     require_registered(host.data_planes, config.data_plane.backend, "data_plane.backend", config=config)

@@ -116,7 +116,7 @@ def restore(policy, checkpoint: str):
     p = policy.config.policy
     policy.config.policy = attrs.evolve(
         p,
-        train_micro_batch_size=p.train_global_batch_size // p.data_parallel_size,
+        train_micro_batch_size=p.train_global_batch_size // policy.config.data_parallel_size,
         sequence_packing=SequencePackingConfig(),
         dynamic_batching=DynamicBatchingConfig(),
     )

@@ -329,9 +329,6 @@ def test_bucket_names_bound_bucket_bytes_and_isolate_oversized_tensors():
 
 
 def test_validation_names_the_keys(dt):
-    cfg = dt.policy_config("/nowhere", pipeline_parallel_size=2, num_workers=2)
-    with pytest.raises(ConfigError, match="context_parallel_size must be 1 for the dtensor backend \\(got 2 and 1\\)"):
-        validate_policy_config(cfg)
     cfg = dt.policy_config("/nowhere")
     cfg.policy.sequence_packing.enabled = cfg.policy.dynamic_batching.enabled = True
     with pytest.raises(ConfigError, match="sequence_packing.enabled and policy.dynamic_batching.enabled are both true"):

@@ -105,10 +105,11 @@ def policy_config(model_path: str, *, backend: str = "megatron", megatron=None, 
         resources=WorkerResources(cpus=0.5),
     )
     fields.update(overrides)
-    p = PolicyConfig(**fields)
-    p.train_micro_batch_size = overrides.get("train_micro_batch_size", len(LENGTHS) // p.data_parallel_size)
     sections = {"policy.megatron": megatron} if megatron is not None else {}
-    return RunConfig(seed=0, policy=p, generation=GenerationConfig(temperature=TEMPERATURE), sections=sections)
+    config = RunConfig(seed=0, policy=PolicyConfig(**fields), generation=GenerationConfig(temperature=TEMPERATURE),
+                       sections=sections)
+    config.policy.train_micro_batch_size = overrides.get("train_micro_batch_size", len(LENGTHS) // config.data_parallel_size)
+    return config
 
 
 def full_weights(policy) -> dict[str, torch.Tensor]:

@@ -130,11 +130,12 @@ def test_parallel_sizes_the_model_does_not_divide_are_refused(llama_path):
     from posttrain_megatron.model import check_parallel_sizes
 
     arch = Architecture.from_hf_config(_hf_model(llama_path)[0])  # 4 heads, 2 key/value heads, 2 layers
-    check_parallel_sizes(arch, PolicyConfig(num_workers=4, tensor_parallel_size=2, pipeline_parallel_size=2))
+    check_parallel_sizes(arch, PolicyConfig(num_workers=4, tensor_parallel_size=2), MegatronConfig(pipeline_parallel_size=2))
     with pytest.raises(ConfigError, match="policy.tensor_parallel_size=4 does not divide the model's num_key_value_heads=2"):
-        check_parallel_sizes(arch, PolicyConfig(num_workers=4, tensor_parallel_size=4))
-    with pytest.raises(ConfigError, match="policy.pipeline_parallel_size=3 does not divide the model's num_hidden_layers=2"):
-        check_parallel_sizes(arch, PolicyConfig(num_workers=3, pipeline_parallel_size=3))
+        check_parallel_sizes(arch, PolicyConfig(num_workers=4, tensor_parallel_size=4), MegatronConfig())
+    with pytest.raises(ConfigError,
+                       match="policy.megatron.pipeline_parallel_size=3 does not divide the model's num_hidden_layers=2"):
+        check_parallel_sizes(arch, PolicyConfig(num_workers=3), MegatronConfig(pipeline_parallel_size=3))
 
 
 # ---------------------------------------------------------------- rows
@@ -203,15 +204,15 @@ def test_validation_names_the_keys(mg):
           megatron=MegatronConfig(distributed_optimizer=True))
     check("policy.megatron.sequence_parallel splits activations over tensor-parallel ranks and needs "
           r"policy.tensor_parallel_size > 1", megatron=MegatronConfig(sequence_parallel=True))
-    check("policy.context_parallel_size=2 needs policy.megatron.transformer_impl=transformer_engine",
-          num_workers=2, context_parallel_size=2)
+    check("policy.megatron.context_parallel_size=2 needs policy.megatron.transformer_impl=transformer_engine",
+          num_workers=2, megatron=MegatronConfig(context_parallel_size=2))
     cfg = mg.policy_config("/nowhere")
     cfg.policy.sequence_packing.enabled = True
     with pytest.raises(ConfigError, match="policy.sequence_packing is not implemented by the megatron backend; use "
                                           "policy.dynamic_batching"):
         validate_policy_config(cfg)
-    validate_policy_config(mg.policy_config("/nowhere", num_workers=4, tensor_parallel_size=2, pipeline_parallel_size=2,
-                                            megatron=MegatronConfig(sequence_parallel=True)))
+    validate_policy_config(mg.policy_config("/nowhere", num_workers=4, tensor_parallel_size=2,
+                                            megatron=MegatronConfig(pipeline_parallel_size=2, sequence_parallel=True)))
 
 
 def test_plugin_registers_backend_section_and_checks_only_megatron_policies(mg):

@@ -27,11 +27,11 @@ LAYOUTS = {
     "local_tp2": (False, dict(num_workers=2, tensor_parallel_size=2)),
     "te_tp2_sp": (True, dict(num_workers=2, tensor_parallel_size=2,
                              megatron=MegatronConfig(transformer_impl="transformer_engine", sequence_parallel=True))),
-    "te_cp2": (True, dict(num_workers=2, context_parallel_size=2, megatron=TE)),
-    "te_pp2_dp2_distopt": (True, dict(num_workers=4, pipeline_parallel_size=2, train_micro_batch_size=2,
+    "te_cp2": (True, dict(num_workers=2, megatron=MegatronConfig(transformer_impl="transformer_engine", context_parallel_size=2))),
+    "te_pp2_dp2_distopt": (True, dict(num_workers=4, train_micro_batch_size=2,
                                       optimizer=OptimizerConfig(name="adamw", lr=1e-3),
                                       megatron=MegatronConfig(transformer_impl="transformer_engine",
-                                                              distributed_optimizer=True))),
+                                                              pipeline_parallel_size=2, distributed_optimizer=True))),
 }
 
 

@@ -27,7 +27,7 @@ LAYOUTS = {
     "tp2": ("llama", dict(num_workers=2, tensor_parallel_size=2), (1, 2, 1)),
     "qwen2_tp2_sp": ("qwen2", dict(num_workers=2, tensor_parallel_size=2,
                                    megatron=MegatronConfig(sequence_parallel=True)), (1, 2, 1)),
-    "pp2": ("llama", dict(num_workers=2, pipeline_parallel_size=2), (1, 1, 2)),
+    "pp2": ("llama", dict(num_workers=2, megatron=MegatronConfig(pipeline_parallel_size=2)), (1, 1, 2)),
     "dp2_distopt": ("llama", dict(num_workers=2, optimizer=ADAMW,
                                   megatron=MegatronConfig(distributed_optimizer=True)), (2, 1, 1)),
 }

@@ -46,7 +46,7 @@ def _restore(policy, checkpoint: str):
     """Initial weights, optimizer state and step; one microbatch per rank, no dynamic batching."""
     policy.load_checkpoint(checkpoint)
     p = policy.config.policy
-    policy.config.policy = attrs.evolve(p, train_micro_batch_size=p.train_global_batch_size // p.data_parallel_size,
+    policy.config.policy = attrs.evolve(p, train_micro_batch_size=p.train_global_batch_size // policy.config.data_parallel_size,
                                         dynamic_batching=DynamicBatchingConfig())
     return policy
 

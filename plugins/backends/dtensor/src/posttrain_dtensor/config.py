@@ -43,11 +43,6 @@ def validate_policy_config(config: RunConfig) -> None:
     """The dtensor backend's own checks, before any worker starts (core checks the parallel
     and batch arithmetic)."""
     p = config.policy
-    if p.pipeline_parallel_size != 1 or p.context_parallel_size != 1:
-        raise ConfigError(
-            "policy.pipeline_parallel_size and policy.context_parallel_size must be 1 for the dtensor backend "
-            f"(got {p.pipeline_parallel_size} and {p.context_parallel_size}); use tensor_parallel_size and num_workers"
-        )
     if p.sequence_packing.enabled and p.dynamic_batching.enabled:
         raise ConfigError(
             "policy.sequence_packing.enabled and policy.dynamic_batching.enabled are both true; they are "

@@ -1,9 +1,9 @@
 """The backend's own configuration section, ``policy.megatron``, and its checks.
 
-The core ``policy`` section says the model, dtype, parallel sizes (tensor, pipeline and
-context parallel; data parallel is what remains of ``num_workers``), batch sizes,
+The core ``policy`` section says the model, dtype, the tensor-parallel size, batch sizes,
 optimizer, schedule and dynamic batching; this section holds what is specific to
-megatron-core.
+megatron-core, the pipeline and context parallel sizes included (data parallel is what
+remains of ``policy.num_workers``: :meth:`MegatronConfig.replica_factors` tells core).
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 class MegatronConfig:
     """Options of the ``megatron`` policy backend.
 
+    - ``pipeline_parallel_size``: pipeline stages (each holds an equal share of the layers).
+    - ``context_parallel_size``: ranks that split each sequence (needs
+      ``transformer_impl: transformer_engine``, a GPU).
     - ``transformer_impl``: ``local`` (megatron-core's own layers; runs anywhere, the CPU
       included) or ``transformer_engine`` (NVIDIA Transformer Engine layers and fused
       attention; GPU, needed for context parallelism).
@@ -38,11 +41,21 @@ class MegatronConfig:
       exempts them.
     """
 
+    pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
     transformer_impl: str = "local"
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     grad_reduce_in_fp32: bool = True
     weight_decay_norms_and_biases: bool = True
+
+    def replica_factors(self) -> list[tuple[str, int]]:
+        """The parallel sizes this backend adds to one data-parallel replica (after tensor
+        parallel), by config key: core divides ``policy.num_workers`` by their product."""
+        return [
+            (f"{SECTION}.pipeline_parallel_size", self.pipeline_parallel_size),
+            (f"{SECTION}.context_parallel_size", self.context_parallel_size),
+        ]
 
 
 def options_of(config: RunConfig) -> MegatronConfig:
@@ -74,9 +87,9 @@ def validate_policy_config(config: RunConfig) -> None:
             f"{SECTION}.sequence_parallel splits activations over tensor-parallel ranks and needs "
             "policy.tensor_parallel_size > 1; set it to false or raise the tensor-parallel size"
         )
-    if p.context_parallel_size > 1 and options.transformer_impl != "transformer_engine":
+    if options.context_parallel_size > 1 and options.transformer_impl != "transformer_engine":
         raise ConfigError(
-            f"policy.context_parallel_size={p.context_parallel_size} needs {SECTION}.transformer_impl=transformer_engine "
+            f"{SECTION}.context_parallel_size={options.context_parallel_size} needs {SECTION}.transformer_impl=transformer_engine "
             "(megatron-core's context-parallel attention is Transformer Engine's; a GPU is needed)"
         )
     if p.sequence_packing.enabled:

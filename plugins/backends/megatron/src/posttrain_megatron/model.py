@@ -41,9 +41,9 @@ class HiddenStateGPTModel(GPTModel):
         return hidden_states
 
 
-def check_parallel_sizes(arch: Architecture, policy: PolicyConfig) -> None:
+def check_parallel_sizes(arch: Architecture, policy: PolicyConfig, options: MegatronConfig) -> None:
     """Refuse parallel sizes the model's shape does not divide, naming both numbers."""
-    tp, pp = policy.tensor_parallel_size, policy.pipeline_parallel_size
+    tp, pp = policy.tensor_parallel_size, options.pipeline_parallel_size
     for key, value in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
                        ("intermediate_size", arch.ffn_hidden_size)):
         if value % tp:
@@ -53,7 +53,7 @@ def check_parallel_sizes(arch: Architecture, policy: PolicyConfig) -> None:
             )
     if arch.num_layers % pp:
         raise ConfigError(
-            f"policy.pipeline_parallel_size={pp} does not divide the model's num_hidden_layers={arch.num_layers}; "
+            f"policy.megatron.pipeline_parallel_size={pp} does not divide the model's num_hidden_layers={arch.num_layers}; "
             "each pipeline stage holds the same number of layers"
         )
 
@@ -67,8 +67,8 @@ def transformer_config(arch: Architecture, policy: PolicyConfig, options: Megatr
     return TransformerConfig(
         **arch.transformer_config_kwargs(),
         tensor_model_parallel_size=policy.tensor_parallel_size,
-        pipeline_model_parallel_size=policy.pipeline_parallel_size,
-        context_parallel_size=policy.context_parallel_size,
+        pipeline_model_parallel_size=options.pipeline_parallel_size,
+        context_parallel_size=options.context_parallel_size,
         sequence_parallel=options.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -82,18 +82,18 @@ class MegatronPolicyWorker(PolicyWorker):
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=policy.tensor_parallel_size,
-            pipeline_model_parallel_size=policy.pipeline_parallel_size,
-            context_parallel_size=policy.context_parallel_size,
+            pipeline_model_parallel_size=options.pipeline_parallel_size,
+            context_parallel_size=options.context_parallel_size,
         )
         cpu_compat.seed_rng(config.seed)
         read_model_config(policy.model, "policy.model")  # a clear error before transformers' own
         self.arch = Architecture.from_hf_config(AutoConfig.from_pretrained(policy.model))
-        check_parallel_sizes(self.arch, policy)
+        check_parallel_sizes(self.arch, policy, options)
         check_scheduler_config(policy.scheduler)
         self.fused_norms = fused_norms(options)
         self.compute_dtype = getattr(torch, policy.dtype)
         self.temperature = logprob_temperature(config.generation.temperature)
-        self.row_multiple = row_multiple(policy.tensor_parallel_size, policy.context_parallel_size,
+        self.row_multiple = row_multiple(policy.tensor_parallel_size, options.context_parallel_size,
                                          options.sequence_parallel)
 
         tcfg = transformer_config(self.arch, policy, options, on_gpu=self.device.type == "cuda")
