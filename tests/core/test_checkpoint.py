@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
+import random
+import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from posttrain.config import config_from_dict, dump_config
 from posttrain.errors import CheckpointError
-from posttrain.run.checkpoint import CheckpointManager, check_checkpoint_fits
+from posttrain.run.checkpoint import CheckpointManager, TrainingState, check_checkpoint_fits
+from posttrain.run.context import RunContext, seed_everything
+from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
+from posttrain.run.metrics import read_metrics
 
 
 def _writer(payload: str):
@@ -172,3 +179,147 @@ def test_a_run_refuses_a_checkpoint_of_another_config_before_ray_starts(tiny_mod
         f"cannot resume from {saved}: it was written by a different config. Differences: "
         "policy.dtype: checkpoint 'float32', config 'bfloat16'. "
     )
+
+
+# ----------------------------------------------------------------------------- training state and the loop
+
+
+class Numbers:
+    """Samples 0..n-1; a batch holds their values."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def collate(self, indices):
+        import torch
+
+        from posttrain.batch import Batch
+
+        return Batch(value=torch.tensor(list(indices)))
+
+
+class CounterPolicy:
+    """A stand-in policy whose whole trained state is a counter, saved as a file."""
+
+    def __init__(self) -> None:
+        self.updates = 0
+        self.exported: list[str] = []
+
+    def save_checkpoint(self, path: str) -> None:
+        os.makedirs(path)
+        (Path(path) / "updates").write_text(str(self.updates))
+
+    def load_checkpoint(self, path: str) -> None:
+        self.updates = int((Path(path) / "updates").read_text())
+
+    def export_hf(self, path: str) -> None:
+        self.exported.append(path)
+
+
+def _loader(seed: int = 1):
+    from posttrain.data import StatefulDataLoader
+
+    return StatefulDataLoader(Numbers(10), 2, shuffle=True, seed=seed)
+
+
+def test_training_state_writes_the_checkpoint_layout_and_restores_it(tmp_path):
+    policy, loader = CounterPolicy(), _loader()
+    next(iter(loader))
+    policy.updates = 3
+    TrainingState(policy, loader).save(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dataloader.pt", "policy", "rng.pt"]
+    expected = (next(iter(loader))["value"].tolist(), random.random())
+
+    restored, fresh = CounterPolicy(), _loader()
+    TrainingState(restored, fresh).load(tmp_path, "sft")
+    assert (next(iter(fresh))["value"].tolist(), random.random()) == expected
+    assert restored.updates == 3
+
+
+def test_training_state_refuses_a_folder_without_its_files_before_restoring_anything(tmp_path):
+    (tmp_path / "dataloader.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError) as err:
+        TrainingState(CounterPolicy(), _loader()).load(tmp_path, "sft")
+    assert str(err.value) == (
+        f"checkpoint {tmp_path} has no policy, rng.pt; it was not written by a sft run. "
+        "Point checkpointing.dir at a sft run's checkpoints, or set checkpointing.resume=false"
+    )
+
+
+class CountingSteps(LoopSteps):
+    """Steps whose metrics depend on the data position, the driver's random state and the
+    policy's counter, so a resume that restored any of them wrongly logs other numbers.
+    ``stop_in`` requests a stop (as SIGTERM would) while that step runs."""
+
+    def __init__(self, context, policy, loader, stop_in: int | None = None):
+        self.context, self.policy, self.loader, self.stop_in = context, policy, loader, stop_in
+        self.started_at: int | None = None
+
+    def start(self, step):
+        self.started_at = step
+
+    def train_step(self, step):
+        if self.loader.epoch >= 1:
+            return None  # the data ran out
+        batch = next(iter(self.loader))
+        self.policy.updates += 1
+        if step == self.stop_in:
+            self.context.stop.request(signal.SIGTERM)
+        return {"data": float(batch["value"].sum()), "noise": random.random(), "updates": float(self.policy.updates)}
+
+    def validate(self, step):
+        return {"loss": 1.0 / (1 + step + self.policy.updates)}
+
+
+def _run_loop(run_dir, total_steps: int, stop_in: int | None = None):
+    seed_everything(0)
+    config = config_from_dict({
+        "run_dir": str(run_dir), "logger": {"progress_bar": False},
+        "checkpointing": {"save_period": 2, "keep_top_k": None},
+    })
+    context = RunContext(config)
+    policy, loader = CounterPolicy(), _loader()
+    steps = CountingSteps(context, policy, loader, stop_in)
+    plan = LoopPlan(label="sft", total_steps=total_steps, schedule_steps=total_steps, val_period=2,
+                    val_at_start=True, val_at_end=True, export_dir=str(run_dir / "hf"))
+    try:
+        result = TrainingLoop(context, plan, steps, TrainingState(policy, loader)).run()
+    finally:
+        context.close()
+    return result, steps, policy
+
+
+def _records(run_dir):
+    return [{k: v for k, v in r.items() if k != "time"} for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def test_the_loop_validates_saves_exports_and_stops_at_the_end_of_the_data(tmp_path):
+    result, steps, policy = _run_loop(tmp_path, total_steps=7)  # the data holds 5 batches
+    records = _records(tmp_path)
+    assert [(r["phase"], r["step"]) for r in records] == [
+        ("validation", 0), ("train", 1), ("train", 2), ("validation", 2), ("train", 3), ("train", 4),
+        ("validation", 4), ("train", 5), ("validation", 5),
+    ]
+    assert CheckpointManager(tmp_path / "checkpoints").steps() == [2, 4, 5]
+    assert policy.exported == [str(tmp_path / "hf")] and steps.started_at == 0
+    last_train, last_validation = records[-2], records[-1]
+    assert result == {"step": 5, **{k: last_train[k] for k in ("data", "noise", "updates")},
+                      "validation/loss": last_validation["loss"]}
+    info = json.loads((tmp_path / "checkpoints" / "step_4" / "training_info.json").read_text())
+    assert info == {"step": 4, "metrics": {**{k: records[5][k] for k in ("data", "noise", "updates")},
+                                           "validation/loss": records[6]["loss"]}}
+
+
+def test_a_stopped_loop_saves_its_last_step_and_a_resumed_one_continues_it_exactly(tmp_path):
+    _run_loop(tmp_path / "full", total_steps=5)
+    result, steps, policy = _run_loop(tmp_path / "run", total_steps=5, stop_in=3)
+    assert result["step"] == 3 and policy.exported == []  # no end-of-run validation, no export
+    assert [(r["phase"], r["step"]) for r in _records(tmp_path / "run")][-2:] == [("validation", 2), ("train", 3)]
+    assert CheckpointManager(tmp_path / "run" / "checkpoints").steps() == [2, 3]
+
+    result, steps, policy = _run_loop(tmp_path / "run", total_steps=5)
+    assert steps.started_at == 3 and policy.exported == [str(tmp_path / "run" / "hf")]
+    assert _records(tmp_path / "run") == _records(tmp_path / "full")
