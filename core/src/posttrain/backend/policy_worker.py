@@ -13,7 +13,28 @@ Pass results: every rank returns one, but the driver keeps only the results of t
 was told stand for each data-parallel replica (``result_ranks``); the others may return
 None (e.g. pipeline stages before the last). Tensors returned are on CPU.
 
-``posttrain.testing.PolicyContract`` checks a backend against a plain transformers reference.
+``posttrain.testing.PolicyContract`` checks a backend against a plain transformers reference;
+``examples/plugins/posttrain-policy-torch`` is a complete single-process backend written
+from this page.
+
+Writing the factory (registered with ``posttrain_policy_backends``, called as
+``factory(config, cluster)``): start ``WorkerGroup(cluster, YourWorker, name="policy",
+num_workers=config.policy.num_workers, resources=config.policy.resources, args=(config,
+...))`` (the group's name names its placement group; ``"policy"`` is the policy's) and
+return ``ShardedPolicy(config, group, dp_rank_of, result_ranks)``. By then the run has
+filled ``policy.scheduler.total_steps`` (the run's optimizer steps) when the user left it
+unset, so :func:`posttrain.backend.lr_schedule.build_scheduler` can be called as is. The
+worker computes on CUDA when ``config.cluster.use_gpus`` is set and CUDA is available, on
+the CPU otherwise.
+
+Computing logprobs: :func:`posttrain.backend.logprobs.sequence_logprobs` takes the model's
+final hidden states (after the final norm; for a transformers causal LM,
+``model.model(...).last_hidden_state``) and the output embedding
+(``model.get_output_embeddings().weight``), so the ``[tokens, vocabulary]`` logits never
+exist whole. ``work.batching`` says how the driver grouped each microbatch: with
+``packing_tokens_per_row`` it planned packed rows (:class:`posttrain.batch.PackedRows`);
+a backend may run every microbatch as right-padded rows instead (same numbers, more
+padding). Planned microbatches are never empty.
 """
 
 from __future__ import annotations
@@ -75,14 +96,17 @@ class PolicyWorker(Worker, abc.ABC):
         """Forward and backward over ``work.microbatches`` of ``work.batch`` with ``loss_fn``
         (normalised by the global valid counts over the data-parallel ranks), then one
         optimizer and scheduler step (clipped to ``policy.max_grad_norm``); without a step
-        and without gradients when ``eval_mode``. A rank that does not stand for its replica
-        returns None or a dict with only ``step_time_s`` (and ``grad_norm``)."""
+        and without gradients when ``eval_mode``. The model runs in training mode (dropout
+        on) unless ``eval_mode``; the reported ``lr`` is the one the step used (read before
+        the scheduler steps). A rank that does not stand for its replica returns None or a
+        dict with only ``step_time_s`` (and ``grad_norm``)."""
 
     # ------------------------------------------------------------------ state (collective)
 
     @abc.abstractmethod
     def save_checkpoint(self, path: str) -> None:
-        """Write this rank's weights, optimizer and scheduler state under folder ``path``."""
+        """Write this rank's weights, optimizer and scheduler state (and step counter) under
+        folder ``path``, creating it."""
 
     @abc.abstractmethod
     def load_checkpoint(self, path: str) -> None:
@@ -93,7 +117,9 @@ class PolicyWorker(Worker, abc.ABC):
     @abc.abstractmethod
     def weight_sizes(self) -> list[tuple[str, int]]:
         """``(hugging_face_name, bytes)`` of every exported tensor, in export order, at the
-        size :meth:`gather_weights` gives it. Called on rank 0 only."""
+        size :meth:`gather_weights` gives it. The names are those of the Hugging Face
+        model's ``named_parameters()`` (each tensor once: an output embedding tied to the
+        input embedding is not repeated). Called on rank 0 only."""
 
     @abc.abstractmethod
     def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
@@ -103,7 +129,9 @@ class PolicyWorker(Worker, abc.ABC):
     @abc.abstractmethod
     def export_hf(self, path: str, shard_bytes: int) -> None:
         """Write a Hugging Face folder at ``path`` (safetensors shards of at most
-        ``shard_bytes``, config, tokenizer) that transformers and vLLM load."""
+        ``shard_bytes``, the model's config and generation config, and the tokenizer of
+        ``policy.tokenizer`` or else ``policy.model``) that transformers and vLLM load;
+        :mod:`posttrain.backend.hf_export` writes the shards and the metadata."""
 
     # ------------------------------------------------------------------ placement and facts
 

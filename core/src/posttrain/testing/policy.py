@@ -10,8 +10,8 @@ and checks, each test starting from the initial weights (restored from a checkpo
 saves first):
 
 - logprobs follow the convention of :mod:`posttrain.interfaces.policy` and equal a float64
-  transformers forward; top-k logits equal transformers' top-k; the reference logprobs are
-  the initial weights' after training;
+  transformers forward at the configured sampling temperature (0.7); top-k logits equal
+  transformers' raw top-k; the reference logprobs are the initial weights' after training;
 - one training step with the kit's settings (plain SGD, learning rate 1, no clipping,
   several microbatches per rank) moves every weight by exactly the gradient of the
   global-batch loss (gradient accumulation and data-parallel reduction are exact), and
@@ -37,7 +37,14 @@ import torch
 
 from posttrain.backend.sampling import logprob_temperature
 from posttrain.batch import Batch
-from posttrain.config.schema import ClusterConfig, OptimizerConfig, PolicyConfig, RunConfig, WorkerResources
+from posttrain.config.schema import (
+    ClusterConfig,
+    GenerationConfig,
+    OptimizerConfig,
+    PolicyConfig,
+    RunConfig,
+    WorkerResources,
+)
 from posttrain.distributed import VirtualCluster
 from posttrain.interfaces.policy import Policy
 from posttrain.models.tiny import build_tiny_model
@@ -49,6 +56,9 @@ LENGTHS = (5, 13, 3, 9)
 PROMPT_TOKENS = 2
 #: The kit's optimizer: one step moves each weight by exactly minus its gradient.
 SGD = OptimizerConfig(name="sgd", lr=1.0)
+#: The sampling temperature the kit configures: logprobs (and the loss's) must be those of
+#: ``logits / TEMPERATURE``; top-k logits stay raw.
+TEMPERATURE = 0.7
 
 
 def contract_batch(lengths: tuple[int, ...] = LENGTHS, *, seed: int = 0, dropped: int | None = 2) -> Batch:
@@ -168,7 +178,8 @@ class PolicyContract:
             resources=WorkerResources(cpus=0.5),
         )
         fields.update(cls.policy_overrides)
-        config = RunConfig(seed=0, run_dir=str(scratch / "run"), policy=PolicyConfig(**fields), sections=dict(cls.sections))
+        config = RunConfig(seed=0, run_dir=str(scratch / "run"), policy=PolicyConfig(**fields),
+                           generation=GenerationConfig(temperature=TEMPERATURE), sections=dict(cls.sections))
         cluster = VirtualCluster(ClusterConfig())
         policy: Policy | None = None
         try:
