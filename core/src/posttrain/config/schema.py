@@ -184,7 +184,11 @@ class DataPlaneConfig:
 
 @attrs.define
 class LoggerConfig:
-    level: str = "info"
+    """Event logging, the progress bar, and the metric sinks of core's plugin
+    (:mod:`posttrain.builtin.sinks`, registered through ``posttrain_metric_sinks`` like any
+    sink plugin): each sink key turns one on. A third-party sink reads its own section."""
+
+    level: str = "info"  # structlog events to stderr and <run_dir>/events.jsonl: debug | info | warning | error
     jsonl: bool = True  # <run_dir>/metrics.jsonl, always on by default
     tensorboard: bool = False
     wandb: bool = False
