@@ -132,6 +132,9 @@ class TrainingState:
         policy/         Policy.save_checkpoint: weights, optimizer, scheduler
         dataloader.pt   the training data loader's position (StatefulDataLoader.state_dict)
         rng.pt          the driver's Python, NumPy and torch random states (rng_state)
+
+    A run with more state to carry (a PPO critic, say) subclasses it: its :meth:`save` and
+    :meth:`load` add their own entries beside these.
     """
 
     policy: Policy

@@ -136,7 +136,7 @@ class SupervisedRun(LoopSteps):
         if self.val_loader is None:
             return None
         start = time.perf_counter()
-        multiple = self.context.config.policy.data_parallel_size * self.algorithm.rows_per_example
+        multiple = self.context.config.data_parallel_size * self.algorithm.rows_per_example
         parts: list[dict[str, float]] = []
         weights: list[float] = []
         for k, batch in enumerate(self.val_loader.epoch_batches(0)):

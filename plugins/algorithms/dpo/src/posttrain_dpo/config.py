@@ -50,7 +50,7 @@ def check_pair_batching(config: Any, options: DPOConfig) -> list[str]:
     hold whole pairs; a packed row must fit a pair of sequences of the longest allowed length.
     """
     policy = config.policy
-    dp = policy.data_parallel_size
+    dp = config.data_parallel_size
     problems = []
     gbs = policy.train_global_batch_size
     if gbs % (2 * dp):
