@@ -164,9 +164,10 @@ def virtual_cluster(ray_cluster):
     cluster.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def dtensor_policy(llama_path, virtual_cluster):
-    """One dtensor rank on the tiny Llama, the backend megatron is compared with."""
+    """One dtensor rank on the tiny Llama, the backend megatron is compared with (per module,
+    so that it does not hold its CPU for the rest of the session)."""
     dtensor = pytest.importorskip("posttrain_dtensor.policy", reason="posttrain-dtensor is not installed")
     policy = dtensor.DTensorPolicy(policy_config(llama_path, backend="dtensor"), virtual_cluster, name="dtensor-ref")
     yield policy

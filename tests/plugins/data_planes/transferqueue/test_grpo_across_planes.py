@@ -47,9 +47,11 @@ def grpo_config(model: str, run_dir: Path, train: str, plane: str) -> RunConfig:
                       dynamic_sampling=DynamicSamplingConfig(enabled=True, max_gen_batches=20))
     config = make_config(model, run_dir, train, grpo, data_plane=DataPlaneConfig(backend=plane))
     half = grpo.samples_per_step // 2
+    # 2 x 0.25 + generation 0.5 + TransferQueue 2 = 3 of the session cluster's 4 CPUs
     policy = attrs.evolve(config.policy, num_workers=2, train_micro_batch_size=half, logprob_micro_batch_size=half,
-                          resources=WorkerResources(cpus=0.5))  # 2 x 0.5 + generation 1 + TransferQueue 2 = 4 CPUs
-    return attrs.evolve(config, policy=policy)
+                          resources=WorkerResources(cpus=0.25))
+    generation = attrs.evolve(config.generation, resources=WorkerResources(cpus=0.5))
+    return attrs.evolve(config, policy=policy, generation=generation)
 
 
 @pytest.mark.slow  # two GRPO runs: about 1.5 min on 2 shared cores (test_policy_passes.py is the quick check)
