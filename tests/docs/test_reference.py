@@ -1,0 +1,142 @@
+"""The configuration reference (posttrain.config.reference) and the site hook that puts it
+on its page: every key with its type, default and documentation, read from the code."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Literal
+
+import attrs
+import pytest
+
+from posttrain import hookimpl
+from posttrain.config.reference import config_sections, field_docs, options_markdown, reference_markdown
+from posttrain.plugins import new_plugin_host
+from tests.docs.pages import DOCS
+
+
+@attrs.define
+class ProbeInner:
+    """Inner options."""
+
+    depth: int = 3  # how deep
+
+
+@attrs.define
+class ProbeSource:
+    """A source written as a mapping.
+
+    - ``url``: where it is.
+    """
+
+    url: str | None = None
+
+
+@attrs.define
+class ProbeConfig:
+    """A section of a plugin registered by hand.
+
+    - ``mode``: how it runs, ``fast`` or ``slow``.
+    """
+
+    mode: Literal["fast", "slow"] = "fast"
+    # Two comment lines above a field
+    # document it.
+    limit: int | None = None
+    where: str | ProbeSource | None = None  # a path, or a mapping
+    inner: ProbeInner = attrs.field(factory=ProbeInner)
+    names: list[str] = attrs.field(factory=lambda: ["a|b"])
+    needed: float = attrs.field(kw_only=True)  # must be set
+
+
+class ProbePlugin:
+    @hookimpl
+    def posttrain_config_sections(self) -> dict[str, type]:
+        return {"probe": ProbeConfig, "policy.probe": ProbeInner}
+
+
+@pytest.fixture(scope="module")
+def host() -> Any:
+    host = new_plugin_host()
+    host.register(ProbePlugin(), name="probe-plugin")
+    return host
+
+
+def test_field_docs_come_from_comments_and_docstrings():
+    assert field_docs(ProbeConfig) == {
+        "mode": "how it runs, ``fast`` or ``slow``.",
+        "limit": "Two comment lines above a field document it.",
+        "where": "a path, or a mapping",
+        "needed": "must be set",
+    }
+
+
+def test_inherited_fields_are_documented_by_the_class_that_declares_them():
+    from posttrain_dpo.config import DPOConfig
+
+    docs = field_docs(DPOConfig)
+    assert docs["max_num_steps"] == "None: stop after max_num_epochs"  # SupervisedConfig's comment
+    assert docs["beta"] == "strength of the pull towards the reference policy"
+
+
+def test_a_plugin_section_lists_every_key_with_type_default_and_doc(host):
+    sections = {section.path: section for section in config_sections(host)}
+    probe = sections["probe"]
+    assert probe.source == "probe-plugin" and probe.summary == "A section of a plugin registered by hand."
+    assert [(k.path, k.type, k.default, k.doc, k.section) for k in probe.keys] == [
+        ("probe.mode", "one of 'fast', 'slow'", '"fast"', "how it runs, `fast` or `slow`.", None),
+        ("probe.limit", "int or null", "null", "Two comment lines above a field document it.", None),
+        ("probe.where", "str or mapping (ProbeSource) or null", "null", "a path, or a mapping", "probe.where"),
+        ("probe.inner", "section", "", "", "probe.inner"),
+        ("probe.names", "list[str]", '["a|b"]', "", None),
+        ("probe.needed", "float", "required", "must be set", None),
+    ]
+    assert [k.path for k in sections["probe.where"].keys] == ["probe.where.url"]
+    assert sections["probe.where"].keys[0].doc == "where it is."
+    assert [(k.path, k.default, k.doc) for k in sections["probe.inner"].keys] == [("probe.inner.depth", "3", "how deep")]
+
+
+def test_a_plugin_subsection_is_a_key_of_the_section_it_sits_in(host):
+    sections = [section.path for section in config_sections(host)]
+    policy = next(section for section in config_sections(host) if section.path == "policy")
+    assert policy.keys[-1].path == "policy.probe" and policy.keys[-1].doc == "Registered by plugin `probe-plugin`."
+    assert sections.index("policy.probe") > sections.index("policy.resources")  # after policy's own subsections
+    assert sections[-1] == "sft" and sections.index("probe") > sections.index("grpo.loss")  # top level: by name
+
+
+def test_core_keys_and_every_installed_section_are_listed():
+    from posttrain.plugins import plugin_host
+
+    host = plugin_host()
+    paths = {key.path for section in config_sections(host) for key in section.keys}
+    assert {"seed", "policy.optimizer.lr", "data.train.name", "environments", "checkpointing.resume"} <= paths
+    assert not {"sections", "raw", "sources"} & paths  # the loader's own fields
+    for name in host.config_sections:
+        assert name in paths
+
+
+def test_markdown_rows_escape_pipes_and_angle_brackets(host):
+    markdown = reference_markdown(host)
+    assert '| <a id="probe.names"></a>`probe.names` | list[str] | `["a\\|b"]` |  |' in markdown
+    assert "## `probe.where` {#probe.where}" in markdown
+    assert "| [`probe.inner`](#probe.inner) | section |  |  |" in markdown
+    assert "&lt;run_dir&gt;/metrics.jsonl" in markdown  # logger.jsonl's comment
+    assert "\n|---|---|---|---|\n" in options_markdown(ProbeInner, "environments.probe")
+
+
+def _hook() -> Any:
+    spec = importlib.util.spec_from_file_location("docs_hook_generated", DOCS / "hooks" / "generated.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_site_hook_expands_directives_and_refuses_unknown_ones():
+    hook = _hook()
+    page = "Intro\n\n<!-- posttrain:options posttrain_env_math.options:GuessNumberOptions environments.guess_number -->\n"
+    expanded = hook.expand(page, "environments.md")
+    assert '`environments.guess_number.max_guesses` | int | `8` |' in expanded
+    with pytest.raises(ValueError, match=r"^environments.md: unknown directive <!-- posttrain:opts x -->"):
+        hook.expand("<!-- posttrain:opts x -->\n", "environments.md")
+    with pytest.raises(ValueError, match=r"names no importable class"):
+        hook.expand("<!-- posttrain:options posttrain_env_math.options:Nope environments.x -->\n", "environments.md")
