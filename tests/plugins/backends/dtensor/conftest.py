@@ -1,5 +1,5 @@
-"""Shared pieces of the dtensor backend tests: a token NLL loss, a skewed batch, an
-independent float64 reference (plain transformers + autograd), and policy builders."""
+"""Shared pieces of the dtensor backend tests: a token NLL loss, a skewed batch, the
+conformance kit's float64 reference (plain transformers + autograd), and policy builders."""
 
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ from posttrain.config.schema import (
     WorkerResources,
 )
 from posttrain.interfaces.loss import LossFunction, LossType
+from posttrain.testing.policy import (
+    exported_weights,
+    max_difference,
+    reference_logprobs,
+    reference_model,
+    reference_step,
+)
 from posttrain_dtensor.config import DTensorConfig
 
 # Ray workers cannot import this module: send the loss class by value.
@@ -65,47 +72,13 @@ def make_batch(lengths=LENGTHS, width: int | None = None, seed: int = 0, drop_sa
     )
 
 
-def reference_model(model_path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64, attn_implementation="eager")
-
-
-def reference_logprobs(model, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-    """float64 [B, S]: each sample run alone (no padding), full ``log_softmax(logits /
-    temperature)``, masked like the policy convention (0 at t=0, on padding and where
-    token_mask is 0)."""
-    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
-    for i, n in enumerate(batch["input_lengths"].tolist()):
-        ids = batch["input_ids"][i : i + 1, :n]
-        logp = (model(ids).logits[0, :-1] / temperature).log_softmax(-1)
-        out[i, 1:n] = logp.gather(-1, ids[0, 1:, None])[:, 0]
-    return out * batch["token_mask"].double()
-
-
-def reference_step(model_path: str, batch: Batch, temperature: float = 1.0) -> tuple[float, dict[str, torch.Tensor]]:
-    """The global-batch token NLL (of ``logits / temperature``) and its gradients in
-    float64, one sample at a time."""
-    model = reference_model(model_path)
-    lp = reference_logprobs(model, batch, temperature)
-    mask = batch["token_mask"].double() * batch["sample_mask"].double()[:, None]
-    loss = -(lp * mask).sum() / mask.sum()
-    loss.backward()
-    return float(loss.detach()), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-
-
 def full_weights(policy) -> dict[str, torch.Tensor]:
-    return {k: v for bucket in policy.export_weights(1 << 16) for k, v in bucket.items()}
+    return exported_weights(policy, 1 << 16)
 
 
 def sgd_grads(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], lr: float) -> dict[str, torch.Tensor]:
     """Gradients recovered from one plain SGD step: (w0 - w1) / lr."""
     return {k: (before[k].double() - after[k].double()) / lr for k in before}
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
 def restore(policy, checkpoint: str):
@@ -154,7 +127,7 @@ def dt():
         reference_step=reference_step,
         full_weights=full_weights,
         sgd_grads=sgd_grads,
-        max_diff=max_diff,
+        max_diff=max_difference,
         policy_config=policy_config,
         restore=restore,
         nll=TokenNLL(),

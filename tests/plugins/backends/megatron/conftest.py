@@ -22,6 +22,7 @@ from posttrain.config.schema import (
     RunConfig,
     WorkerResources,
 )
+from posttrain.testing import policy as kit
 
 #: Lengths with a long tail; sample 6 is dropped by ``sample_mask``.
 LENGTHS = [5, 17, 3, 9, 24, 4, 11, 6]
@@ -50,33 +51,18 @@ def make_batch(lengths=LENGTHS, seed: int = 0) -> Batch:
 
 
 def reference_logprobs(model_path_or_model, batch: Batch, temperature: float = TEMPERATURE) -> torch.Tensor:
-    """float64 [B, S]: each sample alone through transformers, full log_softmax of
-    logits / temperature, masked like the policy convention. Differentiable when given a
-    model with gradients."""
-    model = _reference_model(model_path_or_model)
-    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
-    for i, n in enumerate(batch["input_lengths"].tolist()):
-        ids = batch["input_ids"][i : i + 1, :n]
-        logp = (model(ids).logits[0, :-1] / temperature).log_softmax(-1)
-        out[i, 1:n] = logp.gather(-1, ids[0, 1:, None])[:, 0]
-    return out * batch["token_mask"].double()
+    """float64 [B, S] (the conformance kit's reference) at this module's temperature.
+    Differentiable when given a model with gradients."""
+    return kit.reference_logprobs(_reference_model(model_path_or_model), batch, temperature)
 
 
 def _reference_model(model_path_or_model):
-    from transformers import AutoModelForCausalLM
-
-    if not isinstance(model_path_or_model, str):
-        return model_path_or_model
-    return AutoModelForCausalLM.from_pretrained(model_path_or_model, dtype=torch.float64, attn_implementation="eager")
+    return kit.reference_model(model_path_or_model) if isinstance(model_path_or_model, str) else model_path_or_model
 
 
 def reference_nll_step(model_path: str, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
     """The global-batch token NLL and its gradients (Hugging Face names) in float64."""
-    model = _reference_model(model_path)
-    mask = batch["token_mask"].double() * batch["sample_mask"].double()[:, None]
-    loss = -(reference_logprobs(model, batch) * mask).sum() / mask.sum()
-    loss.backward()
-    return float(loss.detach()), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    return kit.reference_step(model_path, batch, TEMPERATURE)
 
 
 def reference_topk(model_path: str, batch: Batch, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -113,7 +99,7 @@ def policy_config(model_path: str, *, backend: str = "megatron", megatron=None, 
 
 
 def full_weights(policy) -> dict[str, torch.Tensor]:
-    return {k: v for bucket in policy.export_weights(1 << 16) for k, v in bucket.items()}
+    return kit.exported_weights(policy, 1 << 16)
 
 
 def save_tiny_qwen2(path) -> str:
