@@ -5,8 +5,8 @@ The scheme (also described to readers in docs/plugins/index.md, "How these pages
 - Pages run in the order of ``mkdocs.yml``'s nav, one test each, in one scratch folder
   shared by all of them. It holds links to the repository's ``examples/``, ``benchmarks/``,
   ``plugins/``, ``core/``, ``noxfile.py`` and ``constraints.txt``, so commands written
-  for the repository root work there, and what a page builds (the tiny model of "Getting
-  started") is there for the pages after it.
+  for the repository root work there, and the tiny model that "Getting started" builds
+  (``runs/tiny_model``, which later pages use), so that any page also runs alone.
 - ``python`` blocks run, in this process, the blocks of one page in one namespace (as in
   one interpreter session); their asserts are the checks. Tracebacks name the page and
   its line.
@@ -48,13 +48,17 @@ from tests.docs.pages import REPO, Block, blocks, nav_pages
 
 LINKED = ("examples", "benchmarks", "plugins", "core", "noxfile.py", "constraints.txt")
 SHELLS = ("bash", "sh", "shell", "console")
+TINY_MODEL = "runs/tiny_model"
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from posttrain.models.tiny import build_tiny_model
+
     root = tmp_path_factory.mktemp("docs-workspace")
     for name in LINKED:
         (root / name).symlink_to(REPO / name)
+    build_tiny_model(root / TINY_MODEL)  # what "Getting started" builds, so that any page runs alone
     return root
 
 
@@ -194,5 +198,5 @@ def test_page_code_blocks(page: str, workspace: Path, page_state: None) -> None:
     for block in blocks(page):
         try:
             session.run(block)
-        except AssertionError as error:
-            raise AssertionError(f"{block.where}: {error}") from error
+        except Exception as error:  # every failure names the block it came from
+            raise AssertionError(f"{block.where} ({block.language or 'no language'} block): {type(error).__name__}: {error}") from error
