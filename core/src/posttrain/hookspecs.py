@@ -217,6 +217,11 @@ def posttrain_validate_config(config: RunConfig) -> None:
     every section is typed; return nothing when the config is acceptable. Every installed
     plugin is asked: a backend checks its section only when ``config.policy.backend`` (or
     ``generation.backend``) names it, an algorithm only when ``config.algorithm`` does.
+    Append ``posttrain.config.where_set(config, key, ...)`` to a message to say in which file
+    and line (or command-line override) each key was set. Core's own checks (sizes at least
+    1, workers divisible by the model-parallel sizes, batch sizes divisible by the
+    micro-batch and data-parallel sizes) run first. ``policy.scheduler.total_steps`` may
+    still be unset here: the run fills it with its length before building the policy.
     """
 
 

@@ -93,12 +93,6 @@ class PolicyConfig:
     dynamic_batching: DynamicBatchingConfig = attrs.field(factory=DynamicBatchingConfig)
     resources: WorkerResources = attrs.field(factory=WorkerResources)
 
-    @property
-    def data_parallel_size(self) -> int:
-        """Transitional: ``num_workers // tensor_parallel_size``, which ignores the backend's own
-        model-parallel sizes; use :attr:`RunConfig.data_parallel_size`."""
-        return self.num_workers // self.tensor_parallel_size
-
 
 @attrs.define
 class GenerationConfig:

@@ -251,19 +251,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def require_policy_checkpoint(path: str, names: tuple[str, ...], backend: str) -> Path:
-    """The folder ``path`` of a ``backend`` policy checkpoint, after checking that it holds
-    every entry in ``names``; raises :class:`CheckpointError` naming the missing ones."""
-    folder = Path(path)
-    missing = [name for name in names if not (folder / name).exists()]
-    if missing:
-        raise CheckpointError(
-            f"policy checkpoint '{path}' is incomplete or not a {backend} policy checkpoint: missing "
-            f"{', '.join(missing)} (expected a folder written by save_checkpoint)"
-        )
-    return folder
-
-
 def rng_state() -> dict[str, Any]:
     """The driver's random states (Python, NumPy's global generator, torch CPU), for an
     algorithm's ``rng.pt``; ``torch.load`` reads it back with ``weights_only=True``."""
