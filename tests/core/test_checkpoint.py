@@ -19,6 +19,7 @@ from posttrain.run.checkpoint import CheckpointManager, TrainingState, check_che
 from posttrain.run.context import RunContext, seed_everything
 from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
 from posttrain.run.metrics import read_metrics
+from tests.stand_ins import Numbers
 
 
 def _writer(payload: str):
@@ -182,23 +183,6 @@ def test_a_run_refuses_a_checkpoint_of_another_config_before_ray_starts(tiny_mod
 
 
 # ----------------------------------------------------------------------------- training state and the loop
-
-
-class Numbers:
-    """Samples 0..n-1; a batch holds their values."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def collate(self, indices):
-        import torch
-
-        from posttrain.batch import Batch
-
-        return Batch(value=torch.tensor(list(indices)))
 
 
 class CounterPolicy:

@@ -26,6 +26,7 @@ from posttrain.data import (
 )
 from posttrain.errors import CheckpointError, ConfigError, DataError
 from posttrain.models.tiny import CHAT_TEMPLATE, build_tokenizer
+from tests.stand_ins import Numbers
 
 TOKENIZER = build_tokenizer()
 VOCAB = TOKENIZER.get_vocab()
@@ -294,26 +295,11 @@ def test_file_of_the_wrong_kind_and_unknown_type(tmp_path, encoder):
 # ------------------------------------------------------------------ the loader
 
 
-class Numbers:
-    """A minimal batch source: sample i collates to the value i."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def collate(self, indices):
-        from posttrain.batch import Batch
-
-        return Batch(index=torch.tensor(list(indices)))
-
-
 def indices_of(loader, count: int) -> list[list[int]]:
     out = []
     while len(out) < count:
         for batch in loader:
-            out.append(batch["index"].tolist())
+            out.append(batch["value"].tolist())
             if len(out) == count:
                 break
     return out

@@ -33,6 +33,7 @@ from posttrain_grpo.step import (
     step_seed,
 )
 from posttrain_grpo.validation import check_grpo_config
+from tests.stand_ins import Numbers
 
 
 def rollout_batch(rewards, response_lengths, truncated) -> Batch:
@@ -173,19 +174,6 @@ def test_non_finite_values_are_found():
 
 
 # ----------------------------------------------------------------------------- data and state
-
-
-class Numbers:
-    """Samples 0..n-1; a batch holds their values."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def collate(self, indices):
-        return Batch(value=torch.tensor(list(indices)))
 
 
 def drain(stream: PromptStream) -> list[list[int]]:
