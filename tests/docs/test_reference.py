@@ -3,15 +3,18 @@ on its page: every key with its type, default and documentation, read from the c
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import typing
 from typing import Any, Literal
 
 import attrs
 import pytest
 
 from posttrain import hookimpl
-from posttrain.config.reference import config_sections, field_docs, options_markdown, reference_markdown
-from posttrain.plugins import new_plugin_host
+from posttrain.config.reference import config_sections, field_docs, option_keys, options_markdown, reference_markdown
+from posttrain.config.schema import RunConfig
+from posttrain.plugins import new_plugin_host, plugin_host
 from tests.docs.pages import DOCS
 
 
@@ -75,7 +78,7 @@ def test_inherited_fields_are_documented_by_the_class_that_declares_them():
     from posttrain_dpo.config import DPOConfig
 
     docs = field_docs(DPOConfig)
-    assert docs["max_num_steps"] == "None: stop after max_num_epochs"  # SupervisedConfig's comment
+    assert docs["max_num_steps"] == "optimizer steps at most; None: stop after max_num_epochs"  # SupervisedConfig's
     assert docs["beta"] == "strength of the pull towards the reference policy"
 
 
@@ -105,8 +108,6 @@ def test_a_plugin_subsection_is_a_key_of_the_section_it_sits_in(host):
 
 
 def test_core_keys_and_every_installed_section_are_listed():
-    from posttrain.plugins import plugin_host
-
     host = plugin_host()
     paths = {key.path for section in config_sections(host) for key in section.keys}
     assert {"seed", "policy.optimizer.lr", "data.train.name", "environments", "checkpointing.resume"} <= paths
@@ -140,3 +141,62 @@ def test_the_site_hook_expands_directives_and_refuses_unknown_ones():
         hook.expand("<!-- posttrain:opts x -->\n", "environments.md")
     with pytest.raises(ValueError, match=r"names no importable class"):
         hook.expand("<!-- posttrain:options posttrain_env_math.options:Nope environments.x -->\n", "environments.md")
+
+
+def _documented_options() -> list[tuple[type, str]]:
+    """``(options class, prefix)`` of every ``posttrain:options`` directive on the site's pages."""
+    found = []
+    for page in sorted(DOCS.rglob("*.md")):
+        for match in _hook().DIRECTIVE.finditer(page.read_text(encoding="utf-8")):
+            if match.group("name") == "options":
+                target, prefix = match.group("args").split()
+                module, _, name = target.partition(":")
+                found.append((getattr(importlib.import_module(module), name), prefix))
+    return found
+
+
+def test_every_key_of_core_and_of_installed_plugins_has_a_description():
+    missing = [
+        f"{key.path} ({section.class_name}, from {section.source})"
+        for section in config_sections(plugin_host())
+        for key in section.keys
+        if not key.doc.strip()
+    ]
+    options = _documented_options()
+    assert {prefix for _, prefix in options} >= {"environments.math", "environments.guess_number", "environments.code"}
+    missing += [
+        f"{key.path} ({cls.__name__}, options on the site)" for cls, prefix in options
+        for key in option_keys(cls, prefix) if not key.doc.strip()
+    ]
+    assert not missing, (
+        f"{len(missing)} config key(s) without a description: {'; '.join(missing)}. Document each with a "
+        "trailing '# comment' on its field, comment lines right above it, or a '``name``: text' entry in its "
+        "class docstring (see posttrain.config.reference)"
+    )
+
+
+def _attrs_classes(hint: Any) -> set[type]:
+    """The attrs classes an annotation names, inside unions and containers too."""
+    if attrs.has(hint):
+        return {hint}
+    return {cls for arg in typing.get_args(hint) for cls in _attrs_classes(arg)}
+
+
+def test_every_attrs_class_a_section_reaches_is_listed_with_its_keys():
+    host = plugin_host()
+    sections = {section.path: section for section in config_sections(host)}
+    seen: set[type] = set()
+    todo = [RunConfig, *host.config_sections.values()]
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen.add(cls)
+            todo.extend(c for hint in typing.get_type_hints(cls).values() for c in _attrs_classes(hint))
+    listed = {section.class_name for section in sections.values()}
+    unlisted = sorted(cls.__name__ for cls in seen if cls.__name__ not in listed)
+    assert not unlisted, f"attrs classes reached from a section whose keys the reference does not list: {unlisted}"
+    for path in ("data.train", "data.validation"):  # str | DataSource | None: the mapping form's keys
+        assert sections[path].class_name == "DataSource"
+        assert [key.path for key in sections[path].keys] == [
+            f"{path}.{name}" for name in ("name", "path", "subset", "split", "revision", "columns")
+        ]

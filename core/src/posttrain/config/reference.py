@@ -119,7 +119,13 @@ def section_markdown(section: SectionDoc, heading_level: int = 2) -> str:
 def options_markdown(cls: type, prefix: str) -> str:
     """The table of the fields of an attrs options class whose keys live under ``prefix``
     (e.g. an environment's options under ``environments.math``), as in a section."""
-    return "\n".join(_table([key for key, _ in _field_keys(cls, prefix, frozenset())]))
+    return "\n".join(_table(option_keys(cls, prefix)))
+
+
+def option_keys(cls: type, prefix: str) -> list[KeyDoc]:
+    """The keys of an attrs options class whose keys live under ``prefix``, as
+    :func:`options_markdown` lists them."""
+    return [key for key, _ in _field_keys(cls, prefix, frozenset())]
 
 
 def _table(keys: Sequence[KeyDoc]) -> list[str]:

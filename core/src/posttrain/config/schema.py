@@ -19,100 +19,116 @@ class ClusterConfig:
     cluster; otherwise a local one is started with ``num_cpus`` logical CPUs (detected when
     None; may exceed the physical cores)."""
 
+    # a running cluster to join, e.g. 10.0.0.1:6379; None: $RAY_ADDRESS, else start a local one
     ray_address: str | None = None
-    num_nodes: int = 1
-    num_cpus: int | None = None
-    num_gpus: int | None = None
+    num_nodes: int = 1  # accepted but not read yet; workers go where Ray places them
+    num_cpus: int | None = None  # logical CPUs of a local cluster; None: os.cpu_count(); ignored when joining
+    num_gpus: int | None = None  # GPUs of a local cluster; None: those Ray detects; ignored when joining
+    # dtensor policy workers compute on CUDA (NCCL between ranks) when it is available; the other
+    # backends use CUDA whenever it is present
     use_gpus: bool = False
 
 
 @attrs.define
 class OptimizerConfig:
-    name: str = "adamw"  # adamw | adam | sgd
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = attrs.field(factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    """The policy's optimizer, built by the policy backend."""
+
+    name: str = "adamw"  # adamw | adam | sgd (no momentum)
+    lr: float = 1e-5  # base learning rate, scaled per optimizer step by policy.scheduler
+    weight_decay: float = 0.0  # adamw: decoupled decay; adam and sgd: an L2 term added to the gradient; 0: none
+    betas: list[float] = attrs.field(factory=lambda: [0.9, 0.999])  # Adam's [beta1, beta2]; unused by sgd
+    eps: float = 1e-8  # added to Adam's denominator; unused by sgd
 
 
 @attrs.define
 class SchedulerConfig:
-    name: str = "constant"  # constant | linear | cosine
-    warmup_steps: int = 0
-    total_steps: int | None = None  # decay horizon for linear/cosine; defaults to the run's steps
-    min_lr_ratio: float = 0.0
+    """The learning-rate schedule: a factor of ``policy.optimizer.lr`` per optimizer step
+    (:mod:`posttrain.backend.lr_schedule`)."""
+
+    name: str = "constant"  # after warmup: constant | linear | cosine (decay to min_lr_ratio at total_steps)
+    warmup_steps: int = 0  # optimizer steps of linear warmup, the factor rising from 1/warmup_steps to 1; 0: none
+    total_steps: int | None = None  # optimizer step where linear/cosine decay ends; None: the run's optimizer steps
+    min_lr_ratio: float = 0.0  # linear/cosine: the factor the decay ends at (0: down to 0)
 
 
 @attrs.define
 class SequencePackingConfig:
     """Lay several sequences end to end in one row (attention kept within each)."""
 
+    # pack each rank's samples into rows, one row per microbatch (the micro batch sizes go unused);
+    # dtensor backend only (attn_implementation sdpa or eager); exclusive with dynamic_batching
     enabled: bool = False
-    max_tokens_per_row: int | None = None  # None: policy.max_total_sequence_length
-    round_to: int = 1  # row width multiple (tensor-parallel alignment)
+    # tokens per packed row (a longer sample is an error); None: policy.max_total_sequence_length
+    max_tokens_per_row: int | None = None
+    round_to: int = 1  # packed row width rounded up to a multiple of this (e.g. tensor-parallel alignment)
 
 
 @attrs.define
 class DynamicBatchingConfig:
     """Group samples into microbatches by a padded-token budget instead of a fixed count."""
 
-    enabled: bool = False
+    enabled: bool = False  # in place of the micro batch sizes (train and logprob); exclusive with sequence_packing
+    # tokens per microbatch: samples x the longest one's length (rounded up to round_to); a longer sample goes alone
     max_tokens_per_microbatch: int = 4096
-    round_to: int = 1
+    round_to: int = 1  # lengths rounded up to a multiple of this when counting a microbatch's padded tokens
 
 
 @attrs.define
 class WorkerResources:
     """What each worker actor of a group asks Ray for, and its process environment."""
 
-    cpus: float = 1.0
-    gpus: float = 0.0
-    env_vars: dict[str, str] = attrs.field(factory=dict)
-    runtime_env: dict[str, Any] = attrs.field(factory=dict)  # Ray runtime_env (py_executable, pip, ...)
+    cpus: float = 1.0  # Ray logical CPUs per worker (fractions allowed; may exceed the physical cores)
+    gpus: float = 0.0  # GPUs per worker; a fraction shares a device (e.g. 0.5 each for colocated groups)
+    env_vars: dict[str, str] = attrs.field(factory=dict)  # each worker's environment variables (over runtime_env's)
+    runtime_env: dict[str, Any] = attrs.field(factory=dict)  # Ray runtime_env of each worker (py_executable, pip, ...)
 
 
 @attrs.define
 class PolicyConfig:
     """The model being trained and how it is trained."""
 
-    backend: str = "dtensor"
+    backend: str = "dtensor"  # a registered policy backend (dtensor, megatron); its options under policy.<backend>
     model: str = ""  # a local Hugging Face folder
     tokenizer: str | None = None  # None: the model folder
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    num_workers: int = 1  # ranks in the training worker group
-    tensor_parallel_size: int = 1  # more model-parallel sizes live in the backend's section (policy.<backend>)
+    dtype: str = "float32"  # training compute dtype: float32 | bfloat16 | float16 (megatron: not float16)
+    num_workers: int = 1  # ranks in the training worker group; over the model-parallel sizes: data-parallel replicas
+    # ranks splitting each layer (tensor parallel); more model-parallel sizes live in the backend's section
+    # (policy.<backend>)
+    tensor_parallel_size: int = 1
     train_global_batch_size: int = 32  # samples per optimizer step
-    train_micro_batch_size: int = 4  # samples per forward/backward per rank
-    logprob_micro_batch_size: int = 8
+    train_micro_batch_size: int = 4  # samples per forward/backward per rank (unless packing or dynamic batching)
+    logprob_micro_batch_size: int = 8  # samples per forward per rank in logprob and top-k passes (likewise)
+    # tokens of one sequence, prompt and response: data rows are cut to it (unless data.max_length) and GRPO
+    # rollouts stop at it; the default packed row width and vLLM context
     max_total_sequence_length: int = 1024
-    max_grad_norm: float | None = 1.0
-    logprob_chunk_size: int = 1024  # vocabulary chunk when computing logprobs
-    optimizer: OptimizerConfig = attrs.field(factory=OptimizerConfig)
-    scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
-    sequence_packing: SequencePackingConfig = attrs.field(factory=SequencePackingConfig)
-    dynamic_batching: DynamicBatchingConfig = attrs.field(factory=DynamicBatchingConfig)
-    resources: WorkerResources = attrs.field(factory=WorkerResources)
+    max_grad_norm: float | None = 1.0  # clip the global L2 gradient norm to this before each step; None: no clipping
+    logprob_chunk_size: int = 1024  # vocabulary entries per chunk when computing logprobs (bounds the logits held)
+    optimizer: OptimizerConfig = attrs.field(factory=OptimizerConfig)  # the optimizer
+    scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)  # the learning-rate schedule
+    sequence_packing: SequencePackingConfig = attrs.field(factory=SequencePackingConfig)  # several samples per row
+    dynamic_batching: DynamicBatchingConfig = attrs.field(factory=DynamicBatchingConfig)  # microbatches by token budget
+    resources: WorkerResources = attrs.field(factory=WorkerResources)  # what each policy worker asks Ray for
 
 
 @attrs.define
 class GenerationConfig:
     """How rollouts are sampled."""
 
-    backend: str = "hf"
+    backend: str = "hf"  # a registered generation backend (hf, vllm); its options under generation.<backend>
     model: str | None = None  # None: policy.model
-    dtype: str = "float32"
+    dtype: str = "float32"  # the engines' weights: float32 | bfloat16 | float16
     num_workers: int = 1  # data-parallel engines
-    tensor_parallel_size: int = 1
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    stop_token_ids: list[int] = attrs.field(factory=list)
-    stop_strings: list[str] = attrs.field(factory=list)
+    tensor_parallel_size: int = 1  # GPUs per engine (vllm; hf ignores it)
+    max_new_tokens: int = 128  # tokens generated per turn at most (fewer when the engine's context is full)
+    temperature: float = 1.0  # >= 0; 0: greedy. Policy backends compute logprobs at this temperature
+    top_p: float = 1.0  # nucleus sampling, in (0, 1]: the most likely tokens holding this probability; 1: off
+    top_k: int | None = None  # sample among the k most likely tokens (k >= 1); None: off
+    stop_token_ids: list[int] = attrs.field(factory=list)  # end a completion, besides the model's EOS ids
+    stop_strings: list[str] = attrs.field(factory=list)  # end a completion (kept in it); a batch may add its own
     ignore_eos: bool = False  # True: the model's EOS ids do not end a completion (only stop_token_ids do)
     colocated: bool = True  # share devices with the policy and take turns
-    refit_bucket_bytes: int = 256 * 1024 * 1024
-    resources: WorkerResources = attrs.field(factory=WorkerResources)
+    refit_bucket_bytes: int = 256 * 1024 * 1024  # most bytes per bucket when the policy's weights go to the engines
+    resources: WorkerResources = attrs.field(factory=WorkerResources)  # what each engine asks Ray for
 
 
 @attrs.define
@@ -163,16 +179,20 @@ class DataConfig:
     validation: str | DataSource | None = None  # like train; split defaults to the one named validation
     columns: dict[str, str] = attrs.field(factory=dict)  # {column: row key}, e.g. {question: prompt, answer: response}
     format: str = "auto"  # auto | prompt | messages | prompt_response | preference
-    shuffle: bool = True
-    seed: int | None = None  # None: the run's seed
-    max_length: int | None = None  # None: policy.max_total_sequence_length
-    chat_template: str | None = None  # a template file; None: the tokenizer's
+    shuffle: bool = True  # a new order of the training rows each epoch; validation rows keep file order
+    seed: int | None = None  # seed of the training order (>= 0); None: the run's seed
+    max_length: int | None = None  # tokens per row, longer ones cut at the end; None: policy.max_total_sequence_length
+    chat_template: str | None = None  # a Jinja template file, or the template text; None: the tokenizer's
     skip_malformed: bool = False  # skip and count malformed rows instead of failing
-    num_workers: int = 0
+    num_workers: int = 0  # accepted but not read yet: the driver reads and tokenizes the rows
 
 
 @attrs.define
 class DataPlaneConfig:
+    """Where a step's samples are kept between its stages."""
+
+    # a registered data plane: memory (core's, in the driver process) or transferqueue (Ray actors that
+    # policy workers read from; options under data_plane.transferqueue)
     backend: str = "memory"
 
 
@@ -184,22 +204,25 @@ class LoggerConfig:
 
     level: str = "info"  # structlog events to stderr and <run_dir>/events.jsonl: debug | info | warning | error
     jsonl: bool = True  # <run_dir>/metrics.jsonl, always on by default
-    tensorboard: bool = False
-    wandb: bool = False
-    wandb_project: str = "posttrain"
-    mlflow: bool = False
-    mlflow_experiment: str = "posttrain"
-    progress_bar: bool = True
+    tensorboard: bool = False  # <run_dir>/tensorboard, tags <phase>/<name> (needs tensorboard)
+    wandb: bool = False  # a Weights & Biases run, keys <phase>/<name>, with the run's config (needs wandb)
+    wandb_project: str = "posttrain"  # the W&B project of that run
+    mlflow: bool = False  # an MLflow run, keys <phase>/<name> with : written _ (needs mlflow)
+    mlflow_experiment: str = "posttrain"  # the MLflow experiment of that run
+    progress_bar: bool = True  # a terminal line: steps, ETA, the latest reward, loss and accuracy
 
 
 @attrs.define
 class CheckpointConfig:
-    enabled: bool = True
+    """Checkpoints of the training state (policy, optimizer, data position, random states),
+    one ``step_N`` folder each."""
+
+    enabled: bool = True  # false: no checkpoint is saved or resumed from
     dir: str | None = None  # None: <run_dir>/checkpoints
-    save_period: int = 10  # steps
-    keep_top_k: int | None = 3  # None keeps every checkpoint
+    save_period: int = 10  # training steps between checkpoints (one is saved after the last step too); 0: that one only
+    keep_top_k: int | None = 3  # the best checkpoints kept, the newest kept too; None keeps every checkpoint
     metric: str | None = None  # e.g. "validation/accuracy"; None ranks by step (newest kept)
-    higher_is_better: bool = True
+    higher_is_better: bool = True  # whether a higher metric ranks a checkpoint better
     resume: bool = True  # resume from the latest checkpoint in dir
 
 
@@ -207,18 +230,26 @@ class CheckpointConfig:
 class RunConfig:
     """The whole run. Plugin sections are read with :meth:`section`."""
 
+    # seeds Python, NumPy and torch (driver and policy workers), the training order (unless data.seed)
+    # and generation sampling (every row's seed derives from it)
     seed: int = 42
+    # the run's output folder, created if missing: events.jsonl, metrics.jsonl, checkpoints/ (unless
+    # checkpointing.dir), tensorboard/
     run_dir: str = "runs/default"
-    algorithm: str | None = None
+    algorithm: str | None = None  # a registered algorithm (grpo, sft, dpo); `posttrain run NAME` sets it; None: none
+    # torch.use_deterministic_algorithms in the driver and dtensor policy workers: an op without a
+    # deterministic kernel then raises
     deterministic: bool = False
-    cluster: ClusterConfig = attrs.field(factory=ClusterConfig)
-    policy: PolicyConfig = attrs.field(factory=PolicyConfig)
-    generation: GenerationConfig = attrs.field(factory=GenerationConfig)
-    data: DataConfig = attrs.field(factory=DataConfig)
-    data_plane: DataPlaneConfig = attrs.field(factory=DataPlaneConfig)
-    logger: LoggerConfig = attrs.field(factory=LoggerConfig)
-    checkpointing: CheckpointConfig = attrs.field(factory=CheckpointConfig)
-    environments: dict[str, dict[str, Any]] = attrs.field(factory=dict)  # per environment name
+    cluster: ClusterConfig = attrs.field(factory=ClusterConfig)  # where workers run
+    policy: PolicyConfig = attrs.field(factory=PolicyConfig)  # the model being trained and how
+    generation: GenerationConfig = attrs.field(factory=GenerationConfig)  # how rollouts are sampled
+    data: DataConfig = attrs.field(factory=DataConfig)  # the datasets
+    data_plane: DataPlaneConfig = attrs.field(factory=DataPlaneConfig)  # where a step's samples are kept
+    logger: LoggerConfig = attrs.field(factory=LoggerConfig)  # event logging and metric sinks
+    checkpointing: CheckpointConfig = attrs.field(factory=CheckpointConfig)  # saving and resuming
+    # {environment name: its options} of environments to start, each registered (options: the Environments
+    # page); GRPO also starts, with no options, each task its data rows name
+    environments: dict[str, dict[str, Any]] = attrs.field(factory=dict)
     sections: dict[str, Any] = attrs.field(factory=dict)  # plugin sections by dotted path
     # Filled by the loader, ignored by ==: the resolved YAML, and where each key path was set
     # ("exp.yaml:12" or "command line override 'a.b=1'"), for error messages.

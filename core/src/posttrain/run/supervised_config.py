@@ -14,13 +14,13 @@ class SupervisedConfig:
     ``max_num_steps`` and ``max_num_epochs`` comes first. An algorithm's section subclasses
     this and adds ``loss`` with its default and its loss options."""
 
-    max_num_steps: int | None = None  # None: stop after max_num_epochs
-    max_num_epochs: int = 1
+    max_num_steps: int | None = None  # optimizer steps at most; None: stop after max_num_epochs
+    max_num_epochs: int = 1  # passes over the training data, unless max_num_steps ends the run first
     val_period: int = 0  # steps between validation passes; 0: none during training
     val_batches: int | None = None  # batches per validation pass; None: the whole validation set
-    val_global_batch_size: int | None = None  # None: policy.train_global_batch_size
-    val_at_start: bool = False
-    val_at_end: bool = True
+    val_global_batch_size: int | None = None  # rows per validation batch; None: policy.train_global_batch_size
+    val_at_start: bool = False  # validate before the first step (fresh runs, not resumed ones)
+    val_at_end: bool = True  # validate after the last step (unless it was just validated or the run was stopped)
     export_dir: str | None = None  # write a Hugging Face folder of the final weights here
     loss: str = attrs.field(kw_only=True)  # a name in the loss registry; each section gives its default
 

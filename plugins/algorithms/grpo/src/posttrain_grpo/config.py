@@ -23,19 +23,21 @@ class ClippedPGConfig:
 
     ratio_clip_low: float = 0.2  # ratio clipped below at 1 - ratio_clip_low
     ratio_clip_high: float = 0.2  # ratio clipped above at 1 + ratio_clip_high (DAPO clip-higher: 0.28)
-    dual_clip_c: float | None = None  # > 1: for negative advantages the loss is at most c * |A|
+    dual_clip_c: float | None = None  # > 1: for negative advantages the loss is at most c * |A|; None: off
     token_level_loss: bool = True  # False: mean over each sequence's tokens, then over sequences
     kl_penalty: float = 0.0  # beta of the KL-to-reference term; 0 turns it off
+    # per-token estimate of KL(policy || reference) from lr = log(ref/current): k1 = -lr,
+    # k2 = lr^2 / 2, k3 = exp(lr) - 1 - lr
     kl_estimator: KLEstimator = "k3"
-    kl_input_clamp: float | None = 20.0  # |log(ref/current)| clamp before the estimator
-    kl_output_clamp: float | None = 10.0  # |estimate| clamp after it
+    kl_input_clamp: float | None = 20.0  # |log(ref/current)| clamp before the estimator (> 0); None: none
+    kl_output_clamp: float | None = 10.0  # |estimate| clamp after it (> 0); None: none
     # Train/inference mismatch correction, weights exp(logp_prev - logp_generation):
     # tis truncates the weights to [is_min, is_max] (is_min optional); icepop zeroes tokens
     # whose weight is outside [is_min, is_max]; seq_mask_tis zeroes whole sequences whose
     # geometric-mean weight is outside it and keeps the raw token weights elsewhere.
     importance_sampling_correction: ISCorrection | None = None
-    is_min: float | None = None
-    is_max: float | None = None
+    is_min: float | None = None  # lower weight bound (>= 0); tis: optional (None: 0); icepop, seq_mask_tis: required
+    is_max: float | None = None  # upper weight bound (> 0), required by each correction; set neither without one
     sequence_level_ratio: bool = False  # GSPO: one length-normalised ratio per sequence
     disable_ppo_ratio: bool = False  # REINFORCE / RLOO: loss = -A * logp, no ratio, no clip
 
@@ -45,11 +47,11 @@ class RewardScalingConfig:
     """Linear map of rewards from [source_min, source_max] (clamped) onto
     [target_min, target_max], applied before anything else uses them."""
 
-    enabled: bool = False
-    source_min: float = 0.0
-    source_max: float = 1.0
-    target_min: float = 0.0
-    target_max: float = 1.0
+    enabled: bool = False  # false: rewards as the environments give them
+    source_min: float = 0.0  # rewards below it are raised to it, then mapped onto target_min
+    source_max: float = 1.0  # rewards above it are lowered to it, then mapped onto target_max; > source_min
+    target_min: float = 0.0  # what source_min maps to
+    target_max: float = 1.0  # what source_max maps to
 
 
 @attrs.define
@@ -57,7 +59,9 @@ class DynamicSamplingConfig:
     """DAPO dynamic sampling: train only on prompt groups whose rewards are not all equal,
     generating more batches (at most ``max_gen_batches`` per step) to fill the step."""
 
-    enabled: bool = False
+    enabled: bool = False  # needs num_generations_per_prompt >= 2
+    # prompt batches rolled out per step at most; a step still short of num_prompts_per_step groups
+    # with differing rewards after them stops the run with an error
     max_gen_batches: int = 10
 
 
@@ -67,9 +71,9 @@ class OverlongRewardShapingConfig:
     ``max_response_length - buffer_length`` tokens loses up to ``penalty`` reward,
     linearly in the excess length."""
 
-    enabled: bool = False
-    buffer_length: int = 128  # tokens
-    penalty: float = 1.0
+    enabled: bool = False  # add the penalty to the scaled rewards before the advantages
+    buffer_length: int = 128  # tokens before max_response_length over which the penalty grows; 1..max_response_length
+    penalty: float = 1.0  # reward lost at max_response_length tokens and beyond (>= 0)
     max_response_length: int | None = None  # tokens; None: generation.max_new_tokens
 
 
@@ -77,27 +81,34 @@ class OverlongRewardShapingConfig:
 class GRPOConfig:
     """Group relative policy optimisation (and DAPO, GSPO, RLOO through the options)."""
 
-    num_prompts_per_step: int = 32
+    num_prompts_per_step: int = 32  # prompts per step (the data loader's batch), each rolled out as one group
+    # responses per prompt, the group its baseline is computed over. The step's samples (this times
+    # num_prompts_per_step) must be a multiple of policy.train_global_batch_size: one optimizer step each
     num_generations_per_prompt: int = 16
-    max_num_steps: int = 1_000_000  # 0: validate only (with val_at_start), no training
-    max_num_epochs: int = 1
-    val_period: int = 0  # steps between validations; 0: never
-    val_at_start: bool = False
+    max_num_steps: int = 1_000_000  # training steps at most; 0: validate only (with val_at_start), no training
+    max_num_epochs: int = 1  # passes over the training prompts; the run ends when they are used up
+    val_period: int = 0  # steps between validations (greedy rollouts of the validation prompts); 0: none in training
+    val_at_start: bool = False  # validate before the first step (fresh runs, not resumed ones)
     max_val_samples: int | None = None  # validation prompts used per validation; None: all
-    max_rollout_turns: int = 1
+    max_rollout_turns: int = 1  # assistant turns per sample at most; multi-turn environments need more than 1
+    # leave_one_out: a sample's baseline is the mean reward of its group's other samples (needs
+    # num_generations_per_prompt >= 2); mean: the group's mean reward
     baseline: Baseline = "leave_one_out"
     normalize_rewards: bool = True  # divide advantages by the group's reward std where it is > 0
     advantage_clip_low: float | None = None  # advantages clamped to [low, high]; None: no bound
-    advantage_clip_high: float | None = None
-    reward_scaling: RewardScalingConfig = attrs.field(factory=RewardScalingConfig)
-    dynamic_sampling: DynamicSamplingConfig = attrs.field(factory=DynamicSamplingConfig)
+    advantage_clip_high: float | None = None  # the upper bound of that clamp; None: no bound
+    reward_scaling: RewardScalingConfig = attrs.field(factory=RewardScalingConfig)  # a linear map of rewards
+    dynamic_sampling: DynamicSamplingConfig = attrs.field(factory=DynamicSamplingConfig)  # DAPO: groups with signal
     overlong_filtering: bool = False  # truncated responses stay in baselines but get no gradient
+    # DAPO: a reward penalty for responses near the length limit
     overlong_reward_shaping: OverlongRewardShapingConfig = attrs.field(factory=OverlongRewardShapingConfig)
+    # true: reference-policy logprobs only when loss.kl_penalty > 0; false: every step (the kl metric)
     skip_reference_logprobs_when_kl_off: bool = True
-    # With one optimizer step per step's batch the policy that generated is the one that
+    # true: with one optimizer step per step's batch the policy that generated is the one that
     # trains, so prev_logprobs are the training pass's own logprobs (detached): no extra pass.
+    # false: a logprob pass for prev_logprobs every step
     skip_prev_logprobs_when_on_policy: bool = True
-    loss: ClippedPGConfig = attrs.field(factory=ClippedPGConfig)
+    loss: ClippedPGConfig = attrs.field(factory=ClippedPGConfig)  # the clipped policy-gradient loss
     export_dir: str | None = None  # write a Hugging Face folder of the final weights here
 
     @property

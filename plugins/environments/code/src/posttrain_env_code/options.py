@@ -39,11 +39,22 @@ def _one_of(*choices: str) -> Any:
 
 @attrs.frozen
 class CodeOptions:
-    """``timeout_s``: wall-clock limit of one sandbox run; ``memory_mb``: address space per
-    process; ``max_output_bytes``: stdout+stderr of one run; ``max_processes``: processes and
-    threads of one run; ``disk_mb``: the run's work folder; ``max_concurrency``: runs at once;
-    ``namespaces``: Linux namespaces (``auto``, ``require``, ``off``); ``reward``:
-    ``fraction`` of tests passed, or ``all`` (1 only when every test passes)."""
+    """Options of the ``code`` environment (``environments.code``). A sample's ``tests`` run
+    together as one sandbox run, each of its ``cases`` as a run of its own.
+
+    - ``timeout_s``: wall-clock seconds of one run (at least 0.1); a run past it is killed and
+      counts as a timeout.
+    - ``memory_mb``: address space of each process of a run (``RLIMIT_AS``), MiB; at least 64.
+    - ``max_output_bytes``: stdout and stderr of one run together; a run writing more is stopped.
+    - ``max_processes``: processes and threads of one run (``RLIMIT_NPROC``); at least 4.
+    - ``disk_mb``: size of a run's work folder (and of its largest file), MiB.
+    - ``max_concurrency``: runs at once (threads of the environment's actor).
+    - ``namespaces``: Linux namespaces that cut a run off the network and the filesystem:
+      ``auto`` uses them when they work on this machine (and warns when not), ``require``
+      fails without them, ``off`` never uses them.
+    - ``reward``: ``fraction`` of the tests and cases passed, or ``all`` (1 only when every
+      one passes).
+    """
 
     timeout_s: float = attrs.field(default=10.0, validator=_at_least(0.1, integer=False))
     memory_mb: int = attrs.field(default=512, validator=_at_least(64, integer=True))

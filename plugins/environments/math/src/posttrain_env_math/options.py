@@ -44,14 +44,16 @@ def positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 @attrs.frozen
 class MathOptions:
-    """``environments.math``: seconds to extract and verify one response, verifier processes."""
+    """Options of the ``math`` environment (``environments.math``)."""
 
+    # seconds to extract and verify one response (> 0); a slower one scores 0 and counts in verify_timeouts
     timeout_s: float = attrs.field(default=10.0, validator=positive)
-    num_workers: int = attrs.field(default=2, validator=positive_int)
+    num_workers: int = attrs.field(default=2, validator=positive_int)  # verifier processes scoring responses in parallel
 
 
 @attrs.frozen
 class GuessNumberOptions:
-    """``environments.guess_number``: guesses a game allows."""
+    """Options of the ``guess_number`` environment (``environments.guess_number``)."""
 
+    # guesses a game allows; the last one wrong ends it with reward 0 (grpo.max_rollout_turns: at least this)
     max_guesses: int = attrs.field(default=8, validator=positive_int)
