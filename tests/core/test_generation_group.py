@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 import torch
 
@@ -16,8 +17,9 @@ from posttrain.backend.generation_group import (
     check_sampling_config,
     model_tokens,
     split_bounds,
+    weight_transport,
 )
-from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig
+from posttrain.config.schema import ClusterConfig, GenerationConfig, PolicyConfig, RunConfig, WorkerResources
 from posttrain.errors import ConfigError, DataError
 from posttrain.testing.generation import check_output_layout, prompt_batch
 
@@ -95,7 +97,8 @@ def test_model_tokens_prefer_the_generation_config(tiny_model_path, tmp_path):
 def test_sampling_config_errors_name_the_keys():
     config = RunConfig(
         policy=PolicyConfig(model="m"),
-        generation=GenerationConfig(temperature=-1, top_p=0, top_k=0, max_new_tokens=0, num_workers=0),
+        generation=GenerationConfig(temperature=-1, top_p=0, top_k=0, max_new_tokens=0, num_workers=0,
+                                    weight_transport="rdma"),
     )
     with pytest.raises(ConfigError) as error:
         check_sampling_config(config)
@@ -105,7 +108,19 @@ def test_sampling_config_errors_name_the_keys():
         "generation.top_k must be >= 1 or null (no top-k), got 0",
         "generation.max_new_tokens must be >= 1, got 0",
         "generation.num_workers must be >= 1, got 0",
+        "generation.weight_transport must be one of auto, gloo, nccl, got 'rdma'",
     ):
         assert fragment in str(error.value)
     with pytest.raises(ConfigError, match=r"generation.model \(or policy.model\) must name a local Hugging Face folder"):
         check_sampling_config(RunConfig())
+
+
+def test_the_weight_transport_is_nccl_only_when_both_sides_have_gpus():
+    gpu = WorkerResources(gpus=1)
+    on_gpus = RunConfig(cluster=ClusterConfig(use_gpus=True), policy=PolicyConfig(resources=gpu),
+                        generation=GenerationConfig(resources=gpu))
+    assert weight_transport(on_gpus) == "nccl"
+    assert weight_transport(attrs.evolve(on_gpus, policy=PolicyConfig())) == "gloo"  # the trainer on the CPU
+    assert weight_transport(attrs.evolve(on_gpus, cluster=ClusterConfig())) == "gloo"
+    forced = attrs.evolve(on_gpus, generation=GenerationConfig(resources=gpu, weight_transport="gloo"))
+    assert weight_transport(forced) == "gloo"

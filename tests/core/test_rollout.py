@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.batch import Batch
 from posttrain.errors import ConfigError
-from posttrain.interfaces import Environment, EnvironmentReturn, Generation, RefitStats
+from posttrain.interfaces import Environment, EnvironmentReturn, Generation
 from posttrain.models.tiny import SPECIAL_TOKENS
 from posttrain.run.environments import EnvironmentTimeout
 from posttrain.run.rollout import ChatFormat, run_rollout
@@ -61,8 +61,8 @@ class TransformersGeneration(Generation):
             truncated=torch.tensor([t for *_, t in rows]),
         )
 
-    def update_weights(self, buckets) -> RefitStats:
-        raise NotImplementedError
+    def weight_endpoint(self):
+        raise NotImplementedError("rollouts never refit")
 
     def shutdown(self) -> None:
         pass

@@ -180,6 +180,25 @@ def test_resumed_run_matches_an_uninterrupted_one(ray_cluster, tiny_model_path, 
     assert torch.load(tmp_path / "stopped" / "checkpoints" / "step_3" / "dataloader.pt") == full_position
 
 
+@pytest.mark.slow
+def test_generation_on_its_own_workers_logs_the_colocated_runs_metrics(ray_cluster, tiny_model_path, tmp_path):
+    """``generation.colocated: false``: the engine keeps its own CPU worker (no offload or
+    sleep between stages) and gets every step's weights by the same worker-to-worker sync;
+    the run's metrics equal the colocated run's, step by step."""
+    train = write_rows(tmp_path / "train.jsonl", seven_rows(40))
+    grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=8, max_num_steps=3)
+    runs = {}
+    for colocated in (True, False):
+        config = make_config(tiny_model_path, tmp_path / f"colocated_{colocated}", train, grpo)
+        config = attrs.evolve(config, generation=attrs.evolve(config.generation, colocated=colocated))
+        run_algorithm(config)
+        runs[colocated] = read_metrics(tmp_path / f"colocated_{colocated}" / "metrics.jsonl", "train")
+    assert [r["step"] for r in runs[False]] == [r["step"] for r in runs[True]] == [1, 2, 3]
+    for together, apart in zip(runs[True], runs[False], strict=True):
+        assert comparable(apart) == comparable(together), f"step {together['step']}"
+    assert runs[True][-1]["grad_norm"] > 0 and runs[True][-1]["refit/bytes"] > 0
+
+
 class RecordingPlane(MemoryDataPlane):
     """The in-memory plane, recording which keys each ``get`` reads and every put's tags."""
 

@@ -5,8 +5,9 @@ engine worker class that provides the :class:`EngineWorker` methods. It turns th
 into a :class:`GenerationRequest` (prompts without padding, one seed per row, stop
 criteria, per-row token budgets), splits it into contiguous shards, one per
 data-parallel engine, and assembles the engines' :class:`Completion` lists into the output
-batch described in :mod:`posttrain.interfaces.generation`. Refit streams buckets to every
-engine through the Ray object store (one ``ray.put`` per bucket, shared by all engines).
+batch described in :mod:`posttrain.interfaces.generation`. Weights reach the engines from
+the policy's workers directly (:meth:`WorkerGroupGeneration.weight_endpoint`,
+:mod:`posttrain.backend.weight_sync`).
 
 What a row's logprobs and seeds mean is defined once in :mod:`posttrain.backend.sampling`.
 """
@@ -15,20 +16,19 @@ from __future__ import annotations
 
 import abc
 import itertools
-import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
-import ray
 import torch
 
 from posttrain.backend.sampling import sample_seeds
+from posttrain.backend.weight_sync import BroadcastEndpoint, TransferInit
 from posttrain.batch import Batch
 from posttrain.config.schema import GenerationConfig, RunConfig, WorkerResources
 from posttrain.distributed import VirtualCluster, Worker, WorkerGroup
 from posttrain.errors import ConfigError, DataError
-from posttrain.interfaces.generation import Generation, RefitStats
+from posttrain.interfaces.generation import Generation
 
 
 @attrs.frozen
@@ -81,17 +81,17 @@ class EngineWorker(Worker, abc.ABC):
         """Complete every row of ``request`` (possibly none), in order."""
 
     @abc.abstractmethod
-    def begin_weight_update(self) -> None:
-        """Prepare to receive a full set of weights in several buckets."""
+    def init_weight_transfer(self, init: TransferInit) -> None:
+        """Join the weight-sync group that policy rank 0 opens (ranks ``init.rank_offset``
+        onwards, one per rank the engine declared; see :mod:`posttrain.backend.weight_sync`)
+        and keep ``init.plan``. Called again when the policy reconnects: leave the old group."""
 
     @abc.abstractmethod
-    def load_weights(self, bucket: dict[str, torch.Tensor]) -> None:
-        """Load one bucket of Hugging Face-named tensors."""
-
-    @abc.abstractmethod
-    def finish_weight_update(self) -> None:
-        """Complete the update (fail if weights are missing) and drop caches built with
-        the old weights."""
+    def receive_weights(self, version: int) -> list[str]:
+        """Receive one weight sync (the plan's buckets, broadcast by policy rank 0), load it
+        in place of the current weights, drop every cache computed with the old ones and
+        record ``version``; return the names of the model's parameters the sync did not
+        cover (none, when the models match). Weights asleep are woken first."""
 
     def sleep(self) -> None:
         """Release device memory between generations (colocated mode); default: nothing."""
@@ -226,6 +226,21 @@ def _as_list(stop_strings: str | Sequence[str] | None) -> list[str]:
     return [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
 
 
+#: Values of ``generation.weight_transport``.
+WEIGHT_TRANSPORTS = ("auto", "gloo", "nccl")
+
+
+def weight_transport(config: RunConfig) -> str:
+    """The torch.distributed backend of the weight sync: ``generation.weight_transport``,
+    with ``auto`` meaning nccl when the cluster uses GPUs and both the policy's workers and
+    the engines have one, gloo otherwise."""
+    gen = config.generation
+    if gen.weight_transport != "auto":
+        return gen.weight_transport
+    on_gpus = config.cluster.use_gpus and gen.resources.gpus > 0 and config.policy.resources.gpus > 0
+    return "nccl" if on_gpus else "gloo"
+
+
 def check_sampling_config(config: RunConfig) -> None:
     """Refuse sampling settings no backend can honour, naming the ``generation`` key."""
     gen = config.generation
@@ -240,6 +255,10 @@ def check_sampling_config(config: RunConfig) -> None:
         problems.append(f"generation.max_new_tokens must be >= 1, got {gen.max_new_tokens}")
     if gen.num_workers < 1:
         problems.append(f"generation.num_workers must be >= 1, got {gen.num_workers}")
+    if gen.weight_transport not in WEIGHT_TRANSPORTS:
+        problems.append(
+            f"generation.weight_transport must be one of {', '.join(WEIGHT_TRANSPORTS)}, got '{gen.weight_transport}'"
+        )
     if not (gen.model or config.policy.model):
         problems.append("generation.model (or policy.model) must name a local Hugging Face folder")
     if problems:
@@ -251,7 +270,8 @@ class WorkerGroupGeneration(Generation):
 
     ``context_length`` is the most tokens (prompt + completion) an engine holds per row;
     ``context_key`` names the config key that sets it, for error messages.
-    ``worker_kwargs`` go to ``worker_cls.__init__``. Sampling seeds derive from
+    ``worker_kwargs`` go to ``worker_cls.__init__``; ``ranks_per_engine`` is how many ranks
+    of the weight-sync group each engine joins with (its tensor-parallel workers). Sampling seeds derive from
     ``config.seed`` (or the seed of the last :meth:`set_sampling_seed`) and the index of the
     ``generate`` call since then (see :mod:`posttrain.backend.sampling`).
     """
@@ -267,6 +287,7 @@ class WorkerGroupGeneration(Generation):
         worker_kwargs: Mapping[str, Any],
         resources: WorkerResources | None = None,
         name: str = "generation",
+        ranks_per_engine: int = 1,
     ):
         check_sampling_config(config)
         self.config = config
@@ -276,6 +297,8 @@ class WorkerGroupGeneration(Generation):
         self.context_key = context_key
         self.sampling_seed = config.seed
         self.num_calls = 0
+        self.ranks_per_engine = ranks_per_engine
+        self._endpoint: BroadcastEndpoint | None = None
         self._group = WorkerGroup(
             cluster,
             worker_cls,
@@ -310,24 +333,16 @@ class WorkerGroupGeneration(Generation):
 
     # ------------------------------------------------------------------ weights
 
-    def update_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> RefitStats:
-        """Stream ``buckets`` to every engine; the next bucket is produced while the
-        engines load the previous one. Returns the time, bytes and counts of this call."""
-        start = time.perf_counter()
-        num_bytes = num_tensors = num_buckets = 0
-        self._group.run_all(EngineWorker.begin_weight_update)
-        in_flight: list[ray.ObjectRef] = []
-        for bucket in buckets:
-            bucket = dict(bucket)
-            num_bytes += sum(t.numel() * t.element_size() for t in bucket.values())
-            num_tensors += len(bucket)
-            num_buckets += 1
-            loading = self._group.run_all_async(EngineWorker.load_weights, ray.put(bucket))
-            self._group.get(in_flight)
-            in_flight = loading
-        self._group.get(in_flight)
-        self._group.run_all(EngineWorker.finish_weight_update)
-        return RefitStats(time.perf_counter() - start, num_bytes, num_tensors, num_buckets)
+    def weight_endpoint(self) -> BroadcastEndpoint:
+        """The engines as the policy's ranks reach them: their actor handles,
+        ``ranks_per_engine`` sync ranks each, and the transport
+        (``generation.weight_transport``; ``auto`` is nccl when the policy and the engines
+        have GPUs, gloo otherwise)."""
+        if self._endpoint is None:
+            self._endpoint = BroadcastEndpoint(
+                tuple(self._group.actors), self.ranks_per_engine, weight_transport(self.config), name=self._group.name
+            )
+        return self._endpoint
 
     # ------------------------------------------------------------------ lifecycle
 

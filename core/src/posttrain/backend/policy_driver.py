@@ -36,6 +36,7 @@ from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
 from posttrain.distributed import WorkerGroup
 from posttrain.interfaces.data_plane import PlaneSamples
+from posttrain.interfaces.generation import RefitStats, WeightEndpoint
 from posttrain.interfaces.loss import LossFunction, combine_metrics
 from posttrain.interfaces.policy import Policy
 
@@ -65,6 +66,7 @@ class ShardedPolicy(Policy):
         self.dp_rank_of = list(dp_rank_of)
         self.result_ranks = list(result_ranks)
         self.dp_size = len(self.result_ranks)
+        self._weight_endpoint: tuple[WeightEndpoint, int] | None = None  # what the ranks are connected to
 
     # ------------------------------------------------------------------ passes
 
@@ -169,6 +171,18 @@ class ShardedPolicy(Policy):
             bucket = self.group.run_all(PolicyWorker.gather_weights, names)[0]
             assert bucket is not None, "rank 0 gathers the full weights"
             yield bucket
+
+    def send_weights(self, endpoint: WeightEndpoint, bucket_bytes: int, version: int) -> RefitStats:
+        if self._weight_endpoint != (endpoint, bucket_bytes):
+            self.group.run_all(PolicyWorker.connect_weights, endpoint, bucket_bytes)
+            self._weight_endpoint = (endpoint, bucket_bytes)
+        try:
+            stats = self.group.run_all(PolicyWorker.send_weights, version)[0]
+        except BaseException:
+            self._weight_endpoint = None  # the sync group may be broken: reconnect next time
+            raise
+        assert stats is not None, "rank 0 sends the weights"
+        return RefitStats(stats.seconds, stats.bytes_sent, stats.num_tensors, stats.num_buckets, stats.peak_staging_bytes)
 
     def prepare_for_training(self) -> None:
         self.group.run_all(PolicyWorker.prepare_for_training)

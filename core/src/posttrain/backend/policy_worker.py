@@ -45,6 +45,7 @@ from typing import Any, NotRequired, TypedDict
 
 import torch
 
+from posttrain.backend.weight_sync import BroadcastEndpoint, GatheredWeights, ParamMeta, SendStats, WeightSender
 from posttrain.backend.work import RankWork
 from posttrain.batch import Batch
 from posttrain.distributed import Worker
@@ -115,11 +116,15 @@ class PolicyWorker(Worker, abc.ABC):
         :func:`require_policy_checkpoint`)."""
 
     @abc.abstractmethod
+    def weight_metadata(self) -> list[ParamMeta]:
+        """Name, full shape and dtype of every exported tensor, in export order, as
+        :meth:`gather_weights` gives them (without gathering anything). The names are those
+        of the Hugging Face model's ``named_parameters()`` (each tensor once: an output
+        embedding tied to the input embedding is not repeated). Called on every rank."""
+
     def weight_sizes(self) -> list[tuple[str, int]]:
-        """``(hugging_face_name, bytes)`` of every exported tensor, in export order, at the
-        size :meth:`gather_weights` gives it. The names are those of the Hugging Face
-        model's ``named_parameters()`` (each tensor once: an output embedding tied to the
-        input embedding is not repeated). Called on rank 0 only."""
+        """``(hugging_face_name, bytes)`` of every exported tensor, from :meth:`weight_metadata`."""
+        return [(meta.name, meta.nbytes) for meta in self.weight_metadata()]
 
     @abc.abstractmethod
     def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
@@ -132,6 +137,23 @@ class PolicyWorker(Worker, abc.ABC):
         ``shard_bytes``, the model's config and generation config, and the tokenizer of
         ``policy.tokenizer`` or else ``policy.model``) that transformers and vLLM load;
         :mod:`posttrain.backend.hf_export` writes the shards and the metadata."""
+
+    # ------------------------------------------------------------------ weight sync (collective)
+
+    def connect_weights(self, endpoint: BroadcastEndpoint, bucket_bytes: int) -> None:
+        """Join the weight sync with a generation backend's engines (rank 0 opens the group;
+        see :mod:`posttrain.backend.weight_sync`). Backends need not override it: it runs on
+        :meth:`weight_metadata` and :meth:`gather_weights`."""
+        source = GatheredWeights(self.weight_metadata(), self.gather_weights)
+        self._weight_sender = endpoint.connect(source, rank=self.rank, bucket_bytes=bucket_bytes)
+
+    def send_weights(self, version: int) -> SendStats | None:
+        """Broadcast the current weights to the connected engines under ``version``, one
+        layer group at a time; rank 0 returns what it sent, the others None."""
+        sender: WeightSender | None = getattr(self, "_weight_sender", None)
+        if sender is None:
+            raise RuntimeError("send_weights() before connect_weights(): the weight sync is not connected")
+        return sender.send(version)
 
     # ------------------------------------------------------------------ placement and facts
 

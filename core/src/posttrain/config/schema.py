@@ -128,6 +128,7 @@ class GenerationConfig:
     ignore_eos: bool = False  # True: the model's EOS ids do not end a completion (only stop_token_ids do)
     colocated: bool = True  # share devices with the policy and take turns
     refit_bucket_bytes: int = 256 * 1024 * 1024  # most bytes per bucket when the policy's weights go to the engines
+    weight_transport: str = "auto"  # how weights go from the policy's workers to the engines: auto | gloo | nccl (auto: nccl when the policy and the engines have GPUs, else gloo)
     resources: WorkerResources = attrs.field(factory=WorkerResources)  # what each engine asks Ray for
 
 

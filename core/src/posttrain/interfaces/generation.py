@@ -16,22 +16,32 @@ temperature, so that they are comparable with a trainer that scales logits the s
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 import attrs
-import torch
 
 from posttrain.batch import Batch
 
 
 @attrs.frozen
 class RefitStats:
-    """How a weight refit went."""
+    """How a weight refit went: wall seconds, bytes and tensors sent, buckets, and the most
+    bytes the sending rank staged at once (a gathered layer group plus one bucket)."""
 
     seconds: float
     bytes_moved: int
     num_tensors: int
     num_buckets: int
+    peak_staging_bytes: int = 0
+
+
+class WeightEndpoint(Protocol):
+    """Where a policy's ranks send their weights, worker to worker, as a generation
+    backend describes it (:meth:`Generation.weight_endpoint`). Picklable and small (actor
+    handles, a transport name): it travels from the driver to the policy's ranks, which call
+    ``connect`` once (see :class:`posttrain.backend.weight_sync.BroadcastEndpoint`)."""
+
+    def connect(self, source: Any, *, rank: int, bucket_bytes: int) -> Any: ...
 
 
 class Generation(abc.ABC):
@@ -42,9 +52,11 @@ class Generation(abc.ABC):
         """Generate one completion per row; ``greedy`` forces argmax decoding (validation)."""
 
     @abc.abstractmethod
-    def update_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> RefitStats:
-        """Load full Hugging Face-named weights into the running engines without restart,
-        bucket by bucket, and drop every cache computed with the old weights."""
+    def weight_endpoint(self) -> WeightEndpoint:
+        """How the policy reaches the running engines to replace their weights without a
+        restart (the same object on every call). The engines load full Hugging Face-named
+        weights and drop every cache computed with the old ones; the bytes go from the
+        policy's workers to the engines, never through the caller."""
 
     def set_sampling_seed(self, seed: int) -> None:
         """Sample from now on as a backend freshly built with run seed ``seed`` would.

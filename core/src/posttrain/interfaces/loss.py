@@ -105,13 +105,17 @@ def combine_metrics(
     return out
 
 
-def global_valid_counts(batch: Batch, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+def global_valid_counts(
+    batch: Batch, group: dist.ProcessGroup | None, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Valid sequences (``sum(sample_mask)``) and valid tokens (``sum(token_mask *
     sample_mask)``) of this rank's samples, summed over ``group`` (the data-parallel ranks),
-    as float32 scalars. ``sample_mask`` defaults to all ones."""
+    as float32 scalars on ``device``. ``sample_mask`` defaults to all ones. The reduction
+    runs on ``device``: pass the device the group's backend serves (CUDA for an NCCL group,
+    which cannot reduce CPU tensors; the CPU for gloo)."""
     token_mask = batch["token_mask"].double()
     sample_mask = batch["sample_mask"].double() if "sample_mask" in batch else torch.ones(len(batch), dtype=torch.float64)
-    counts = torch.stack([sample_mask.sum(), (token_mask * sample_mask[:, None]).sum()])
+    counts = torch.stack([sample_mask.sum(), (token_mask * sample_mask[:, None]).sum()]).to(device)
     if group is not None:
         dist.all_reduce(counts, group=group)
     return counts[0].float(), counts[1].float()

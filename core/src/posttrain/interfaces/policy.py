@@ -27,6 +27,7 @@ import torch
 
 from posttrain.batch import Batch
 from posttrain.interfaces.data_plane import PlaneSamples
+from posttrain.interfaces.generation import RefitStats, WeightEndpoint
 from posttrain.interfaces.loss import LossFunction
 
 
@@ -101,7 +102,13 @@ class Policy(abc.ABC):
     def export_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """Yield the full (unsharded) weights under Hugging Face names, in buckets of at
         most ``bucket_bytes`` bytes each (a single tensor larger than that is its own
-        bucket). Used to refit generation backends."""
+        bucket), to the caller: for checks and tools. Refit uses :meth:`send_weights`."""
+
+    @abc.abstractmethod
+    def send_weights(self, endpoint: WeightEndpoint, bucket_bytes: int, version: int) -> RefitStats:
+        """Replace the generation engines' weights with the current ones, worker to worker
+        (no tensor reaches the caller), in buckets of at most ``bucket_bytes``; ``version``
+        names the weights (the training step). Connects to ``endpoint`` on first use."""
 
     def prepare_for_training(self) -> None:
         """Bring weights and optimizer state back onto the training device (colocated mode)."""

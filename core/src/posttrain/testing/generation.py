@@ -16,9 +16,11 @@ from typing import Any
 import attrs
 import torch
 
+from posttrain.backend.hf_export import bucket_names
 from posttrain.backend.sampling import sampling_logprobs
+from posttrain.backend.weight_sync import GatheredWeights, ParamMeta
 from posttrain.batch import Batch
-from posttrain.interfaces.generation import Generation
+from posttrain.interfaces.generation import Generation, RefitStats
 from posttrain.interfaces.loss import LossFunction
 from posttrain.interfaces.policy import Policy
 from posttrain.run.refit import refit
@@ -183,13 +185,17 @@ def check_trained_policy_refit(policy: Policy, generation: Generation, prompts: 
 
 
 class ExportedWeights:
-    """Given weights behind :meth:`Policy.export_weights` (what :func:`refit` reads)."""
+    """Given weights behind the policy side of :func:`refit`: :meth:`send_weights` runs one
+    sender rank in this process (a test stand-in for a policy's workers)."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor]):
-        self.weights = weights
+        self.weights = dict(weights)
 
-    def export_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-        return weight_buckets(self.weights, bucket_bytes)
+    def send_weights(self, endpoint: Any, bucket_bytes: int, version: int) -> RefitStats:
+        metas = [ParamMeta(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in self.weights.items()]
+        source = GatheredWeights(metas, lambda names: {name: self.weights[name] for name in names})
+        stats = endpoint.connect(source, rank=0, bucket_bytes=bucket_bytes).send(version)
+        return RefitStats(stats.seconds, stats.bytes_sent, stats.num_tensors, stats.num_buckets, stats.peak_staging_bytes)
 
 
 def stop_token_for(model: Any, prompt: Sequence[int], *, position: int, eos_token_ids: Sequence[int]) -> int:
@@ -280,17 +286,9 @@ def perturbed_weights(model: torch.nn.Module, *, seed: int, scale: float) -> dic
 
 def weight_buckets(weights: Mapping[str, torch.Tensor], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
     """Buckets of at most ``bucket_bytes`` (a larger tensor is its own bucket), in order."""
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, tensor in weights.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = {}, 0
-        bucket[name] = tensor
-        size += nbytes
-    if bucket:
-        yield bucket
+    sizes = [(name, tensor.numel() * tensor.element_size()) for name, tensor in weights.items()]
+    for names in bucket_names(sizes, bucket_bytes):
+        yield {name: weights[name] for name in names}
 
 
 def stop_string_prefix(tokenizer, tokens: Sequence[int], stop: str) -> list[int] | None:

@@ -19,7 +19,9 @@ saves first):
   reports the loss without a step;
 - a checkpoint resumes exactly; the Hugging Face export loads in transformers with the
   policy's logprobs; ``export_weights`` honours its bucket size and gives the weights;
-  ``offload``/``prepare_for_training`` keep the weights; ``info`` names the model.
+  ``offload``/``prepare_for_training`` keep the weights; ``info`` names the model;
+- a weight sync (:meth:`Policy.send_weights`) to a stand-in engine delivers exactly the
+  exported weights, worker to worker, staging at most one layer group and one bucket.
 
 The reference helpers (:func:`reference_logprobs`, :func:`reference_step`, ...) are public
 for a backend's own extra tests.
@@ -46,6 +48,7 @@ from posttrain.config.schema import (
     WorkerResources,
 )
 from posttrain.distributed import VirtualCluster
+from posttrain.interfaces.generation import RefitStats
 from posttrain.interfaces.policy import Policy
 from posttrain.models.tiny import build_tiny_model
 from posttrain.plugins import plugin_host
@@ -141,6 +144,48 @@ class ContractSubject:
     def restore(self) -> Policy:
         self.policy.load_checkpoint(self.initial)
         return self.policy
+
+
+def synced_weights(policy: Policy, bucket_bytes: int, version: int) -> tuple[dict[str, torch.Tensor], int, RefitStats]:
+    """What one weight sync of ``policy`` delivers to a stand-in engine
+    (:class:`~posttrain.testing.probe.WeightProbe` in a Ray actor): the tensors it received
+    by name, the version it recorded, and the sync's stats."""
+    from posttrain.backend.weight_sync import BroadcastEndpoint
+    from posttrain.distributed import WorkerGroup
+    from posttrain.run.refit import refit
+    from posttrain.testing.probe import WeightProbe
+
+    cluster = VirtualCluster(ClusterConfig())
+    try:
+        with WorkerGroup(cluster, WeightProbe, name="weight-probe", num_workers=1,
+                         resources=WorkerResources(cpus=0.25)) as group:
+            engine = _Endpoint(BroadcastEndpoint(tuple(group.actors), 1, "gloo", name="weight-probe"))
+            stats = refit(policy, engine, bucket_bytes, version=version)
+            received_version, received = group.run_rank0(WeightProbe.state)
+    finally:
+        cluster.shutdown()
+    return received, received_version, stats
+
+
+def staging_bound(weights: Mapping[str, torch.Tensor], bucket_bytes: int) -> int:
+    """The most bytes a sync of ``weights`` may stage on the sending rank: the largest layer
+    group, plus one bucket (or the largest tensor, which is a bucket of its own) with its
+    alignment padding."""
+    from posttrain.backend.weight_sync import ALIGN_BYTES, layer_groups
+
+    sizes = {name: t.numel() * t.element_size() for name, t in weights.items()}
+    largest_group = max(sum(sizes[n] for n in group) for group in layer_groups(list(weights)))
+    return largest_group + max(bucket_bytes, max(sizes.values())) + ALIGN_BYTES * len(sizes)
+
+
+@attrs.frozen
+class _Endpoint:
+    """A generation backend reduced to its weight endpoint (what refit asks it for)."""
+
+    endpoint: Any
+
+    def weight_endpoint(self) -> Any:
+        return self.endpoint
 
 
 class PolicyContract:
@@ -320,6 +365,20 @@ class PolicyContract:
         expected = {name: p.detach() for name, p in model.named_parameters()}
         assert set(names) == set(expected), f"exported {sorted(set(names) ^ set(expected))} differently"
         assert max_difference({n: t for b in buckets for n, t in b.items()}, expected) == 0.0
+
+    def test_send_weights_delivers_the_weights_worker_to_worker(self, subject: ContractSubject) -> None:
+        """A sync to a stand-in engine delivers exactly :meth:`Policy.export_weights`'s
+        tensors under the version given, staging at most one layer group and one bucket."""
+        policy = subject.restore()
+        policy.train(contract_batch(), NegativeLogLikelihood())
+        expected = exported_weights(policy)
+        bucket_bytes = 64 * 1024
+        received, version, stats = synced_weights(policy, bucket_bytes, version=3)
+        assert version == 3 and received.keys() == expected.keys()
+        assert max_difference(received, expected) == 0.0 and all(received[n].dtype == t.dtype for n, t in expected.items())
+        assert stats.bytes_moved == sum(t.numel() * t.element_size() for t in expected.values())
+        assert stats.num_tensors == len(expected) and stats.num_buckets > 1
+        assert 0 < stats.peak_staging_bytes <= staging_bound(expected, bucket_bytes), stats
 
     def test_offload_and_prepare_keep_the_weights(self, subject: ContractSubject) -> None:
         policy = subject.restore()

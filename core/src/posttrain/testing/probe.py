@@ -25,3 +25,27 @@ class ContractProbe(Worker):
             return environment.step(message_logs, metadata)
         finally:
             environment.shutdown()
+
+
+class WeightProbe(Worker):
+    """A stand-in generation engine for weight-sync checks: it joins the sync group like
+    an engine and keeps a copy of every tensor it receives, with the version."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: dict[str, Any] = {}
+        self.version = -1
+        self.receiver: Any = None
+
+    def init_weight_transfer(self, init: Any) -> None:
+        from posttrain.backend.weight_sync import BroadcastReceiver
+
+        self.receiver = BroadcastReceiver(init)
+
+    def receive_weights(self, version: int) -> list[str]:
+        self.receiver.receive(lambda bucket: self.received.update({name: t.clone() for name, t in bucket}))
+        self.version = version
+        return []
+
+    def state(self) -> tuple[int, dict[str, Any]]:
+        return self.version, self.received

@@ -120,3 +120,15 @@ def test_two_dimensional_dp2_tp2_matches_the_reference(tiny_model_path, virtual_
         assert metrics["token_share"] == pytest.approx(1.0)
     finally:
         policy.shutdown()
+
+
+def test_weight_sync_sends_the_exported_weights_in_bounded_stages(policy, setup, dt):
+    """Sharded ranks gather one layer group at a time: the engine receives the same bytes
+    as the export (which the tests above tie to the single-rank reference)."""
+    from posttrain.testing.policy import staging_bound, synced_weights
+
+    policy.train(setup["batch"], dt.nll)
+    expected = dt.full_weights(policy)
+    received, version, stats = synced_weights(policy, bucket_bytes=32 * 1024, version=5)
+    assert version == 5 and dt.max_diff(received, expected) == 0.0
+    assert stats.num_buckets > 1 and 0 < stats.peak_staging_bytes <= staging_bound(expected, 32 * 1024)

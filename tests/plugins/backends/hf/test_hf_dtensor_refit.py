@@ -5,6 +5,7 @@ and at 0.7 (both sides then report logprobs of ``logits / 0.7``)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from posttrain.config.schema import GenerationConfig, OptimizerConfig, PolicyConfig, RunConfig, WorkerResources
 from posttrain.distributed import VirtualCluster
@@ -39,3 +40,47 @@ def test_trained_dtensor_policy_refit_parity(ray_cluster, tiny_model_path, tempe
     finally:
         generation.shutdown()
         policy.shutdown()
+
+
+def test_an_engine_that_dies_is_named_and_the_trainer_keeps_its_weights(ray_cluster, tiny_model_path):
+    """The engine is killed between two syncs: the next one stops within 30 s naming it, the
+    policy's weights are unchanged, and a new generation backend takes the weights."""
+    import time
+
+    import ray
+
+    from posttrain.batch import Batch
+    from posttrain.errors import WorkerError
+    from posttrain.run.refit import refit
+    from posttrain.testing.generation import prompt_batch
+
+    config = RunConfig(
+        seed=5,
+        policy=PolicyConfig(model=tiny_model_path, train_global_batch_size=len(PROMPTS),
+                            train_micro_batch_size=len(PROMPTS), resources=WorkerResources(cpus=0.5)),
+        generation=GenerationConfig(backend="hf", max_new_tokens=4, resources=WorkerResources(cpus=0.5)),
+    )
+    cluster = VirtualCluster(config.cluster)
+    policy = plugin_host().policy_backends["dtensor"](config, cluster)
+    generation = plugin_host().generation_backends["hf"](config, cluster)
+    replacement = None
+    try:
+        refit(policy, generation, 20_000, version=1)
+        probe = Batch(input_ids=torch.tensor(PROMPTS[2])[None], input_lengths=torch.tensor([len(PROMPTS[2])]))
+        before = policy.get_logprobs(probe)["logprobs"]
+        ray.kill(generation.weight_endpoint().engines[0], no_restart=True)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"weight sync.*generation engine 0"):
+            refit(policy, generation, 20_000, version=2)
+        assert time.monotonic() - start < 30
+        assert torch.equal(policy.get_logprobs(probe)["logprobs"], before)
+        generation.shutdown()  # releases the dead engine's resources
+        replacement = plugin_host().generation_backends["hf"](config, cluster)
+        refit(policy, replacement, 20_000, version=2)
+        assert replacement.generate(prompt_batch(PROMPTS[:1]))["generation_lengths"][0] >= 1
+    finally:
+        for backend in (replacement, generation):
+            if backend is not None:
+                backend.shutdown()
+        policy.shutdown()
+        cluster.shutdown()

@@ -110,6 +110,16 @@ def test_exported_weights_are_the_hf_file_bit_for_bit(policy, setup):
         assert torch.equal(setup["initial_weights"][name], tensor), name
 
 
+def test_weight_sync_sends_the_exported_weights_in_bounded_stages(policy, setup):
+    """Tensor slices are merged and pipeline stages gathered one layer group at a time: the
+    engine receives the initial weights the HF file holds (test above), staged in bounds."""
+    from posttrain.testing.policy import staging_bound, synced_weights
+
+    received, version, stats = synced_weights(policy, bucket_bytes=32 * 1024, version=2)
+    assert version == 2 and _max_diff(received, setup["initial_weights"]) == 0.0
+    assert stats.num_buckets > 1 and 0 < stats.peak_staging_bytes <= staging_bound(setup["initial_weights"], 32 * 1024)
+
+
 def test_training_matches_the_reference(policy, setup, mg):
     setup["trained"] = True
     if setup["layout"] == "dp2_distopt":

@@ -117,6 +117,7 @@ def test_a_call_whose_prompts_exceed_one_engine_step_samples_every_row(contract)
 
 def test_refit_without_a_weight_names_it(contract, hf_model):
     partial = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
-    with pytest.raises(WorkerError, match=r"refit left 1 parameter\(s\) of the vLLM model unchanged, e.g. \['lm_head.weight'\]"):
+    with pytest.raises(WorkerError, match=r"weight sync: 1 parameter\(s\) of generation engine 0's model received "
+                                          r"nothing, e.g. \['lm_head.weight'\]"):
         refit(ExportedWeights(partial), contract.generation, bucket_bytes=1 << 30)
     refit(ExportedWeights(hf_model.state_dict()), contract.generation, bucket_bytes=1 << 30)  # as it was

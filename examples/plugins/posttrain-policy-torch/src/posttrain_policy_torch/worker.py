@@ -27,6 +27,7 @@ from posttrain.backend.lr_schedule import build_scheduler
 from posttrain.backend.policy_driver import ShardedPolicy
 from posttrain.backend.policy_worker import PolicyWorker, RankTrainResult, require_policy_checkpoint
 from posttrain.backend.sampling import logprob_temperature
+from posttrain.backend.weight_sync import ParamMeta
 from posttrain.backend.work import RankWork
 from posttrain.batch import Batch
 from posttrain.config import OptimizerConfig, RunConfig
@@ -196,8 +197,8 @@ class TorchPolicyWorker(PolicyWorker):
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
-    def weight_sizes(self) -> list[tuple[str, int]]:
-        return [(name, p.numel() * p.element_size()) for name, p in self.model.named_parameters()]
+    def weight_metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, tuple(p.shape), "float32") for name, p in self.model.named_parameters()]
 
     def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         params = dict(self.model.named_parameters())

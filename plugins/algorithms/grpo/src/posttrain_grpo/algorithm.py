@@ -145,7 +145,7 @@ class GRPORun(LoopSteps):
         """A resumed run refits the generation backend to the restored weights; a colocated
         policy gives its devices to generation until the first training pass."""
         if step:
-            refit(self.policy, self.generation, self.config.generation.refit_bucket_bytes)
+            refit(self.policy, self.generation, self.config.generation.refit_bucket_bytes, version=step)
         if self.colocated:
             self.policy.offload()
 
@@ -172,7 +172,7 @@ class GRPORun(LoopSteps):
                               *(["reference_logprobs"] if self.needs_reference else [])]
                     train_metrics = self.optimize(step, PlaneSamples(self.plane, partition, keys, fields))
                 with timer("refit"):
-                    stats = refit(self.policy, self.generation, self.config.generation.refit_bucket_bytes)
+                    stats = refit(self.policy, self.generation, self.config.generation.refit_bucket_bytes, version=step)
                     if self.colocated:
                         self.policy.offload()
             finally:

@@ -37,6 +37,7 @@ from posttrain.backend.logprobs import loss_positions, sequence_logprobs, topk_l
 from posttrain.backend.lr_schedule import build_scheduler
 from posttrain.backend.policy_worker import PolicyWorker, RankTrainResult
 from posttrain.backend.sampling import logprob_temperature
+from posttrain.backend.weight_sync import ParamMeta
 from posttrain.backend.work import Batching, RankWork
 from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
@@ -215,8 +216,7 @@ class DTensorPolicyWorker(PolicyWorker):
         ``step_time_s``."""
         start = time.perf_counter()
         shard = work.batch
-        seqs, toks = global_valid_counts(shard, self.dp_group)
-        seqs, toks = seqs.to(self.device), toks.to(self.device)
+        seqs, toks = global_valid_counts(shard, self.dp_group, self.device)  # NCCL reduces on the GPU only
         self.model.train(not eval_mode)
         loss_total = 0.0
         parts = []
@@ -268,9 +268,10 @@ class DTensorPolicyWorker(PolicyWorker):
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
 
-    def weight_sizes(self) -> list[tuple[str, int]]:
-        """``(hf_name, bytes)`` of every exported tensor, in export order and dtype."""
-        return [(name, checkpoint.full_nbytes(t, self.compute_dtype)) for name, t in checkpoint.named_weights(self.model.lm)]
+    def weight_metadata(self) -> list[ParamMeta]:
+        """Every exported tensor: HF name, full (global) shape, ``policy.dtype``; no gather."""
+        dtype = str(self.compute_dtype).removeprefix("torch.")
+        return [ParamMeta(name, tuple(t.shape), dtype) for name, t in checkpoint.named_weights(self.model.lm)]
 
     def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
         """Collective: the named full tensors on rank 0 (CPU, ``policy.dtype``); None elsewhere."""

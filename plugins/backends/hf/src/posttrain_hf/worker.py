@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from posttrain.backend.generation_group import Completion, EngineWorker, GenerationRequest, model_tokens
+from posttrain.backend.weight_sync import BroadcastReceiver, TransferInit
 from posttrain.errors import WorkerError, did_you_mean
 from posttrain_hf.decode import decode
 from posttrain_hf.stop_strings import StopStringMatcher
@@ -35,7 +36,8 @@ class HFEngineWorker(EngineWorker):
         self.max_batch_size = max_batch_size
         self._stop_matcher: StopStringMatcher | None = None
         self._targets = self.model.state_dict(keep_vars=True)  # HF name -> parameter (tied names share one)
-        self._updated: set[int] = set()
+        self._receiver: BroadcastReceiver | None = None
+        self.weight_version = 0
 
     # ------------------------------------------------------------------ generation
 
@@ -57,34 +59,39 @@ class HFEngineWorker(EngineWorker):
 
     # ------------------------------------------------------------------ weights
 
-    def begin_weight_update(self) -> None:
-        self.wake_up()
-        self._updated = set()
-
-    @torch.no_grad()
-    def load_weights(self, bucket: dict[str, torch.Tensor]) -> None:
-        for name, tensor in bucket.items():
-            target = self._targets.get(name)
+    def init_weight_transfer(self, init: TransferInit) -> None:
+        """Check the plan against the model (every name known, shapes equal, every weight
+        covered) before joining the group, so that a mismatch fails before any byte moves."""
+        sent: set[int] = set()
+        for meta in init.plan.metas:
+            target = self._targets.get(meta.name)
             if target is None:
                 raise WorkerError(
-                    f"refit sent weight '{name}', which the generation model ({self.model_path}) does not have."
-                    f"{did_you_mean(name, self._targets)}"
+                    f"the weight sync sends '{meta.name}', which the generation model ({self.model_path}) does not "
+                    f"have.{did_you_mean(meta.name, self._targets)}"
                 )
-            if target.shape != tensor.shape:
+            if tuple(target.shape) != meta.shape:
                 raise WorkerError(
-                    f"refit sent weight '{name}' with shape {tuple(tensor.shape)}; the generation model "
-                    f"expects {tuple(target.shape)}"
+                    f"the weight sync sends '{meta.name}' with shape {meta.shape}; the generation model expects "
+                    f"{tuple(target.shape)}"
                 )
-            target.copy_(tensor)
-            self._updated.add(id(target))
-
-    def finish_weight_update(self) -> None:
-        missing = [name for name, target in self._targets.items() if id(target) not in self._updated]
+            sent.add(id(target))
+        missing = [name for name, target in self._targets.items() if id(target) not in sent]
         if missing:
             raise WorkerError(
-                f"refit left {len(missing)} weight(s) of the generation model unchanged, e.g. {missing[:3]}; "
-                "the policy must export every weight"
+                f"the weight sync would leave {len(missing)} weight(s) of the generation model unchanged, e.g. "
+                f"{missing[:3]}; the policy must export every weight"
             )
+        self._receiver = BroadcastReceiver(init)
+
+    @torch.no_grad()
+    def receive_weights(self, version: int) -> list[str]:
+        if self._receiver is None:
+            raise WorkerError("receive_weights() before init_weight_transfer(): the weight sync is not connected")
+        self.wake_up()
+        self._receiver.receive(lambda bucket: [self._targets[name].copy_(tensor) for name, tensor in bucket])
+        self.weight_version = version
+        return []
 
     # ------------------------------------------------------------------ colocation
 

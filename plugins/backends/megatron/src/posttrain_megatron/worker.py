@@ -33,6 +33,7 @@ from posttrain.backend.hf_export import write_hf_metadata, write_hf_shards
 from posttrain.backend.lr_schedule import check_scheduler_config, lr_factor
 from posttrain.backend.policy_worker import PolicyWorker, require_policy_checkpoint
 from posttrain.backend.sampling import logprob_temperature
+from posttrain.backend.weight_sync import ParamMeta
 from posttrain.backend.work import RankWork
 from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
@@ -312,10 +313,10 @@ class MegatronPolicyWorker(PolicyWorker):
 
     # ------------------------------------------------------------------ weights
 
-    def weight_sizes(self) -> list[tuple[str, int]]:
-        """``(hf_name, bytes)`` of every exported tensor, in export order and ``policy.dtype``."""
-        itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
-        return [(name, itemsize * torch.Size(shape).numel()) for name, shape in hf_shapes(self.arch).items()]
+    def weight_metadata(self) -> list[ParamMeta]:
+        """Every exported tensor: HF name, full shape, ``policy.dtype``, in export order."""
+        dtype = str(self.compute_dtype).removeprefix("torch.")
+        return [ParamMeta(name, tuple(shape), dtype) for name, shape in hf_shapes(self.arch).items()]
 
     @cpu_compat.cuda_as_cpu_method
     @torch.no_grad()

@@ -33,6 +33,7 @@ def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> Worker
         VllmEngineWorker,
         context_length=max_model_len,
         context_key="generation.vllm.max_model_len, default policy.max_total_sequence_length",
+        ranks_per_engine=gen.tensor_parallel_size,
         resources=attrs.evolve(gen.resources, env_vars={**engine_env, **gen.resources.env_vars}),
         worker_kwargs=dict(
             model_path=gen.model or config.policy.model,

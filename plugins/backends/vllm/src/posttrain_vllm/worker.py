@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from posttrain.backend.generation_group import Completion, EngineWorker, GenerationRequest
-from posttrain.errors import ConfigError, WorkerError
-from posttrain_vllm.extension import bucket_payload
+from posttrain.backend.weight_sync import TransferInit
+from posttrain.errors import ConfigError
+from posttrain_vllm.transfer import ENGINE_NAME, PosttrainInitInfo, register
 
 #: Prompt tokens one CPU engine step may prefill (whole prompts; at least max_model_len).
 CPU_STEP_TOKENS = 8192
@@ -49,6 +50,9 @@ class VllmEngineWorker(EngineWorker):
     ):
         super().__init__()
         from vllm import LLM
+
+        register()  # the weight-transfer engine, for an engine in this process
+        self.weight_version = 0
 
         on_cuda = torch.cuda.is_available()
         if not on_cuda:
@@ -75,6 +79,7 @@ class VllmEngineWorker(EngineWorker):
                 "skip_tokenizer_init": not detokenize,
                 "logprobs_mode": "processed_logprobs",
                 "worker_extension_cls": "posttrain_vllm.extension.RefitExtension",
+                "weight_transfer_config": {"backend": ENGINE_NAME},
                 "enable_sleep_mode": self.sleep_enabled,
                 **cpu_scheduling,
                 **engine_kwargs,
@@ -123,23 +128,20 @@ class VllmEngineWorker(EngineWorker):
 
     # ------------------------------------------------------------------ weights
 
-    def begin_weight_update(self) -> None:
+    def init_weight_transfer(self, init: TransferInit) -> None:
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": PosttrainInitInfo.from_init(init)})
+
+    def receive_weights(self, version: int) -> list[str]:
         if "weights" in self.asleep:
             self.llm.wake_up(tags=["weights"])
             self.asleep.discard("weights")
-        self.llm.collective_rpc("posttrain_begin_reload")
-
-    def load_weights(self, bucket: dict[str, torch.Tensor]) -> None:
-        self.llm.collective_rpc("posttrain_load_bucket", args=(bucket_payload(bucket),))
-
-    def finish_weight_update(self) -> None:
-        missing = self.llm.collective_rpc("posttrain_finish_reload")[0]
+        self.llm.collective_rpc("start_weight_update")
+        self.llm.collective_rpc("update_weights", kwargs={"update_info": {"version": version}})
+        self.llm.collective_rpc("finish_weight_update")
+        uncovered = self.llm.collective_rpc("posttrain_after_update")[0]
         self.llm.reset_prefix_cache()  # KV blocks computed with the old weights must not be reused
-        if missing:
-            raise WorkerError(
-                f"refit left {len(missing)} parameter(s) of the vLLM model unchanged, e.g. {missing[:3]} "
-                "(vLLM names); the policy must export every weight"
-            )
+        self.weight_version = version
+        return uncovered
 
     # ------------------------------------------------------------------ colocation
 

@@ -1,0 +1,144 @@
+"""Weight sync: layer groups and buckets, and a real broadcast from a sender to engines in
+Ray actors, through the same code a policy's ranks run (posttrain.backend.weight_sync)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.backend.hf_export import bucket_names
+from posttrain.backend.weight_sync import (
+    BroadcastEndpoint,
+    BroadcastReceiver,
+    GatheredWeights,
+    ParamMeta,
+    TransferInit,
+    TransferPlan,
+    bucket_layout,
+    layer_groups,
+)
+from posttrain.config.schema import ClusterConfig, WorkerResources
+from posttrain.distributed import VirtualCluster, Worker, WorkerGroup
+from posttrain.errors import WorkerError
+from posttrain.run.refit import refit
+from posttrain.testing.generation import ExportedWeights
+
+WEIGHTS = {
+    "model.embed_tokens.weight": torch.randn(7, 5),
+    "model.layers.0.self_attn.q_proj.weight": torch.randn(5, 5, dtype=torch.bfloat16),
+    "model.layers.0.mlp.up_proj.weight": torch.randn(3, 5, dtype=torch.float64),
+    "model.layers.1.self_attn.q_proj.weight": torch.randn(5, 5),
+    "model.layers.1.count": torch.arange(4),  # int64
+    "model.norm.weight": torch.randn(5),
+    "lm_head.weight": torch.randn(7, 5),
+}
+
+
+def metas(weights=WEIGHTS) -> list[ParamMeta]:
+    return [ParamMeta(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in weights.items()]
+
+
+def test_layer_groups_cut_at_decoder_layers_with_embeddings_first_and_head_last():
+    names = ["model.embed_tokens.weight", "model.layers.1.a", "model.layers.0.b", "model.layers.1.c",
+             "model.norm.weight", "lm_head.weight", "model.layers.10.d"]
+    assert layer_groups(names) == [
+        ["model.embed_tokens.weight"],
+        ["model.layers.0.b"],
+        ["model.layers.1.a", "model.layers.1.c"],
+        ["model.layers.10.d"],
+        ["model.norm.weight", "lm_head.weight"],
+    ]
+
+
+def test_buckets_are_the_export_buckets_and_cover_every_tensor_once():
+    plan = TransferPlan.build(metas(), bucket_bytes=150)
+    names = [[plan.metas[i].name for i in bucket] for bucket in plan.buckets]
+    assert names == bucket_names([(m.name, m.nbytes) for m in plan.metas], 150)
+    assert len(plan.buckets) > 3 and sorted(i for b in plan.buckets for i in b) == list(range(len(WEIGHTS)))
+    assert plan.total_bytes == sum(t.numel() * t.element_size() for t in WEIGHTS.values())
+    for index, bucket in enumerate(plan.buckets):
+        assert sum(plan.metas[i].nbytes for i in bucket) <= 150 or len(bucket) == 1
+        assert all(offset % 16 == 0 for offset in plan.offsets(index))  # each tensor viewable as its dtype
+    with pytest.raises(ValueError, match=r"bucket size must be positive \(generation.refit_bucket_bytes\), got 0"):
+        bucket_layout(metas(), 0)
+
+
+def test_gathered_weights_hold_one_layer_group_at_a_time():
+    gathered: list[list[str]] = []
+
+    def gather(names):
+        gathered.append(list(names))
+        return {name: WEIGHTS[name] for name in names}
+
+    source = GatheredWeights(metas(), gather)
+    assert [name for name, _ in source.layers()] == list(WEIGHTS)
+    assert gathered == layer_groups(list(WEIGHTS))
+    largest = max(sum(WEIGHTS[n].numel() * WEIGHTS[n].element_size() for n in group) for group in gathered)
+    assert source.peak_group_bytes == largest
+
+
+class Engine(Worker):
+    """An engine that keeps what the sync sends it (clones of each tensor, by name)."""
+
+    def __init__(self, refuse: str | None = None):
+        super().__init__()
+        self.received: dict[str, torch.Tensor] = {}
+        self.refuse = refuse
+        self.version = -1
+
+    def init_weight_transfer(self, init: TransferInit) -> None:
+        if self.refuse and any(m.name == self.refuse for m in init.plan.metas):
+            raise ValueError(f"this engine has no parameter {self.refuse}")
+        self.receiver = BroadcastReceiver(init)
+
+    def receive_weights(self, version: int) -> list[str]:
+        self.receiver.receive(lambda bucket: self.received.update({n: t.clone() for n, t in bucket}))
+        self.version = version
+        return []
+
+    def state(self) -> tuple[int, dict[str, torch.Tensor]]:
+        return self.version, self.received
+
+
+class Engines:
+    """A generation backend's weight endpoint over a group of :class:`Engine` actors."""
+
+    def __init__(self, group: WorkerGroup):
+        self.endpoint = BroadcastEndpoint(tuple(group.actors), 1, "gloo", name="engines", timeout_s=30)
+
+    def weight_endpoint(self) -> BroadcastEndpoint:
+        return self.endpoint
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster):
+    vc = VirtualCluster(ClusterConfig())
+    yield vc
+    vc.shutdown()
+
+
+def test_a_sync_reaches_every_engine_bit_for_bit_in_buckets(cluster):
+    with WorkerGroup(cluster, Engine, name="engines", num_workers=2, resources=WorkerResources(cpus=0.25)) as group:
+        stats = refit(ExportedWeights(WEIGHTS), Engines(group), bucket_bytes=150, version=7)
+        plan = TransferPlan.build(metas(), 150)
+        assert (stats.bytes_moved, stats.num_tensors, stats.num_buckets) == (plan.total_bytes, len(WEIGHTS), len(plan.buckets))
+        largest_bucket = max(plan.bucket_bytes(i) for i in range(len(plan.buckets)))
+        assert stats.peak_staging_bytes <= largest_bucket + max(t.numel() * t.element_size() for t in WEIGHTS.values()) * 2
+        assert stats.seconds > 0
+        for version, received in group.run_all(Engine.state):
+            assert version == 7 and received.keys() == WEIGHTS.keys()
+            for name, tensor in WEIGHTS.items():
+                assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+
+
+def test_an_engine_that_refuses_the_plan_is_named_at_once(cluster):
+    with WorkerGroup(cluster, Engine, name="picky", num_workers=2, resources=WorkerResources(cpus=0.25),
+                     kwargs={"refuse": "lm_head.weight"}) as group:
+        with pytest.raises(WorkerError, match=r"weight sync: engines engine 0 init_weight_transfer\(\) failed: "
+                                              r"ValueError: this engine has no parameter lm_head.weight"):
+            refit(ExportedWeights(WEIGHTS), Engines(group), bucket_bytes=150)
+
+
+def test_a_non_positive_bucket_size_is_refused():
+    with pytest.raises(ValueError, match=r"bucket_bytes must be positive \(generation.refit_bucket_bytes\), got 0"):
+        refit(ExportedWeights(WEIGHTS), None, bucket_bytes=0)
