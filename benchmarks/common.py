@@ -391,7 +391,7 @@ class Workload:
 
 def parse_args(workload: Workload, argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=f"posttrain vs TRL: {workload.name}")
-    p.add_argument("--model", default="small", help="posttrain.models.tiny size preset: tiny | small")
+    p.add_argument("--model", default="small", help="posttrain.models.tiny size preset: tiny | small | medium")
     p.add_argument("--reps", type=int, default=2, help="repetitions of every side, alternating")
     p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per repetition")
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps per repetition")

@@ -3,11 +3,14 @@ Ray actors, through the same code a policy's ranks run (posttrain.backend.weight
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from posttrain.backend.hf_export import bucket_names
 from posttrain.backend.weight_sync import (
+    SHARED_MEMORY_DIR,
     BroadcastEndpoint,
     BroadcastReceiver,
     GatheredWeights,
@@ -101,10 +104,12 @@ class Engine(Worker):
 
 
 class Engines:
-    """A generation backend's weight endpoint over a group of :class:`Engine` actors."""
+    """A generation backend's weight endpoint over a group of :class:`Engine` actors; with
+    ``nodes``, the endpoint knows the engines share the sender's node (shared memory)."""
 
-    def __init__(self, group: WorkerGroup):
-        self.endpoint = BroadcastEndpoint(tuple(group.actors), 1, "gloo", name="engines", timeout_s=30)
+    def __init__(self, group: WorkerGroup, *, nodes: bool = False):
+        self.endpoint = BroadcastEndpoint(tuple(group.actors), 1, "gloo", name="engines", timeout_s=30,
+                                          engine_nodes=tuple(group.node_ids) if nodes else ())
 
     def weight_endpoint(self) -> BroadcastEndpoint:
         return self.endpoint
@@ -117,9 +122,13 @@ def cluster(ray_cluster):
     vc.shutdown()
 
 
-def test_a_sync_reaches_every_engine_bit_for_bit_in_buckets(cluster):
+@pytest.mark.parametrize(("same_node", "transport"), [(False, "gloo"), (True, "shared memory")])
+def test_a_sync_reaches_every_engine_bit_for_bit_in_buckets(cluster, same_node, transport):
+    shared_files = set(Path(SHARED_MEMORY_DIR).glob("posttrain-weights-*"))
     with WorkerGroup(cluster, Engine, name="engines", num_workers=2, resources=WorkerResources(cpus=0.25)) as group:
-        stats = refit(ExportedWeights(WEIGHTS), Engines(group), bucket_bytes=150, version=7)
+        stats = refit(ExportedWeights(WEIGHTS), Engines(group, nodes=same_node), bucket_bytes=150, version=7)
+        assert stats.transport == transport
+        assert set(Path(SHARED_MEMORY_DIR).glob("posttrain-weights-*")) == shared_files  # unlinked once mapped
         plan = TransferPlan.build(metas(), 150)
         assert (stats.bytes_moved, stats.num_tensors, stats.num_buckets) == (plan.total_bytes, len(WEIGHTS), len(plan.buckets))
         largest_bucket = max(plan.bucket_bytes(i) for i in range(len(plan.buckets)))

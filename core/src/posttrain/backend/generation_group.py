@@ -335,12 +335,15 @@ class WorkerGroupGeneration(Generation):
 
     def weight_endpoint(self) -> BroadcastEndpoint:
         """The engines as the policy's ranks reach them: their actor handles,
-        ``ranks_per_engine`` sync ranks each, and the transport
+        ``ranks_per_engine`` sync ranks each, their nodes, and the transport
         (``generation.weight_transport``; ``auto`` is nccl when the policy and the engines
-        have GPUs, gloo otherwise)."""
+        have GPUs, otherwise shared memory when every engine is on the sending rank's node
+        and gloo when not)."""
         if self._endpoint is None:
             self._endpoint = BroadcastEndpoint(
-                tuple(self._group.actors), self.ranks_per_engine, weight_transport(self.config), name=self._group.name
+                tuple(self._group.actors), self.ranks_per_engine, weight_transport(self.config), name=self._group.name,
+                engine_nodes=tuple(self._group.node_ids),
+                shared_memory_on_one_node=self.config.generation.weight_transport == "auto",
             )
         return self._endpoint
 

@@ -182,7 +182,7 @@ class ShardedPolicy(Policy):
             self._weight_endpoint = None  # the sync group may be broken: reconnect next time
             raise
         assert stats is not None, "rank 0 sends the weights"
-        return RefitStats(stats.seconds, stats.bytes_sent, stats.num_tensors, stats.num_buckets, stats.peak_staging_bytes)
+        return stats.refit_stats()
 
     def prepare_for_training(self) -> None:
         self.group.run_all(PolicyWorker.prepare_for_training)

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import os
 import socket
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -36,11 +38,14 @@ import torch.distributed as dist
 
 from posttrain.backend.hf_export import bucket_names
 from posttrain.errors import WorkerError
+from posttrain.interfaces.generation import RefitStats
 
 #: Seconds a broadcast, or joining the group, may wait for a peer before failing.
 DEFAULT_TIMEOUT_S = 120.0
 #: Each tensor starts at a multiple of this many bytes in a bucket's buffer.
 ALIGN_BYTES = 16
+#: Where a same-node CPU sync keeps its shared-memory bucket (a tmpfs).
+SHARED_MEMORY_DIR = "/dev/shm"
 
 
 @attrs.frozen
@@ -119,12 +124,26 @@ class TransferPlan:
         last = self.buckets[bucket][-1]
         return self.offsets(bucket)[-1] + self.metas[last].nbytes
 
+    @property
+    def staging_bytes(self) -> int:
+        """The size of the largest bucket's buffer."""
+        return max(self.bucket_bytes(b) for b in range(len(self.buckets)))
+
+    def staging_buffer(self, device: torch.device) -> torch.Tensor:
+        """One byte buffer of :attr:`staging_bytes`, touched once: every bucket of every sync
+        reuses it (a fresh buffer per bucket costs a page fault per 4 KiB, which on a CPU
+        takes longer than the copy itself)."""
+        return torch.zeros(self.staging_bytes, dtype=torch.uint8, device=device)
+
 
 @attrs.frozen
 class TransferInit:
     """What an engine needs to join the sync group: the rendezvous address and port, its
     first rank in the group (``rank_offset``; an engine may hold several ranks, e.g. one per
-    tensor-parallel worker), the group's size, the torch.distributed backend and the plan."""
+    tensor-parallel worker), the group's size, the torch.distributed backend and the plan.
+    With ``shared_memory`` (every engine on the sender's node, on the CPU), the buckets are
+    not broadcast: rank 0 writes each into that shared-memory file, which the engines map,
+    and the group carries only the signals (one copy in, one copy out, no socket)."""
 
     address: str
     port: int
@@ -133,6 +152,7 @@ class TransferInit:
     backend: str
     plan: TransferPlan
     timeout_s: float = DEFAULT_TIMEOUT_S
+    shared_memory: str | None = None  # the shared-memory file of a same-node CPU sync
 
 
 def open_group(address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
@@ -156,15 +176,22 @@ def _broadcast(group: Any, buffer: torch.Tensor) -> None:
     group.broadcast([buffer], options).wait()
 
 
-def send_buckets(group: Any, plan: TransferPlan, tensors: Iterator[tuple[str, torch.Tensor]], device: torch.device) -> int:
-    """Broadcast ``tensors`` (the plan's tensors, in its order) bucket by bucket from rank 0;
-    return the most bytes held in one bucket buffer. Raises naming the first tensor that
-    differs from the plan."""
-    peak = 0
+def _barrier(group: Any) -> None:
+    group.barrier(dist.BarrierOptions()).wait()
+
+
+def send_buckets(
+    group: Any, plan: TransferPlan, tensors: Iterator[tuple[str, torch.Tensor]], staging: torch.Tensor, *, shared: bool
+) -> None:
+    """Send ``tensors`` (the plan's tensors, in its order) bucket by bucket from rank 0, each
+    packed into the front of ``staging``. Broadcast: the bucket is broadcast. ``shared``:
+    ``staging`` is a shared-memory mapping the engines read themselves; a one-byte broadcast
+    says the bucket is ready and a barrier waits until they have taken it. Raises naming the
+    first tensor that differs from the plan."""
     stream = iter(tensors)
+    ready = torch.ones(1, dtype=torch.uint8)
     for index, bucket in enumerate(plan.buckets):
-        size = plan.bucket_bytes(index)
-        buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        buffer = staging[: plan.bucket_bytes(index)]
         for i, offset in zip(bucket, plan.offsets(index), strict=True):
             meta = plan.metas[i]
             name, tensor = next(stream, (None, None))
@@ -172,23 +199,56 @@ def send_buckets(group: Any, plan: TransferPlan, tensors: Iterator[tuple[str, to
                 found = "nothing" if tensor is None else f"{name} {tensor.dtype} {tuple(tensor.shape)}"
                 raise ValueError(f"weight sync: expected {meta.name} {meta.dtype} {meta.shape} (tensor {i}), got {found}")
             buffer[offset : offset + meta.nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
-        _broadcast(group, buffer)
-        peak = max(peak, size)
-        del buffer
-    return peak
+        if shared:
+            _broadcast(group, ready)
+            _barrier(group)
+        else:
+            _broadcast(group, buffer)
 
 
-def receive_buckets(group: Any, plan: TransferPlan, device: torch.device) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The plan's tensors as broadcast by rank 0, one bucket at a time (views into the
-    bucket's buffer: load them before asking for the next bucket)."""
+def receive_buckets(
+    group: Any, plan: TransferPlan, staging: torch.Tensor | None, device: torch.device, *, shared: bool,
+    own_buffers: bool = False,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The plan's tensors as rank 0 sends them, one bucket at a time. With ``staging``: views
+    into its front (load them before asking for the next bucket); without: each bucket in a
+    buffer of its own on ``device``. ``shared``: ``staging`` is the shared-memory mapping
+    rank 0 fills (required); the bucket is taken from it (copied into a buffer of its own
+    with ``own_buffers``) and a barrier tells rank 0 it may refill it."""
+    ready = torch.zeros(1, dtype=torch.uint8)
     for index, bucket in enumerate(plan.buckets):
-        buffer = torch.empty(plan.bucket_bytes(index), dtype=torch.uint8, device=device)
-        _broadcast(group, buffer)
-        yield [
+        size = plan.bucket_bytes(index)
+        if shared:
+            assert staging is not None, "a shared-memory sync needs the mapping"
+            _broadcast(group, ready)
+            buffer = staging[:size].clone() if own_buffers else staging[:size]
+        else:
+            buffer = staging[:size] if staging is not None else torch.empty(size, dtype=torch.uint8, device=device)
+            _broadcast(group, buffer)
+        tensors = [
             (plan.metas[i].name, buffer[offset : offset + plan.metas[i].nbytes].view(plan.metas[i].torch_dtype)
              .view(plan.metas[i].shape))
             for i, offset in zip(bucket, plan.offsets(index), strict=True)
         ]
+        yield tensors
+        if shared:
+            _barrier(group)
+
+
+def create_shared(plan: TransferPlan) -> tuple[str, torch.Tensor]:
+    """A new shared-memory file as large as the plan's largest bucket, and its mapping."""
+    path = os.path.join(SHARED_MEMORY_DIR, f"posttrain-weights-{uuid.uuid4().hex}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, plan.staging_bytes)
+    finally:
+        os.close(fd)
+    return path, map_shared(path, plan)
+
+
+def map_shared(path: str, plan: TransferPlan) -> torch.Tensor:
+    """The shared-memory file ``path`` as a byte tensor (shared with every process mapping it)."""
+    return torch.from_file(path, shared=True, size=plan.staging_bytes, dtype=torch.uint8)
 
 
 def transport_device(backend: str) -> torch.device:
@@ -197,11 +257,22 @@ def transport_device(backend: str) -> torch.device:
 
 
 class BroadcastReceiver:
-    """One engine rank's end of the sync group: rank ``init.rank_offset + local_rank``."""
+    """One engine rank's end of the sync group: rank ``init.rank_offset + local_rank``.
 
-    def __init__(self, init: TransferInit, local_rank: int = 0):
+    With ``reuse_staging`` every bucket is received into one buffer (the loader must copy
+    each bucket's tensors before the next arrives); without it, each bucket gets a buffer of
+    its own, for loaders that keep references to what they are given until later (vLLM's
+    layerwise reload holds a layer's tensors until the whole layer has arrived)."""
+
+    def __init__(self, init: TransferInit, local_rank: int = 0, *, reuse_staging: bool = True):
         self.plan = init.plan
         self.device = transport_device(init.backend)
+        self.shared = init.shared_memory is not None
+        self.own_buffers = not reuse_staging
+        if init.shared_memory is not None:
+            self.staging: torch.Tensor | None = map_shared(init.shared_memory, init.plan)
+        else:
+            self.staging = init.plan.staging_buffer(self.device) if reuse_staging else None
         self.group = open_group(init.address, init.port, init.rank_offset + local_rank, init.world_size, init.backend,
                                 init.timeout_s)
 
@@ -211,7 +282,9 @@ class BroadcastReceiver:
         the sync is still received, so the sender is not left blocked, and the first error
         is raised after it."""
         error: BaseException | None = None
-        for bucket in receive_buckets(self.group, self.plan, self.device):
+        buckets = receive_buckets(self.group, self.plan, self.staging, self.device, shared=self.shared,
+                                  own_buffers=self.own_buffers)
+        for bucket in buckets:
             if error is None:
                 try:
                     load(bucket)
@@ -230,14 +303,20 @@ def free_port() -> int:
 
 @attrs.frozen
 class SendStats:
-    """One sync, as rank 0 saw it: seconds, bytes and tensors sent, buckets, and the most
-    bytes staged at once (one gathered layer group plus one bucket buffer)."""
+    """One sync, as rank 0 saw it: the transport (``gloo``, ``nccl`` or ``shared memory``),
+    seconds, bytes and tensors sent, buckets, and the most bytes staged at once (one
+    gathered layer group plus one bucket buffer)."""
 
+    transport: str
     seconds: float
     bytes_sent: int
     num_tensors: int
     num_buckets: int
     peak_staging_bytes: int
+
+    def refit_stats(self) -> RefitStats:
+        return RefitStats(self.seconds, self.bytes_sent, self.num_tensors, self.num_buckets, self.peak_staging_bytes,
+                          self.transport)
 
 
 class GatheredWeights:
@@ -279,6 +358,14 @@ class BroadcastEndpoint:
     backend: str
     name: str = "generation"
     timeout_s: float = DEFAULT_TIMEOUT_S
+    engine_nodes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    shared_memory_on_one_node: bool = True
+
+    def uses_shared_memory(self, node_id: str) -> bool:
+        """Whether a sync from a sender on Ray node ``node_id`` goes through shared memory:
+        gloo, allowed, and every engine known to be on that node."""
+        return (self.backend == "gloo" and self.shared_memory_on_one_node and bool(self.engine_nodes)
+                and all(node == node_id for node in self.engine_nodes))
 
     def connect(self, source: GatheredWeights, *, rank: int, bucket_bytes: int) -> WeightSender:
         """Called on every policy rank; rank 0 opens the group with the engines."""
@@ -288,11 +375,14 @@ class BroadcastEndpoint:
         import ray
 
         address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        shared_path, mapping = create_shared(plan) if self.uses_shared_memory(node) else (None, None)
         port = free_port()
         world = 1 + len(self.engines) * self.ranks_per_engine
         joining = [
             engine.init_weight_transfer.remote(
-                TransferInit(address, port, 1 + i * self.ranks_per_engine, world, self.backend, plan, self.timeout_s)
+                TransferInit(address, port, 1 + i * self.ranks_per_engine, world, self.backend, plan, self.timeout_s,
+                             shared_path)
             )
             for i, engine in enumerate(self.engines)
         ]
@@ -312,8 +402,10 @@ class BroadcastEndpoint:
                         self._wait(failed, "init_weight_transfer", [joining.index(ref) for ref in failed])
         finally:
             pool.shutdown(wait=False)
+            if shared_path is not None:
+                os.unlink(shared_path)  # the engines that joined have mapped it; nothing leaks if one fails
         self._wait(joining, "init_weight_transfer")
-        return WeightSender(self, source, plan, group)
+        return WeightSender(self, source, plan, group, mapping)
 
     def _wait(self, refs: list[Any], method: str, engines: Sequence[int] | None = None) -> list[Any]:
         """The engines' answers (``engines[k]`` is the index of the engine of ``refs[k]``);
@@ -346,11 +438,17 @@ def _raises(ref: Any) -> bool:
 class WeightSender:
     """One policy rank's end of a connected sync (see the module docstring)."""
 
-    def __init__(self, endpoint: BroadcastEndpoint, source: GatheredWeights, plan: TransferPlan, group: Any):
+    def __init__(self, endpoint: BroadcastEndpoint, source: GatheredWeights, plan: TransferPlan, group: Any,
+                 shared: torch.Tensor | None = None):
         self.endpoint = endpoint
         self.source = source
         self.plan = plan
         self.group = group
+        self.shared = shared is not None
+        if shared is not None:
+            self.staging: torch.Tensor | None = shared
+        else:
+            self.staging = plan.staging_buffer(transport_device(endpoint.backend)) if group is not None else None
 
     def send(self, version: int) -> SendStats | None:
         """Sync the weights under ``version``; every rank calls it (the gathers are
@@ -363,7 +461,7 @@ class WeightSender:
             return None
         receiving = [engine.receive_weights.remote(version) for engine in self.endpoint.engines]
         try:
-            peak_bucket = send_buckets(self.group, self.plan, self.source.layers(), transport_device(self.endpoint.backend))
+            send_buckets(self.group, self.plan, self.source.layers(), self.staging, shared=self.shared)
         except Exception as exc:
             self._raise_for_dead_engine(receiving)
             raise WorkerError(f"weight sync to {self.endpoint.name}: the broadcast failed: {_last_line(str(exc))}") from exc
@@ -376,11 +474,12 @@ class WeightSender:
                     "(the two models' parameter names must match)"
                 )
         return SendStats(
+            transport="shared memory" if self.shared else self.endpoint.backend,
             seconds=time.perf_counter() - start,
             bytes_sent=self.plan.total_bytes,
             num_tensors=len(self.plan.metas),
             num_buckets=len(self.plan.buckets),
-            peak_staging_bytes=self.source.peak_group_bytes + peak_bucket,
+            peak_staging_bytes=self.source.peak_group_bytes + self.plan.staging_bytes,
         )
 
     def _raise_for_dead_engine(self, refs: list[Any]) -> None:

@@ -111,10 +111,12 @@ class WorkerGroup(Generic[W]):
         self.worker_cls = worker_cls
         self.world_size = num_workers
         self.actors: list[ray.actor.ActorHandle] = []
+        self.node_ids: list[str] = []
         self._calls: dict[str, tuple[int, str]] = {}  # ObjectRef hex -> (rank, method)
         self._closed = False
         group = cluster.reserve(name, num_workers, resources)
         try:
+            self.node_ids = bundle_nodes(group)  # the Ray node of each rank
             self.actors = self._start_actors(group, resources, tuple(args), dict(kwargs or {}))
             self.get(
                 [self._track(actor.__ray_ready__.remote(), rank, "__init__") for rank, actor in enumerate(self.actors)]
@@ -334,10 +336,15 @@ class WorkerGroup(Generic[W]):
             ) from err
 
 
+def bundle_nodes(group: PlacementGroup) -> list[str]:
+    """The Ray node id of each bundle of ``group``, in bundle order."""
+    node_of = placement_group_table(group)["bundles_to_node_id"]
+    return [node_of[rank] for rank in range(group.bundle_count)]
+
+
 def rank_environments(group: PlacementGroup) -> list[dict[str, str]]:
     """The torch.distributed variables of each rank, rank r on bundle r of ``group``."""
-    node_of = placement_group_table(group)["bundles_to_node_id"]
-    nodes = [node_of[rank] for rank in range(group.bundle_count)]
+    nodes = bundle_nodes(group)
     master = nodes[0]
     if master == ray.get_runtime_context().get_node_id():
         port = free_port()

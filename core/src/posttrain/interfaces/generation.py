@@ -25,14 +25,16 @@ from posttrain.batch import Batch
 
 @attrs.frozen
 class RefitStats:
-    """How a weight refit went: wall seconds, bytes and tensors sent, buckets, and the most
-    bytes the sending rank staged at once (a gathered layer group plus one bucket)."""
+    """How a weight refit went: wall seconds, bytes and tensors sent, buckets, the most bytes
+    the sending rank staged at once (a gathered layer group plus one bucket) and the
+    transport that carried them."""
 
     seconds: float
     bytes_moved: int
     num_tensors: int
     num_buckets: int
     peak_staging_bytes: int = 0
+    transport: str = ""
 
 
 class WeightEndpoint(Protocol):

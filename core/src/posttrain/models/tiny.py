@@ -74,13 +74,15 @@ def tiny_llama_config(vocab_size: int, *, hidden_size: int = 64, num_layers: int
     )
 
 
-#: Named sizes: ``tiny`` for unit tests (~0.1M parameters), ``small`` (~25M) for benchmarks.
+#: Named sizes: ``tiny`` for unit tests (~0.1M parameters), ``small`` (~25M, 101 MB in float32)
+#: and ``medium`` (~100M, 0.4 GB) for benchmarks.
 #: Head sizes are at least 32 (vLLM's CPU attention refuses smaller ones) and key/value heads
 #: divide by 2 (tensor parallel 2).
 SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2),
     "quickstart": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2),
     "small": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536),
+    "medium": dict(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8, intermediate_size=3072),
 }
 
 

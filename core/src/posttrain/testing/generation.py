@@ -195,7 +195,7 @@ class ExportedWeights:
         metas = [ParamMeta(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in self.weights.items()]
         source = GatheredWeights(metas, lambda names: {name: self.weights[name] for name in names})
         stats = endpoint.connect(source, rank=0, bucket_bytes=bucket_bytes).send(version)
-        return RefitStats(stats.seconds, stats.bytes_sent, stats.num_tensors, stats.num_buckets, stats.peak_staging_bytes)
+        return stats.refit_stats()
 
 
 def stop_token_for(model: Any, prompt: Sequence[int], *, position: int, eos_token_ids: Sequence[int]) -> int:

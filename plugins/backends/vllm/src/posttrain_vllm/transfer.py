@@ -43,6 +43,7 @@ class PosttrainInitInfo:
     shapes: list[list[int]]
     dtypes: list[str]
     buckets: list[list[int]]
+    shared_memory: str | None = None
 
     @classmethod
     def from_init(cls, init: TransferInit) -> dict[str, Any]:
@@ -51,13 +52,13 @@ class PosttrainInitInfo:
             address=init.address, port=init.port, rank_offset=init.rank_offset, world_size=init.world_size,
             backend=init.backend, timeout_s=init.timeout_s, names=[m.name for m in plan.metas],
             shapes=[list(m.shape) for m in plan.metas], dtypes=[m.dtype for m in plan.metas],
-            buckets=[list(b) for b in plan.buckets],
+            buckets=[list(b) for b in plan.buckets], shared_memory=init.shared_memory,
         )
 
     def to_init(self) -> TransferInit:
         metas = [ParamMeta(n, tuple(s), d) for n, s, d in zip(self.names, self.shapes, self.dtypes, strict=True)]
         return TransferInit(self.address, self.port, self.rank_offset, self.world_size, self.backend,
-                            TransferPlan(metas, self.buckets), self.timeout_s)
+                            TransferPlan(metas, self.buckets), self.timeout_s, self.shared_memory)
 
 
 @dataclass
@@ -86,7 +87,9 @@ class PosttrainWeightTransferEngine(WeightTransferEngine[PosttrainInitInfo, Post
         self.version = 0
 
     def init_transfer_engine(self, init_info: PosttrainInitInfo) -> None:
-        self.receiver = BroadcastReceiver(init_info.to_init(), local_rank=self.parallel_config.rank)
+        # vLLM's layerwise reload keeps a layer's tensors until the layer is complete, which
+        # may be a bucket later: every bucket needs a buffer of its own.
+        self.receiver = BroadcastReceiver(init_info.to_init(), local_rank=self.parallel_config.rank, reuse_staging=False)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
