@@ -66,6 +66,18 @@ def test_buckets_are_the_export_buckets_and_cover_every_tensor_once():
         bucket_layout(metas(), 0)
 
 
+def test_gathered_weights_yield_in_the_order_of_their_metadata_whatever_the_export_order():
+    """A backend may list the final norm between layers, or layer 10 before layer 2: the plan
+    follows the order the sender yields, so both sides cut the stream alike."""
+    shuffled = ["model.layers.10.w", "model.norm.weight", "model.layers.2.w", "model.embed_tokens.weight"]
+    tensors = {name: torch.full((2,), float(i)) for i, name in enumerate(shuffled)}
+    source = GatheredWeights([ParamMeta(n, (2,), "float32") for n in shuffled], lambda names: {n: tensors[n] for n in names})
+    yielded = [name for name, _ in source.layers()]
+    assert yielded == [meta.name for meta in source.metadata]
+    # layers by number; names seen after the first layer form the last group, in their order
+    assert yielded == ["model.layers.2.w", "model.layers.10.w", "model.norm.weight", "model.embed_tokens.weight"]
+
+
 def test_gathered_weights_hold_one_layer_group_at_a_time():
     gathered: list[list[str]] = []
 

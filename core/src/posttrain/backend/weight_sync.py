@@ -326,12 +326,15 @@ class GatheredWeights:
     rank 0 only, recording the largest group it held."""
 
     def __init__(self, metadata: Sequence[ParamMeta], gather: Callable[[list[str]], Mapping[str, torch.Tensor] | None]):
-        self.metadata = list(metadata)
+        self.groups = layer_groups([meta.name for meta in metadata])
+        by_name = {meta.name: meta for meta in metadata}
+        #: The tensors in the order :meth:`layers` yields them (layer group by layer group).
+        self.metadata = [by_name[name] for group in self.groups for name in group]
         self.gather = gather
         self.peak_group_bytes = 0
 
     def layers(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for group in layer_groups([meta.name for meta in self.metadata]):
+        for group in self.groups:
             full = self.gather(group)
             if full is None:
                 continue
