@@ -47,6 +47,43 @@ def test_init_ray_joins_ray_address_else_starts_a_local_cluster(ray_cluster):
     assert ray_cluster.get_runtime_context().gcs_address == address
 
 
+LOGGING_PROBE = (
+    "import json, os, sys, ray\n"
+    "from posttrain.config.schema import ClusterConfig\n"
+    "from posttrain.distributed import init_ray\n"
+    "from posttrain.log import configure_logging\n"
+    "configure_logging(sys.argv[1])\n"
+    "init_ray(ClusterConfig(num_cpus=1))\n"
+    "@ray.remote(num_cpus=0, runtime_env={'env_vars': {'GROUP_OWN': '1'}})\n"
+    "def env(): return {k: os.environ.get(k) for k in ('TORCH_CPP_LOG_LEVEL', 'PYTHONWARNINGS', 'GROUP_OWN')}\n"
+    "print(json.dumps(ray.get(env.remote())))\n"
+    "ray.shutdown()\n"
+)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_ray_and_the_workers_print_only_errors_below_debug(level):
+    """Below debug, Ray's own logger says nothing at start and every worker of the job gets
+    the quiet-library environment, merged with a group's own variables; at debug neither."""
+    import json
+
+    from posttrain.log import QUIET_LIBRARY_ENV
+
+    clean = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", *QUIET_LIBRARY_ENV)}
+    done = subprocess.run([sys.executable, "-c", LOGGING_PROBE, level], env=clean, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    worker_env = json.loads(done.stdout.splitlines()[-1])
+    if level == "info":
+        assert worker_env == {"TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONWARNINGS": QUIET_LIBRARY_ENV["PYTHONWARNINGS"],
+                              "GROUP_OWN": "1"}
+        assert "Started a local Ray instance" not in done.stderr, done.stderr
+    else:
+        assert worker_env == {"TORCH_CPP_LOG_LEVEL": None, "PYTHONWARNINGS": None, "GROUP_OWN": "1"}
+        assert "Started a local Ray instance" in done.stderr, done.stderr
+
+
 def test_bundle_of_drops_zero_resources_and_refuses_empty():
     assert bundle_of(WorkerResources(cpus=0.5)) == {"CPU": 0.5}
     assert bundle_of(WorkerResources(cpus=1, gpus=0.25)) == {"CPU": 1.0, "GPU": 0.25}

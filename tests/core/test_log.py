@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 
 from posttrain.log import configure_logging, get_logger
@@ -23,3 +24,59 @@ def test_events_go_to_the_current_stderr_and_the_events_file(tmp_path, monkeypat
     assert "checkpoint saved" in second.getvalue() and "not shown" not in second.getvalue()
     (event,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert (event["event"], event["step"], event["level"]) == ("checkpoint saved", 3, "info")
+
+
+def render(stream_text: str) -> list[str]:
+    """The lines a terminal shows for ``stream_text``: a carriage return goes back to the
+    line's start and what follows overwrites it; trailing blanks are not shown."""
+    lines, line, column = [], [], 0
+    for char in stream_text:
+        if char == "\r":
+            column = 0
+        elif char == "\n":
+            lines.append("".join(line).rstrip())
+            line, column = [], 0
+        else:
+            line[column:column + 1] = [char]
+            column += 1
+    return [*lines, "".join(line).rstrip()]
+
+
+def test_a_record_written_during_a_progress_bar_goes_above_it(monkeypatch):
+    from tqdm.auto import tqdm
+
+    terminal = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    configure_logging("info")
+    bar = tqdm(total=4, desc="GRPO", unit="step", bar_format="{desc}: {n_fmt}/{total_fmt} {unit}", mininterval=0)
+    bar.update(1)
+    get_logger().info("checkpoint saved", step=1)
+    bar.update(1)
+    bar.close()
+    screen = [re.sub(r"^\d{4}-\d\d-\d\dT[\d:.]+Z ", "", line) for line in render(terminal.getvalue())]
+    assert screen == [
+        "[info     ] checkpoint saved               step=1",
+        "GRPO: 2/4 step",
+        "",
+    ]
+
+
+def test_libraries_are_quiet_below_debug_and_a_variable_already_set_is_kept(monkeypatch):
+    import logging
+
+    from posttrain.log import QUIET_LIBRARY_ENV, configured_level, library_env, library_log_level
+
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")
+    assert [library_log_level(level) for level in ("debug", "info", "warning", "error")] == [
+        logging.INFO, logging.ERROR, logging.ERROR, logging.ERROR
+    ]
+    assert library_env("info") == {k: v for k, v in QUIET_LIBRARY_ENV.items() if k != "TRANSFORMERS_VERBOSITY"}
+    assert library_env("info")["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+    assert library_env("debug") == {}
+    configure_logging("debug")
+    try:
+        assert configured_level() == "debug" and library_env() == {}
+    finally:
+        configure_logging("info")
+    assert library_log_level() == logging.ERROR

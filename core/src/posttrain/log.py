@@ -1,30 +1,50 @@
-"""Event logging with structlog: readable lines on the terminal, JSON lines in a file."""
+"""Event logging with structlog: readable lines on the terminal, JSON lines in a file.
+
+Below ``logger.level: debug`` the libraries a run starts (torch, transformers, Ray, the
+engines) print only their errors: :func:`library_log_level` and :func:`library_env` say how,
+for loggers and for the worker processes' environment. Lines written while a progress bar
+is on the terminal go above it (:func:`above_progress_bars`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
 
 _FILE: TextIO | None = None
+_LEVEL = "info"
+
+#: What a process of the run reads at start to print only errors: torch's C++ warnings, the
+#: verbosity of transformers, the Hub's and transformers' progress bars ("Loading weights"),
+#: and Python's deprecation notices (for library authors, never actionable in a run).
+QUIET_LIBRARY_ENV: dict[str, str] = {
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning",
+}
 
 
 def configure_logging(level: str = "info", events_file: str | Path | None = None) -> None:
     """Route structlog events to stderr (coloured when a terminal) and, when given, as JSON
-    to ``events_file``. Safe to call again (the previous file is closed)."""
-    global _FILE
+    to ``events_file``. Safe to call again (the previous file is closed). ``level`` also
+    sets what the libraries print (:func:`library_log_level`, :func:`library_env`)."""
+    global _FILE, _LEVEL
+    numeric = _numeric_level(level)
     if _FILE is not None:
         _FILE.close()
         _FILE = None
     if events_file is not None:
         Path(events_file).parent.mkdir(parents=True, exist_ok=True)
         _FILE = open(events_file, "a", buffering=1)
-    numeric = logging.getLevelName(level.upper())
-    if not isinstance(numeric, int):
-        raise ValueError(f"logger.level: expected one of debug, info, warning, error; found '{level}'")
+    _LEVEL = level.lower()
     console = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     as_json = structlog.processors.JSONRenderer()
 
@@ -41,12 +61,64 @@ def configure_logging(level: str = "info", events_file: str | Path | None = None
             tee,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        # sys.stderr as it is when an event is written, not when logging was configured
-        # (a stream replaced since, e.g. by a test's capture, may be closed by then).
-        logger_factory=lambda *args: structlog.PrintLogger(file=sys.stderr),
+        logger_factory=lambda *args: TerminalLogger(),
         cache_logger_on_first_use=False,
     )
 
 
 def get_logger(name: str = "posttrain") -> Any:
     return structlog.get_logger(name)
+
+
+def configured_level() -> str:
+    """The ``logger.level`` this process was last configured with ("info" before that)."""
+    return _LEVEL
+
+
+def library_log_level(level: str | None = None) -> int:
+    """The level the libraries' own loggers get under posttrain's ``level`` (default: the
+    configured one): ``logging.ERROR``, or ``logging.INFO`` (everything they print by
+    default) at debug."""
+    return logging.INFO if _numeric_level(level or _LEVEL) <= logging.DEBUG else logging.ERROR
+
+
+def library_env(level: str | None = None) -> dict[str, str]:
+    """Environment variables for the run's worker processes under posttrain's ``level``
+    (default: the configured one): :data:`QUIET_LIBRARY_ENV` below debug, nothing at debug.
+    A variable already set in this process's environment is left to it."""
+    if library_log_level(level) < logging.ERROR:
+        return {}
+    return {key: value for key, value in QUIET_LIBRARY_ENV.items() if key not in os.environ}
+
+
+@contextlib.contextmanager
+def above_progress_bars(stream: TextIO) -> Iterator[None]:
+    """While the body writes whole lines to ``stream``, the tqdm bars drawn on the terminal
+    are cleared, and drawn again after it: the lines go above the bars, never into them."""
+    tqdm_std = sys.modules.get("tqdm.std")
+    if tqdm_std is None or not tqdm_std.tqdm._instances:  # no bar is drawn
+        yield
+        return
+    with tqdm_std.tqdm.external_write_mode(file=stream):
+        yield
+
+
+class TerminalLogger:
+    """structlog's logger for the terminal: each event as one line on the stderr of the
+    moment (a stream replaced since logging was configured, e.g. by a test's capture, may
+    be closed by then), above any progress bar."""
+
+    def msg(self, message: str) -> None:
+        stream = sys.stderr
+        with above_progress_bars(stream):
+            stream.write(message + "\n")
+            stream.flush()
+
+    log = debug = info = warning = warn = error = critical = exception = fatal = failure = err = msg
+
+
+def _numeric_level(level: str) -> int:
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"logger.level: expected one of debug, info, warning, error; found '{level}'")
+    return numeric

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -18,6 +20,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 
 from posttrain.config.schema import ClusterConfig, WorkerResources
 from posttrain.errors import ConfigError, WorkerError
+from posttrain.log import above_progress_bars, library_env, library_log_level
 
 
 def init_ray(config: ClusterConfig) -> None:
@@ -29,6 +32,11 @@ def init_ray(config: ClusterConfig) -> None:
 
     ``ray.init`` replaces the SIGTERM handler with one that exits at once; a handler the
     program installed before (a run's graceful stop, :mod:`posttrain.run.stop`) is put back.
+
+    Logging follows the configured ``logger.level`` (:mod:`posttrain.log`): Ray's own logger
+    gets :func:`~posttrain.log.library_log_level`, this job's workers the environment of
+    :func:`~posttrain.log.library_env`, and the workers' lines this process prints go above
+    the progress bar.
     """
     if ray.is_initialized():
         return
@@ -36,17 +44,43 @@ def init_ray(config: ClusterConfig) -> None:
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if on_main_thread else None
     address = config.ray_address or os.environ.get("RAY_ADDRESS")
+    env_vars = library_env()
+    logging_options: dict[str, Any] = {"logging_level": library_log_level()}
+    if env_vars:
+        logging_options["runtime_env"] = {"env_vars": env_vars}
     if address:
-        ray.init(address=address)
+        ray.init(address=address, **logging_options)
     else:
         ray.init(
             address="local",
             num_cpus=config.num_cpus if config.num_cpus is not None else os.cpu_count(),
             num_gpus=config.num_gpus,
             include_dashboard=False,
+            **logging_options,
         )
+    _print_worker_lines_above_progress_bars()
     if callable(previous):
         signal.signal(signal.SIGTERM, previous)
+
+
+def _print_worker_lines_above_progress_bars() -> None:
+    """Wrap the handler through which Ray prints the workers' output in this process (Ray
+    names it ``ray_print_logs``; ray 2.60 keeps its handlers in a private dispatcher) so its
+    lines go above the progress bar instead of into it. Nothing to wrap without
+    ``log_to_driver``."""
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    def wrap(print_lines: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+        def print_above_bars(data: dict[str, Any]) -> None:
+            with above_progress_bars(sys.stderr if data.get("is_err") else sys.stdout):
+                print_lines(data)
+
+        return print_above_bars
+
+    with dispatcher._lock:
+        dispatcher.handlers = [
+            (name, wrap(handler) if name == "ray_print_logs" else handler) for name, handler in dispatcher.handlers
+        ]
 
 
 def bundle_of(resources: WorkerResources) -> dict[str, float]:

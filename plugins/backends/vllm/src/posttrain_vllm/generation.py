@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import attrs
 
 from posttrain.backend.generation_group import WorkerGroupGeneration, check_sampling_config
 from posttrain.config.schema import RunConfig
 from posttrain.distributed import VirtualCluster
+from posttrain.log import library_env, library_log_level
 from posttrain_vllm.config import SECTION, VllmGenerationConfig
 from posttrain_vllm.worker import VllmEngineWorker
 
@@ -16,16 +19,21 @@ def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> Worker
     ``generation.resources`` (give it ``tensor_parallel_size`` GPUs on GPU machines; on a
     CPU, ``cpus`` sets the engine's thread count).
 
-    The actors' environment gets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and
-    ``VLLM_CPU_KVCACHE_SPACE`` unless ``generation.resources.env_vars`` sets them.
+    The actors' environment gets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+    ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_LOGGING_LEVEL`` (``ERROR``; ``INFO`` at
+    ``logger.level: debug``) and the quiet-library variables of :func:`posttrain.log.library_env`
+    unless ``generation.resources.env_vars`` sets them; below debug vLLM draws no loading bar.
     """
     check_sampling_config(config)
     options: VllmGenerationConfig = config.sections.get(SECTION) or VllmGenerationConfig()
     gen = config.generation
     max_model_len = options.max_model_len or config.policy.max_total_sequence_length
+    engine_log_level = library_log_level(config.logger.level)
     engine_env = {
+        **library_env(config.logger.level),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": f"{options.kv_cache_space_gib:g}",
+        "VLLM_LOGGING_LEVEL": logging.getLevelName(engine_log_level),
     }
     return WorkerGroupGeneration(
         config,
@@ -45,6 +53,7 @@ def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> Worker
             gpu_memory_utilization=options.gpu_memory_utilization,
             detokenize=options.detokenize if options.detokenize is not None else bool(gen.stop_strings),
             enable_sleep_mode=options.enable_sleep_mode and gen.colocated,
+            log_level=engine_log_level,
             engine_kwargs=dict(options.engine_kwargs),
         ),
     )

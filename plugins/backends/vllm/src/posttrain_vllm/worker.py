@@ -18,6 +18,7 @@ CPU vLLM refuses sleep mode, so both are no-ops there.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -25,14 +26,15 @@ import torch
 from posttrain.backend.generation_group import Completion, EngineWorker, GenerationRequest
 from posttrain.backend.weight_sync import TransferInit
 from posttrain.errors import ConfigError
-from posttrain_vllm.transfer import ENGINE_NAME, PosttrainInitInfo, register
 
 #: Prompt tokens one CPU engine step may prefill (whole prompts; at least max_model_len).
 CPU_STEP_TOKENS = 8192
 
 
 class VllmEngineWorker(EngineWorker):
-    """``engine_kwargs`` go to ``vllm.LLM`` last (they override the backend's choices)."""
+    """``engine_kwargs`` go to ``vllm.LLM`` last (they override the backend's choices).
+    ``log_level`` is that of vLLM's logger (as ``VLLM_LOGGING_LEVEL``, which the factory
+    sets to it); below ``logging.ERROR`` the weights' loading bar is drawn too."""
 
     def __init__(
         self,
@@ -46,10 +48,18 @@ class VllmEngineWorker(EngineWorker):
         gpu_memory_utilization: float,
         detokenize: bool,
         enable_sleep_mode: bool,
+        log_level: int,
         engine_kwargs: dict[str, Any],
     ):
         super().__init__()
+        # vLLM is imported here, in the engine's process, never where this class is only
+        # named (the driver): importing vLLM changes the importing process's settings. Its
+        # logger gets its level (VLLM_LOGGING_LEVEL) only when the engine starts; what it
+        # logs while being imported is held to the same level.
+        logging.getLogger("vllm").setLevel(log_level)
         from vllm import LLM
+
+        from posttrain_vllm.transfer import ENGINE_NAME, register
 
         register()  # the weight-transfer engine, for an engine in this process
         self.weight_version = 0
@@ -67,24 +77,30 @@ class VllmEngineWorker(EngineWorker):
         cpu_scheduling = {} if on_cuda else {
             "enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, CPU_STEP_TOKENS),
         }
-        self.llm = LLM(
-            **{
-                "model": model_path,
-                "dtype": dtype,
-                "seed": seed,
-                "tensor_parallel_size": tensor_parallel_size,
-                "max_model_len": max_model_len,
-                "enforce_eager": enforce_eager,
-                "gpu_memory_utilization": gpu_memory_utilization,
-                "skip_tokenizer_init": not detokenize,
-                "logprobs_mode": "processed_logprobs",
-                "worker_extension_cls": "posttrain_vllm.extension.RefitExtension",
-                "weight_transfer_config": {"backend": ENGINE_NAME},
-                "enable_sleep_mode": self.sleep_enabled,
-                **cpu_scheduling,
-                **engine_kwargs,
-            }
-        )
+        options = {
+            "model": model_path,
+            "dtype": dtype,
+            "seed": seed,
+            "tensor_parallel_size": tensor_parallel_size,
+            "max_model_len": max_model_len,
+            "enforce_eager": enforce_eager,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "skip_tokenizer_init": not detokenize,
+            "logprobs_mode": "processed_logprobs",
+            "worker_extension_cls": "posttrain_vllm.extension.RefitExtension",
+            "weight_transfer_config": {"backend": ENGINE_NAME},
+            "enable_sleep_mode": self.sleep_enabled,
+            "use_tqdm_on_load": log_level < logging.ERROR,
+            **cpu_scheduling,
+            **engine_kwargs,
+        }
+        renderer_log, warmup = logging.getLogger(SkippedChatTemplateWarmup.LOGGER), SkippedChatTemplateWarmup()
+        if options["skip_tokenizer_init"]:
+            renderer_log.addFilter(warmup)
+        try:
+            self.llm = LLM(**options)
+        finally:
+            renderer_log.removeFilter(warmup)
 
     # ------------------------------------------------------------------ generation
 
@@ -129,6 +145,8 @@ class VllmEngineWorker(EngineWorker):
     # ------------------------------------------------------------------ weights
 
     def init_weight_transfer(self, init: TransferInit) -> None:
+        from posttrain_vllm.transfer import PosttrainInitInfo
+
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": PosttrainInitInfo.from_init(init)})
 
     def receive_weights(self, version: int) -> list[str]:
@@ -154,6 +172,25 @@ class VllmEngineWorker(EngineWorker):
         if self.asleep:
             self.llm.wake_up(tags=sorted(self.asleep))
             self.asleep.clear()
+
+
+class SkippedChatTemplateWarmup(logging.Filter):
+    """``vllm.LLM`` warms up the chat template as it starts, which fails when the engine has
+    no tokenizer (``skip_tokenizer_init``, as posttrain starts it unless it detokenizes:
+    prompts come as token ids and no chat template is ever rendered); vLLM logs that as a
+    warning with a traceback. This filter, on vLLM's renderer logger, turns that record into
+    one info line saying why the warmup was skipped."""
+
+    LOGGER = "vllm.renderers.base"
+    FAILED = "Chat template warmup failed"
+    SKIPPED = "Chat template warmup skipped: the engine has no tokenizer (skip_tokenizer_init); prompts are token ids"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == self.FAILED:
+            record.msg, record.args = self.SKIPPED, ()
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        return True
 
 
 def check_cpu_head_size(model_path: str) -> None:
