@@ -203,3 +203,90 @@ def test_loading_plugins_and_building_registries_imports_no_heavy_module():
     assert "memory" in report["registries"]["posttrain_data_planes"]
     heavy = [m for m in HEAVY_MODULES if m in report["modules"]]
     assert heavy == [], f"loading plugins {report['loaded']} imported {heavy}"
+
+
+# ----------------------------------------------------------------------------- broken plugins
+
+
+def _install_plugin(site: Path, project: str, module: str, source: str) -> Path:
+    """A distribution installed by hand into ``site`` (a folder put on PYTHONPATH): its
+    module and a dist-info whose entry point registers ``module.plugin`` as a plugin."""
+    package = site / module
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "plugin.py").write_text(source)
+    dist_info = site / f"{project.replace('-', '_')}-1.2.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project}\nVersion: 1.2\n")
+    (dist_info / "entry_points.txt").write_text(f"[posttrain]\n{module} = {module}.plugin\n")
+    return package / "plugin.py"
+
+
+def _install_broken_plugins(site: Path, *which: str) -> dict[str, Path]:
+    sources = {
+        "import": ("acme-broken", "acme_broken", "import json\nimport acme_missing_dependency\n"),
+        "hook": ("acme-typo", "acme_typo", (
+            "from posttrain import hookimpl\n\n\n"
+            "@hookimpl\ndef posttrain_enviroments():\n    return {}\n"
+        )),
+    }
+    return {kind: _install_plugin(site, *sources[kind]) for kind in which}
+
+
+def _posttrain(site: Path, *args: str) -> subprocess.CompletedProcess:
+    import os
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "posttrain.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+IMPORT_ERROR = (
+    "importing acme_broken.plugin failed: ModuleNotFoundError: No module named 'acme_missing_dependency' "
+    "({plugin}, line 2)."
+)
+HOOK_ERROR = (
+    "it implements 'posttrain_enviroments', which is not a posttrain hook. Did you mean 'posttrain_environments'? "
+    "The hooks are listed in posttrain.hookspecs."
+)
+
+
+def test_posttrain_plugins_lists_a_broken_plugin_with_its_error(tmp_path):
+    plugin = _install_broken_plugins(tmp_path, "import", "hook")["import"]
+    done = _posttrain(tmp_path, "plugins")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    broken = lines.index("acme-broken 1.2 (plugin 'acme_broken')")
+    assert lines[broken + 1] == (
+        f"  error: {IMPORT_ERROR.format(plugin=plugin)} Fix it, or uninstall it: pip uninstall acme-broken"
+    )
+    typo = lines.index("acme-typo 1.2 (plugin 'acme_typo')")
+    assert lines[typo + 1] == f"  error: {HOOK_ERROR} Fix it, or uninstall it: pip uninstall acme-typo"
+    core_version = importlib.metadata.version("posttrain")
+    assert f"posttrain {core_version} (plugin 'core')" in lines and "  data plane: memory" in lines
+
+
+def test_every_other_command_names_the_broken_distribution_and_how_to_uninstall_it(tmp_path):
+    plugin = _install_broken_plugins(tmp_path, "import")["import"]
+    expected = (
+        f"error: the plugin 'acme_broken' of acme-broken 1.2 could not be loaded: {IMPORT_ERROR.format(plugin=plugin)} "
+        "Fix it, or uninstall it: pip uninstall acme-broken. `posttrain plugins` lists every installed plugin.\n"
+    )
+    for command in (["run", "grpo", "--config", "missing.yaml"], ["quickstart", "--help"]):
+        done = _posttrain(tmp_path, *command)
+        assert (done.returncode, done.stderr) == (2, expected), command
+
+
+def test_two_broken_plugins_are_named_one_a_line(tmp_path):
+    plugin = _install_broken_plugins(tmp_path, "import", "hook")["import"]
+    done = _posttrain(tmp_path, "run", "sft", "--config", "missing.yaml")
+    assert done.returncode == 2
+    assert done.stderr == (
+        "error: 2 installed plugins could not be loaded:\n"
+        f"- the plugin 'acme_broken' of acme-broken 1.2 could not be loaded: {IMPORT_ERROR.format(plugin=plugin)} "
+        "Fix it, or uninstall it: pip uninstall acme-broken\n"
+        f"- the plugin 'acme_typo' of acme-typo 1.2 could not be loaded: {HOOK_ERROR} "
+        "Fix it, or uninstall it: pip uninstall acme-typo\n"
+        "`posttrain plugins` lists every installed plugin.\n"
+    )

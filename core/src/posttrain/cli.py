@@ -1,7 +1,9 @@
 """The ``posttrain`` command.
 
     posttrain run ALGORITHM --config FILE [key=value ...]
-    posttrain plugins
+    posttrain plugins         installed plugins and what they register (a broken one with
+                              its error); every other command refuses to start while an
+                              installed plugin cannot be loaded, naming its distribution
     posttrain NAME ...        a command registered by a plugin (posttrain_commands), e.g.
                               `posttrain quickstart` from posttrain-quickstart
 
@@ -43,11 +45,15 @@ class Command:
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
+    """List every installed plugin and what it registers; one that could not be loaded is
+    listed with its error (the command still succeeds)."""
     from posttrain.plugins import plugin_host
 
-    for info in plugin_host().plugins():
+    for info in plugin_host(allow_broken=True).plugins():
         print(f"{info.distribution} (plugin '{info.plugin_name}')")
-        if not info.registrations:
+        if info.error is not None:
+            print(f"  error: {info.error}")
+        elif not info.registrations:
             print("  (registers nothing)")
         kinds: dict[str, list[str]] = {}
         for reg in info.registrations:
@@ -103,7 +109,7 @@ def _plugin_commands() -> dict[str, Command]:
     from posttrain.plugins import plugin_host
 
     try:
-        registry = plugin_host().commands
+        registry = plugin_host(allow_broken=True).commands
         commands = {name: registry[name] for name in registry}
     except PluginError:
         return {}
@@ -123,8 +129,13 @@ def _terminate_as_interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         parser = _parser()
+        if argv and argv[0] != "plugins" and not argv[0].startswith("-"):
+            from posttrain.plugins import plugin_host
+
+            plugin_host()  # every other command needs every installed plugin: refuse a broken one
     except PosttrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

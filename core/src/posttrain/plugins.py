@@ -3,11 +3,17 @@
 ``plugin_host()`` returns this process's host, loading the ``posttrain`` entry-point group on
 first use. The driver and every Ray worker call it, so a plugin installed in the
 environment is usable everywhere by name.
+
+An installed plugin that cannot be loaded (its module fails to import, or it implements a
+hook no hookspec declares) is set aside as broken, the others load: the host refuses to
+serve with one (naming the distribution and how to uninstall it) unless asked to list what
+is installed, as ``posttrain plugins`` does.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -45,11 +51,31 @@ class Registration:
 
 @attrs.frozen
 class PluginInfo:
-    """An installed plugin: where it comes from and what it registers."""
+    """An installed plugin: where it comes from and what it registers, or, when it could
+    not be loaded or its registrations not be read, the error (and no registrations)."""
 
     plugin_name: str
     distribution: str
     registrations: tuple[Registration, ...]
+    error: str | None = None
+
+
+@attrs.frozen
+class BrokenPlugin:
+    """An installed plugin the host could not load: its entry point's name, its
+    distribution ("name version") and project name (what ``pip uninstall`` takes), and why."""
+
+    plugin_name: str
+    distribution: str
+    project: str
+    error: str
+
+    @property
+    def remedy(self) -> str:
+        return f"Fix it, or uninstall it: pip uninstall {self.project}"
+
+    def message(self) -> str:
+        return f"the plugin '{self.plugin_name}' of {self.distribution} could not be loaded: {self.error} {self.remedy}"
 
 
 class Registry(Mapping[str, Any]):
@@ -89,11 +115,31 @@ class Registry(Mapping[str, Any]):
 
 
 class PluginHost:
-    """A pluggy manager plus merged registries, one per registration hook."""
+    """A pluggy manager plus merged registries, one per registration hook.
 
-    def __init__(self, pm: pluggy.PluginManager):
+    ``distributions`` maps plugin names to their distribution ("name version"); ``broken``
+    holds the installed plugins that could not be loaded (see :meth:`check_loaded`).
+    """
+
+    def __init__(
+        self,
+        pm: pluggy.PluginManager,
+        distributions: Mapping[str, str] | None = None,
+        broken: tuple[BrokenPlugin, ...] = (),
+    ):
         self.pm = pm
+        self.distributions = dict(distributions or {})
+        self.broken = broken
         self._registries: dict[str, Registry] = {}  # merged on first use, per kind
+
+    def check_loaded(self) -> None:
+        """Raise :class:`PluginError` naming every installed plugin that could not be loaded,
+        its distribution and how to uninstall it."""
+        if len(self.broken) == 1:
+            raise PluginError(f"{self.broken[0].message()}.{_LISTED}")
+        if self.broken:
+            listed = "".join(f"\n- {plugin.message()}" for plugin in self.broken)
+            raise PluginError(f"{len(self.broken)} installed plugins could not be loaded:{listed}\n{_LISTED.strip()}")
 
     @property
     def hook(self) -> Any:
@@ -156,11 +202,18 @@ class PluginHost:
         self._registries = {}
 
     def plugins(self) -> list[PluginInfo]:
-        """Every registered plugin with its distribution and registrations, in load order."""
-        infos = []
+        """Every installed plugin, by distribution: those registered with their
+        registrations, and the broken ones and those whose registrations cannot be read
+        with their error."""
+        infos = [PluginInfo(b.plugin_name, b.distribution, (), f"{b.error} {b.remedy}") for b in self.broken]
         for plugin in self._loaded():
-            regs = tuple(reg for kind in KINDS for reg in self._registrations(kind, plugin))
-            infos.append(PluginInfo(self._plugin_name(plugin), self._distribution(plugin), regs))
+            name, distribution = self._plugin_name(plugin), self._distribution(plugin)
+            try:
+                regs = tuple(reg for kind in KINDS for reg in self._registrations(kind, plugin))
+            except PluginError as exc:
+                infos.append(PluginInfo(name, distribution, (), str(exc)))
+            else:
+                infos.append(PluginInfo(name, distribution, regs))
         return sorted(infos, key=lambda info: info.distribution)
 
     # ------------------------------------------------------------------ internals
@@ -173,10 +226,8 @@ class PluginHost:
         return self.pm.get_name(plugin) or repr(plugin)
 
     def _distribution(self, plugin: object) -> str:
-        for loaded, dist in self.pm.list_plugin_distinfo():
-            if loaded is plugin:
-                return f"{dist.project_name} {dist.version}"
-        return self._plugin_name(plugin)
+        name = self._plugin_name(plugin)
+        return self.distributions.get(name, name)
 
     def _registrations(self, hook_name: str, plugin: object) -> list[Registration]:
         caller = getattr(self.pm.hook, hook_name)
@@ -213,50 +264,89 @@ class PluginHost:
         return Registry(kind, entries)
 
 
-def new_plugin_host(load_entry_points: bool = True) -> PluginHost:
-    """A fresh host with the hookspecs added and, by default, every installed plugin loaded."""
+def new_plugin_host(load_entry_points: bool = True, *, allow_broken: bool = False) -> PluginHost:
+    """A fresh host with the hookspecs added and, by default, every installed plugin loaded.
+
+    A plugin whose entry point fails to import, or that implements a hook no hookspec
+    declares, is not registered but kept in ``host.broken``; unless ``allow_broken``, the
+    host then raises :class:`PluginError` naming each (:meth:`PluginHost.check_loaded`).
+    """
     pm = pluggy.PluginManager("posttrain")
     pm.add_hookspecs(hookspecs)
+    distributions: dict[str, str] = {}
+    broken: list[BrokenPlugin] = []
     if load_entry_points:
-        try:
-            pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-        except Exception as exc:  # an installed plugin that fails to import
-            raise PluginError(
-                f"loading the '{ENTRY_POINT_GROUP}' entry points failed: {type(exc).__name__}: {exc}. "
-                f"Installed distributions with posttrain entry points: {', '.join(_entry_point_dists())}"
-            ) from exc
-        check_hook_names(pm)
-    return PluginHost(pm)
+        for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if pm.get_plugin(entry_point.name) is not None or pm.is_blocked(entry_point.name):
+                continue
+            dist = entry_point.dist
+            project = dist.name if dist is not None else entry_point.name
+            distribution = f"{dist.name} {dist.version}" if dist is not None else entry_point.name
+            try:
+                plugin = entry_point.load()
+            except Exception as exc:  # an installed plugin that fails to import
+                error = f"importing {entry_point.value} failed: {_described(exc)}"
+                broken.append(BrokenPlugin(entry_point.name, distribution, project, error))
+                continue
+            pm.register(plugin, name=entry_point.name)
+            message = _unknown_hook_message(pm, plugin)
+            if message is not None:
+                pm.unregister(plugin)
+                broken.append(BrokenPlugin(entry_point.name, distribution, project, f"it {message}"))
+                continue
+            distributions[entry_point.name] = distribution
+    host = PluginHost(pm, distributions, tuple(sorted(broken, key=lambda plugin: plugin.distribution)))
+    if not allow_broken:
+        host.check_loaded()
+    return host
 
 
 def check_hook_names(pm: pluggy.PluginManager) -> None:
     """Refuse hook implementations that match no hookspec (a misspelt hook is otherwise
     silently never called)."""
+    for _, plugin in pm.list_name_plugin():
+        message = _unknown_hook_message(pm, plugin) if plugin is not None else None
+        if message is not None:
+            raise PluginError(f"plugin '{pm.get_name(plugin)}' {message}")
+
+
+def _unknown_hook_message(pm: pluggy.PluginManager, plugin: object) -> str | None:
+    """What is wrong when ``plugin`` implements a hook no hookspec declares, else None."""
     known = [name for name in vars(hookspecs) if name.startswith("posttrain_")]
     for name, caller in vars(pm.hook).items():
         if name.startswith("_") or caller.has_spec():
             continue
         for impl in caller.get_hookimpls():
-            if not impl.optionalhook:
-                raise PluginError(
-                    f"plugin '{impl.plugin_name}' implements '{name}', which is not a posttrain hook."
-                    f"{did_you_mean(name, known)} The hooks are listed in posttrain.hookspecs."
+            if impl.plugin is plugin and not impl.optionalhook:
+                return (
+                    f"implements '{name}', which is not a posttrain hook.{did_you_mean(name, known)} "
+                    "The hooks are listed in posttrain.hookspecs."
                 )
+    return None
 
 
-def _entry_point_dists() -> list[str]:
-    eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-    return sorted({f"{ep.dist.name} ({ep.name} = {ep.value})" for ep in eps if ep.dist is not None})
+def _described(exc: BaseException) -> str:
+    """An exception as its type, message and the file and line it was raised at."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames and not isinstance(exc, SyntaxError) else ""
+    return f"{type(exc).__name__}: {exc}{where}."
+
+
+_LISTED = " `posttrain plugins` lists every installed plugin."
 
 
 _HOST: PluginHost | None = None
 
 
-def plugin_host() -> PluginHost:
-    """This process's plugin host, created and loaded on first call."""
+def plugin_host(*, allow_broken: bool = False) -> PluginHost:
+    """This process's plugin host, created and loaded on first call. Raises
+    :class:`PluginError` when an installed plugin could not be loaded, unless
+    ``allow_broken`` (for listing what is installed)."""
     global _HOST
     if _HOST is None:
-        _HOST = new_plugin_host()
+        _HOST = new_plugin_host(allow_broken=True)
+    if not allow_broken:
+        _HOST.check_loaded()
     return _HOST
 
 
