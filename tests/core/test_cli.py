@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -22,3 +23,67 @@ def test_a_run_leaves_a_ray_it_did_not_start_running(ray_cluster, tiny_model_pat
     code = cli.main(["run", "sft", "--config", "examples/configs/sft.yaml", f"policy.model={model}", f"run_dir={tmp_path / 'run'}"])
     assert code == 2 and "has 103 tokens" in capsys.readouterr().err
     assert ray_cluster.is_initialized()
+
+
+# ----------------------------------------------------------------------------- config show
+
+
+def _commented_keys(output: str) -> dict[str, str]:
+    """``{dotted key: its comment}`` of ``posttrain config show``'s lines (two spaces of
+    indent per level)."""
+    out, stack = {}, []
+    for line in output.splitlines():
+        text, _, comment = line.partition("  # ")
+        depth = (len(text) - len(text.lstrip())) // 2
+        stack[depth:] = [text.strip().split(":", 1)[0]]
+        out[".".join(stack)] = comment
+    return out
+
+
+def test_config_show_writes_every_key_of_the_run_with_its_value_and_doc(monkeypatch, capsys):
+    import yaml
+
+    from posttrain.config import load_config
+    from posttrain.config.loader import dump_config
+    from posttrain.config.reference import config_sections
+
+    monkeypatch.chdir(REPO)
+    args = ["--config", "examples/configs/grpo_math_tiny.yaml", "policy.optimizer.lr=1e-3", "generation.backend=vllm"]
+    assert cli.main(["config", "show", "grpo", *args]) == 0
+    output = capsys.readouterr().out
+
+    # the values: the resolved config, less the sections a GRPO run with these backends does not read
+    expected = yaml.safe_load(dump_config(load_config(args[1], [*args[2:], "algorithm=grpo"])))
+    for unread in ("dpo", "sft"):
+        del expected[unread]
+    del expected["policy"]["megatron"], expected["generation"]["hf"], expected["data_plane"]["transferqueue"]
+    shown = yaml.safe_load(output)
+    assert shown == expected
+    assert shown["policy"]["optimizer"]["lr"] == 1e-3 and shown["generation"]["vllm"]["enforce_eager"] is True
+
+    # the documentation: every shown key's comment is its reference doc, then where it was set
+    comments = _commented_keys(output)
+    sections = {section.path: section for section in config_sections()}
+    keys = [key for path in sections for key in sections[path].keys]
+    unread = ("dpo", "sft", "policy.megatron", "generation.hf", "data_plane.transferqueue")
+    as_paths = ("data.train.", "data.validation.")  # keys of the mapping form; these are paths here
+    missing = [key.path for key in keys if key.path not in comments]
+    assert [path for path in missing if not path.startswith(unread + as_paths)] == []
+    assert len(keys) - len(missing) > 150
+    for key in keys:
+        if key.path in comments:
+            assert comments[key.path].startswith(key.doc), key.path
+    assert comments["policy.optimizer.lr"] == (
+        "base learning rate (>= 0), scaled per optimizer step by policy.scheduler "
+        "(set at command line override 'policy.optimizer.lr=1e-3')"
+    )
+    assert comments["policy.model"] == "a local Hugging Face folder (set at examples/configs/grpo_math_tiny.yaml:22)"
+    assert comments["policy.optimizer.eps"] == "added to Adam's denominator (>= 0); unused by sgd"
+    assert re.search(r"^  optimizer: +# the optimizer \(set at [^\n]*\n    name: adamw +# [^\n]*\n    lr: 0\.001 +# base", output,
+                     re.MULTILINE)
+
+
+def test_config_show_refuses_an_unknown_algorithm_as_run_does(capsys):
+    assert cli.main(["config", "show", "sftt"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: unknown algorithm 'sftt'; installed: ") and error.endswith("Did you mean 'sft'?\n")

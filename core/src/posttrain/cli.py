@@ -1,6 +1,9 @@
 """The ``posttrain`` command.
 
     posttrain run ALGORITHM --config FILE [key=value ...]
+    posttrain config show ALGORITHM [--config FILE] [key=value ...]
+                              the resolved config of that run, every key with its value,
+                              its documentation and where it was set
     posttrain plugins         installed plugins and what they register (a broken one with
                               its error); every other command refuses to start while an
                               installed plugin cannot be loaded, naming its distribution
@@ -27,7 +30,7 @@ import attrs
 from posttrain.errors import PluginError, PosttrainError, RunStopped
 
 #: Commands core defines itself; a plugin cannot register these names.
-CORE_COMMANDS = ("run", "plugins")
+CORE_COMMANDS = ("run", "config", "plugins")
 
 
 @attrs.frozen
@@ -77,6 +80,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    from posttrain.config import load_config
+    from posttrain.config.reference import annotated_config
+    from posttrain.plugins import plugin_host
+
+    plugin_host().algorithms[args.algorithm]  # an unknown name is refused as `posttrain run` refuses it
+    config = load_config(args.config, [*args.overrides, f"algorithm={args.algorithm}"])
+    sys.stdout.write(annotated_config(config))
+    return 0
+
+
 def _ray_connected() -> bool:
     """Whether this process is connected to Ray (without importing it)."""
     ray = sys.modules.get("ray")
@@ -92,6 +106,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--config", "-c", required=True, help="YAML config file")
     run.add_argument("overrides", nargs="*", help="config overrides, e.g. policy.optimizer.lr=1e-5")
     run.set_defaults(func=_cmd_run)
+
+    config = sub.add_parser("config", help="inspect configs").add_subparsers(dest="config_command", required=True)
+    show = config.add_parser(
+        "show", help="the resolved config of a run: every key with its value, its documentation and where it was set"
+    )
+    show.add_argument("algorithm", help="algorithm name, e.g. grpo, sft, dpo (see `posttrain plugins`)")
+    show.add_argument("--config", "-c", help="YAML config file (default: every key at its default)")
+    show.add_argument("overrides", nargs="*", help="config overrides, e.g. policy.optimizer.lr=1e-5")
+    show.set_defaults(func=_cmd_config_show)
 
     plugins = sub.add_parser("plugins", help="list installed plugins and what they register")
     plugins.set_defaults(func=_cmd_plugins)

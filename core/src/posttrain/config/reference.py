@@ -9,7 +9,8 @@ config loader's error messages write them (:func:`posttrain.config.structure.typ
 
 :func:`reference_markdown` renders it all as Markdown (the documentation site's
 configuration page is generated from it); :func:`config_sections` gives the same content as
-data.
+data; :func:`annotated_config` writes a resolved config as YAML with each key's
+documentation (``posttrain config show``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
+import yaml
 
 from posttrain.config.schema import RunConfig
 from posttrain.config.structure import LOADER_FIELDS, type_name
@@ -114,6 +116,60 @@ def section_markdown(section: SectionDoc, heading_level: int = 2) -> str:
     origin = "core" if section.source == CORE_SOURCE else f"plugin `{section.source}`"
     intro = f"*{section.class_name}, from {origin}.*" + (f" {section.summary}" if section.summary else "")
     return "\n".join([f"{'#' * heading_level} {title} {{#{anchor}}}", "", intro, "", *_table(section.keys)])
+
+
+def annotated_config(config: RunConfig, host: PluginHost | None = None) -> str:
+    """``config`` as YAML: every key of the sections its run reads, in the reference's
+    order, with its value and a comment holding its documentation and, when the value was
+    not a default, where it was set (file and line, or the override).
+
+    Plugin sections a run of ``config.algorithm`` does not read are left out: another
+    algorithm's top-level section (``dpo`` in a GRPO run), and a backend section beside a
+    ``backend`` key that names another backend (``policy.megatron`` when ``policy.backend``
+    is dtensor). Values are written in YAML's flow style, one key a line."""
+    host = host if host is not None else plugin_host()
+    sections = {section.path: section for section in config_sections(host)}
+    other_algorithms = set(host.algorithms) - {config.algorithm}
+    rows: list[tuple[str, str]] = []  # (indented "key: value", comment)
+
+    def read(owner: Any, key: KeyDoc) -> Any:
+        if key.path in config.sections:
+            return config.sections[key.path]
+        alias = key.path.rpartition(".")[2]
+        return getattr(owner, next(field.name for field in attrs.fields(type(owner)) if field.alias == alias))
+
+    def read_by_run(owner: Any, key: KeyDoc) -> bool:
+        parent, _, name = key.path.rpartition(".")
+        if key.path not in config.sections:
+            return True
+        if not parent:
+            return name not in other_algorithms
+        return getattr(owner, "backend", name) == name
+
+    def add(path: str, owner: Any, depth: int) -> None:
+        for key in sections[path].keys:
+            if not read_by_run(owner, key):
+                continue
+            value = read(owner, key)
+            name = "  " * depth + key.path.rpartition(".")[2]
+            where = config.sources.get(key.path)
+            comment = " ".join(filter(None, [key.doc, f"(set at {where})" if where else ""]))
+            if attrs.has(type(value)) and key.path in sections:
+                rows.append((f"{name}:", comment))
+                add(key.path, value, depth + 1)
+            else:
+                rows.append((f"{name}: {_flow_yaml(value)}", comment))
+
+    add("", config, 0)
+    width = max((len(text) for text, _ in rows if len(text) <= 48), default=0)
+    return "".join(f"{text.ljust(width)}  # {comment}\n" if comment else f"{text}\n" for text, comment in rows)
+
+
+def _flow_yaml(value: Any) -> str:
+    """A value as YAML on one line (flow style): ``null``, ``0.003``, ``[0.9, 0.999]``, ``{a: 1}``."""
+    plain = json.loads(json.dumps(attrs.asdict(value) if attrs.has(type(value)) else value, default=str))
+    text = yaml.safe_dump(plain, default_flow_style=True, width=2**31, allow_unicode=True, sort_keys=False)
+    return text.strip().removesuffix("...").strip()
 
 
 def options_markdown(cls: type, prefix: str) -> str:
