@@ -53,6 +53,38 @@ def refuse_import(monkeypatch, module: str) -> None:
     monkeypatch.setattr(builtins, "__import__", refusing)
 
 
+def test_rewinding_keeps_each_phase_and_step_once_up_to_the_resumed_step(tmp_path):
+    """What a resumed run's rewind leaves of a file an older posttrain wrote twice over
+    (steps 3-4 logged, then again after a resume from step 2) with a torn last line."""
+    logger = open_logger(tmp_path, tensorboard=True)
+    for step, loss in [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (3, 30.0), (4, 40.0), (5, 50.0)]:
+        logger.log(step, {"loss": loss})
+    logger.log(4, {"accuracy": 0.5}, phase="validation")
+    logger.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "pha')  # a run killed mid-line
+
+    logger = open_logger(tmp_path, tensorboard=True)
+    logger.rewind(4)
+    logger.close()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["phase"], r["step"], r.get("loss", r.get("accuracy"))) for r in records] == [
+        ("train", 1, 1.0), ("train", 2, 2.0), ("train", 3, 30.0), ("train", 4, 40.0), ("validation", 4, 0.5),
+    ]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), purge_orphaned_data=False)
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    assert [(e.step, e.value) for e in events.Scalars("validation/accuracy")] == [(4, 0.5)]
+
+    logger = open_logger(tmp_path, tensorboard=True)
+    logger.rewind(None)  # a fresh run in the same run_dir
+    logger.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == []
+    assert list((tmp_path / "tensorboard").iterdir()) == []
+
+
 def test_enabled_sink_without_package_is_a_config_error(tmp_path, monkeypatch):
     refuse_import(monkeypatch, "wandb")
     with pytest.raises(ConfigError, match="logger.wandb is true but wandb is not installed"):

@@ -11,13 +11,27 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from posttrain.log import get_logger
 from posttrain.plugins import PluginHost, plugin_host
 
 if TYPE_CHECKING:
     from posttrain.config.schema import RunConfig
     from posttrain.interfaces.metric_sink import MetricSink
+
+
+@runtime_checkable
+class RewindableSink(Protocol):
+    """A metric sink that keeps its records in the run's folder and can take back those a
+    stopped run wrote after its last checkpoint (core's ``metrics.jsonl`` and TensorBoard
+    sinks). A sink without :meth:`rewind` is written to as it is."""
+
+    def rewind(self, step: int | None) -> int:
+        """Keep only the records of steps up to ``step`` (a resumed run's checkpoint step;
+        None: a fresh run, keep none), at most one per phase and step; return how many
+        records were dropped. Called once, before the run's first record."""
+        ...
 
 
 class MetricLogger:
@@ -50,6 +64,22 @@ class MetricLogger:
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) or _is_scalar_tensor(v)}
         for sink in self.sinks:
             sink.write(step, scalars, phase)
+
+    def rewind(self, step: int | None) -> None:
+        """Make the sinks' records those of a run that has done ``step`` steps, as the loop
+        starts: a run resumed from checkpoint step N drops what a stopped run logged after
+        step N (it logs those steps again), a fresh run (None) drops every earlier record of
+        its ``run_dir``. Each sink that can (:class:`RewindableSink`) does it; each drop is
+        logged."""
+        for sink in self.sinks:
+            if isinstance(sink, RewindableSink):
+                dropped = sink.rewind(step)
+                if dropped:
+                    get_logger().info(
+                        "earlier metric records dropped" if step is None else f"metric records after step {step} dropped",
+                        sink=type(sink).__name__,
+                        records=dropped,
+                    )
 
     def close(self) -> None:
         for sink in self.sinks:
