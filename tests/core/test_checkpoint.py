@@ -236,16 +236,20 @@ def test_training_state_refuses_a_folder_without_its_files_before_restoring_anyt
 class CountingSteps(LoopSteps):
     """Steps whose metrics depend on the data position, the driver's random state and the
     policy's counter, so a resume that restored any of them wrongly logs other numbers.
-    ``stop_in`` requests a stop (as SIGTERM would) while that step runs."""
+    ``stop_in`` requests a stop (as SIGTERM would) while that step runs; ``abort_in`` raises
+    KeyboardInterrupt as that step starts (as a second Ctrl-C does: no checkpoint)."""
 
-    def __init__(self, context, policy, loader, stop_in: int | None = None):
-        self.context, self.policy, self.loader, self.stop_in = context, policy, loader, stop_in
+    def __init__(self, context, policy, loader, stop_in: int | None = None, abort_in: int | None = None):
+        self.context, self.policy, self.loader, self.stop_in, self.abort_in = context, policy, loader, stop_in, abort_in
         self.started_at: int | None = None
+        self.validated: list[int] = []
 
     def start(self, step):
         self.started_at = step
 
     def train_step(self, step):
+        if step == self.abort_in:
+            raise KeyboardInterrupt("second stop signal")
         if self.loader.epoch >= 1:
             return None  # the data ran out
         batch = next(iter(self.loader))
@@ -255,22 +259,29 @@ class CountingSteps(LoopSteps):
         return {"data": float(batch["value"].sum()), "noise": random.random(), "updates": float(self.policy.updates)}
 
     def validate(self, step):
+        self.validated.append(step)
         return {"loss": 1.0 / (1 + step + self.policy.updates)}
 
 
-def _run_loop(run_dir, total_steps: int, stop_in: int | None = None):
-    seed_everything(0)
-    config = config_from_dict({
-        "run_dir": str(run_dir), "logger": {"progress_bar": False},
+def _plan(run_dir, total_steps: int) -> LoopPlan:
+    return LoopPlan(label="sft", total_steps=total_steps, schedule_steps=total_steps, val_period=2,
+                    val_at_start=True, val_at_end=True, export_dir=str(run_dir / "hf"), length_keys=("sft.max_num_steps",))
+
+
+def _context(run_dir, tensorboard: bool = False) -> RunContext:
+    return RunContext(config_from_dict({
+        "run_dir": str(run_dir), "logger": {"progress_bar": False, "tensorboard": tensorboard},
         "checkpointing": {"save_period": 2, "keep_top_k": None},
-    })
-    context = RunContext(config)
+    }))
+
+
+def _run_loop(run_dir, total_steps: int, stop_in: int | None = None, abort_in: int | None = None, tensorboard: bool = False):
+    seed_everything(0)
+    context = _context(run_dir, tensorboard)
     policy, loader = CounterPolicy(), _loader()
-    steps = CountingSteps(context, policy, loader, stop_in)
-    plan = LoopPlan(label="sft", total_steps=total_steps, schedule_steps=total_steps, val_period=2,
-                    val_at_start=True, val_at_end=True, export_dir=str(run_dir / "hf"))
+    steps = CountingSteps(context, policy, loader, stop_in, abort_in)
     try:
-        result = TrainingLoop(context, plan, steps, TrainingState(policy, loader)).run()
+        result = TrainingLoop(context, _plan(run_dir, total_steps), steps, TrainingState(policy, loader)).run()
     finally:
         context.close()
     return result, steps, policy
@@ -278,6 +289,16 @@ def _run_loop(run_dir, total_steps: int, stop_in: int | None = None):
 
 def _records(run_dir):
     return [{k: v for k, v in r.items() if k != "time"} for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def _tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar event in the run's TensorBoard files, by tag, as written (no purging of
+    steps logged twice, which TensorBoard's own reader would otherwise hide)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir / "tensorboard"), purge_orphaned_data=False)
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
 def test_the_loop_validates_saves_exports_and_stops_at_the_end_of_the_data(tmp_path):
@@ -292,9 +313,12 @@ def test_the_loop_validates_saves_exports_and_stops_at_the_end_of_the_data(tmp_p
     last_train, last_validation = records[-2], records[-1]
     assert result == {"step": 5, **{k: last_train[k] for k in ("data", "noise", "updates")},
                       "validation/loss": last_validation["loss"]}
+    plan = {"total_steps": 7, "val_at_end": True, "export_dir": str(tmp_path / "hf")}
     info = json.loads((tmp_path / "checkpoints" / "step_4" / "training_info.json").read_text())
-    assert info == {"step": 4, "metrics": {**{k: records[5][k] for k in ("data", "noise", "updates")},
-                                           "validation/loss": records[6]["loss"]}}
+    assert info == {"step": 4, "validated_step": 4, "plan": plan,
+                    "metrics": {**{k: records[5][k] for k in ("data", "noise", "updates")}, "validation/loss": records[6]["loss"]}}
+    final = json.loads((tmp_path / "checkpoints" / "step_5" / "training_info.json").read_text())
+    assert final["finished"] is True and final["plan"] == plan and final["validated_step"] == 5
 
 
 def test_a_stopped_loop_saves_its_last_step_and_a_resumed_one_continues_it_exactly(tmp_path):
@@ -303,7 +327,71 @@ def test_a_stopped_loop_saves_its_last_step_and_a_resumed_one_continues_it_exact
     assert result["step"] == 3 and policy.exported == []  # no end-of-run validation, no export
     assert [(r["phase"], r["step"]) for r in _records(tmp_path / "run")][-2:] == [("validation", 2), ("train", 3)]
     assert CheckpointManager(tmp_path / "run" / "checkpoints").steps() == [2, 3]
+    assert "finished" not in json.loads((tmp_path / "run" / "checkpoints" / "step_3" / "training_info.json").read_text())
 
     result, steps, policy = _run_loop(tmp_path / "run", total_steps=5)
     assert steps.started_at == 3 and policy.exported == [str(tmp_path / "run" / "hf")]
     assert _records(tmp_path / "run") == _records(tmp_path / "full")
+
+
+def test_steps_logged_after_the_last_checkpoint_are_logged_once_after_resuming(tmp_path):
+    """A run aborted without a checkpoint (a second Ctrl-C, a dead worker) after it logged
+    step 3 resumes from step 2: its metrics.jsonl and TensorBoard files hold each step once,
+    equal to an uninterrupted run's."""
+    pytest.importorskip("tensorboard")
+    _run_loop(tmp_path / "full", total_steps=5, tensorboard=True)
+    with pytest.raises(KeyboardInterrupt):
+        _run_loop(tmp_path / "run", total_steps=5, abort_in=4, tensorboard=True)
+    assert [r["step"] for r in _records(tmp_path / "run") if r["phase"] == "train"] == [1, 2, 3]
+    assert CheckpointManager(tmp_path / "run" / "checkpoints").steps() == [2]
+
+    _run_loop(tmp_path / "run", total_steps=5, tensorboard=True)
+    assert _records(tmp_path / "run") == _records(tmp_path / "full")
+    scalars, expected = _tensorboard_scalars(tmp_path / "run"), _tensorboard_scalars(tmp_path / "full")
+    assert scalars["train/updates"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0)]
+    assert scalars == expected
+    assert len(list((tmp_path / "run" / "tensorboard").iterdir())) == 1  # the stopped run's file was folded in
+
+
+def test_a_fresh_run_replaces_the_records_an_earlier_run_left_in_its_run_dir(tmp_path):
+    _run_loop(tmp_path / "full", total_steps=5)
+    with pytest.raises(KeyboardInterrupt):
+        _run_loop(tmp_path / "run", total_steps=5, abort_in=2)  # no checkpoint yet: the next run is fresh
+    _run_loop(tmp_path / "run", total_steps=5)
+    assert _records(tmp_path / "run") == _records(tmp_path / "full")
+
+
+def test_a_resume_at_the_last_step_validates_only_if_that_step_was_not(tmp_path):
+    _run_loop(tmp_path / "full", total_steps=4)
+    _run_loop(tmp_path / "run", total_steps=4, stop_in=4)  # step 4 saved, its validation (val_period 2) done
+    _, steps, policy = _run_loop(tmp_path / "run", total_steps=4)
+    assert steps.validated == [] and policy.exported == [str(tmp_path / "run" / "hf")]
+    assert _records(tmp_path / "run") == _records(tmp_path / "full")
+
+
+def test_a_finished_run_started_again_says_so_without_running(tmp_path, capsys):
+    from posttrain.run.loop import finished_run
+
+    result, _, _ = _run_loop(tmp_path, total_steps=4)
+    context = _context(tmp_path)
+    try:
+        assert finished_run(context, _plan(tmp_path, total_steps=4)) == result
+        assert finished_run(context, _plan(tmp_path, total_steps=6)) is None  # a longer plan goes on
+    finally:
+        context.close()
+    step_4 = tmp_path / "checkpoints" / "step_4"
+    assert (
+        f"the run already finished: it completed at step 4 (checkpoint {step_4}), so there is nothing to do. "
+        "To train longer, raise sft.max_num_steps; to start over, set checkpointing.resume=false or use another run_dir"
+    ) in capsys.readouterr().err
+
+
+def test_a_run_stopped_at_its_last_step_is_not_finished(tmp_path):
+    from posttrain.run.loop import finished_run
+
+    _run_loop(tmp_path, total_steps=4, stop_in=4)  # saved step 4, skipped the final validation and the export
+    context = _context(tmp_path)
+    try:
+        assert finished_run(context, _plan(tmp_path, total_steps=4)) is None
+    finally:
+        context.close()

@@ -4,7 +4,8 @@ Layout under the checkpoint directory::
 
     step_12/               a complete checkpoint (renamed into place only when complete)
         config.yaml        the resolved run config
-        training_info.json {"step": 12, "metrics": {...}}
+        training_info.json {"step": 12, "metrics": {...}} and what the saver adds (the loop:
+                           "validated_step", "plan", and "finished" once the run completed)
         policy/            the algorithm's TrainingState: the policy's own checkpoint,
         dataloader.pt      the training data loader's position,
         rng.pt             the driver's random states
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from posttrain.interfaces.policy import Policy
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+#: A checkpoint's record of itself; a folder without it is not a complete checkpoint.
+INFO_FILE = "training_info.json"
 
 
 class CheckpointManager:
@@ -55,9 +58,17 @@ class CheckpointManager:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._remove_incomplete()
 
-    def save(self, step: int, write: Callable[[Path], None], metrics: Mapping[str, float] | None = None, config_yaml: str | None = None) -> Path:
+    def save(
+        self,
+        step: int,
+        write: Callable[[Path], None],
+        metrics: Mapping[str, float] | None = None,
+        config_yaml: str | None = None,
+        info: Mapping[str, Any] | None = None,
+    ) -> Path:
         """Write checkpoint ``step``: ``write(folder)`` fills the temporary folder, then it is
-        renamed into place. Returns the final folder."""
+        renamed into place. ``training_info.json`` holds the step, ``metrics`` and the
+        JSON-serialisable fields of ``info``. Returns the final folder."""
         final = self.directory / f"step_{step}"
         tmp = self.directory / f"tmp_step_{step}"
         if tmp.exists():
@@ -66,8 +77,8 @@ class CheckpointManager:
         write(tmp)
         if config_yaml is not None:
             (tmp / "config.yaml").write_text(config_yaml)
-        info = {"step": step, "metrics": {k: float(v) for k, v in (metrics or {}).items()}}
-        (tmp / "training_info.json").write_text(json.dumps(info, indent=2))
+        record = {**(info or {}), "step": step, "metrics": {k: float(v) for k, v in (metrics or {}).items()}}
+        (tmp / INFO_FILE).write_text(json.dumps(record, indent=2))
         _fsync_tree(tmp)
         if final.exists():  # re-saving a step (e.g. after resume): replace it
             shutil.rmtree(final)
@@ -89,10 +100,23 @@ class CheckpointManager:
 
     def info(self, path: str | Path) -> dict[str, Any]:
         """The ``training_info.json`` of a checkpoint folder."""
-        file = Path(path) / "training_info.json"
+        file = Path(path) / INFO_FILE
         if not file.exists():
             raise CheckpointError(f"{path} is not a complete checkpoint: {file.name} is missing")
         return json.loads(file.read_text())
+
+    def update_info(self, step: int, fields: Mapping[str, Any]) -> None:
+        """Add ``fields`` to the ``training_info.json`` of the complete checkpoint ``step``
+        (e.g. that the run finished after it was saved). The file is replaced in one rename:
+        a crash leaves the old or the new one."""
+        folder = self.directory / f"step_{step}"
+        record = {**self.info(folder), **fields}
+        tmp = folder / (INFO_FILE + ".tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / INFO_FILE)
+        _fsync_dir(folder)
 
     def _remove_incomplete(self) -> None:
         for p in self.directory.glob("tmp_step_*"):

@@ -5,6 +5,8 @@ progress bar."""
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +20,7 @@ from posttrain.models.folder import check_model_folders
 from posttrain.plugins import PluginHost, plugin_host
 from posttrain.run.checkpoint import CheckpointManager, check_checkpoint_fits
 from posttrain.run.metrics import MetricLogger, ProgressBar
-from posttrain.run.stop import StopRequest, stop_on_signals
+from posttrain.run.stop import StartupInterrupted, StoppedDuringStartup, StopRequest, stop_on_signals
 
 if TYPE_CHECKING:
     from posttrain.distributed.cluster import VirtualCluster
@@ -37,11 +39,12 @@ class RunContext:
     down what it builds. The Ray cluster starts on first use. ``config`` is the run's config
     as loaded; nothing here changes it.
 
-    ``stop`` is set by SIGINT / SIGTERM during :func:`run_algorithm`: a training loop checks
-    :attr:`stop_requested` before each step and, once it is set, saves a checkpoint of the
-    last finished step and returns."""
+    ``stop`` is set by SIGINT / SIGTERM during :func:`run_algorithm`: a training loop calls
+    ``stop.begin_steps()`` as its first step begins (before, a signal ends the start-up at
+    once), checks :attr:`stop_requested` before each step and, once it is set, saves a
+    checkpoint of the last finished step and returns (:mod:`posttrain.run.stop`)."""
 
-    def __init__(self, config: RunConfig, host: PluginHost | None = None):
+    def __init__(self, config: RunConfig, host: PluginHost | None = None, stop: StopRequest | None = None):
         self.config = config
         self.host = host or plugin_host()
         self.run_dir = Path(config.run_dir)
@@ -55,7 +58,8 @@ class RunContext:
             else None
         )
         self._cluster: VirtualCluster | None = None
-        self.stop = StopRequest()
+        self._cluster_lock = threading.Lock()  # builders may run in threads (posttrain.run.startup)
+        self.stop = stop or StopRequest()
 
     @property
     def stop_requested(self) -> bool:
@@ -65,12 +69,18 @@ class RunContext:
     @property
     def cluster(self) -> VirtualCluster:
         """The run's :class:`~posttrain.distributed.cluster.VirtualCluster`, starting Ray if needed."""
-        if self._cluster is None:
-            from posttrain.distributed.cluster import VirtualCluster
+        return self.start_cluster()
 
-            self._start_ray()
-            self._cluster = VirtualCluster(self.config.cluster)
-        return self._cluster
+    def start_cluster(self) -> VirtualCluster:
+        """Start Ray (unless this process is connected already) and the run's cluster, once,
+        whichever thread asks first; return the cluster."""
+        with self._cluster_lock:
+            if self._cluster is None:
+                from posttrain.distributed.cluster import VirtualCluster
+
+                self._start_ray()
+                self._cluster = VirtualCluster(self.config.cluster)
+            return self._cluster
 
     def build_policy(self, *, schedule_steps: int | None = None) -> Policy:
         """The ``policy.backend`` policy, its workers started on :attr:`cluster`.
@@ -108,7 +118,7 @@ class RunContext:
         installed as distributions. The caller shuts each environment down."""
         from posttrain.run.environments import start_environments
 
-        self._start_ray()
+        self.start_cluster()
         return start_environments(names, self.config.environments, plugins=plugins)
 
     def log_metrics(self, step: int, metrics: Mapping[str, float], phase: str = "train") -> None:
@@ -126,9 +136,15 @@ class RunContext:
             self._cluster = None
 
     def _start_ray(self) -> None:
+        import ray
+
         from posttrain.distributed.cluster import init_ray
 
+        if ray.is_initialized():
+            return
+        began = time.perf_counter()
         init_ray(self.config.cluster)
+        self.log.info("Ray started", seconds=round(time.perf_counter() - began, 2))
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
@@ -170,34 +186,46 @@ def check_inputs(config: RunConfig, context: RunContext) -> None:
 def run_algorithm(config: RunConfig, host: PluginHost | None = None) -> dict[str, Any]:
     """Run ``config.algorithm`` to completion and return its final metrics.
 
-    Inputs are checked first (:func:`check_inputs`). While the algorithm runs, SIGINT and
-    SIGTERM request a stop (:mod:`posttrain.run.stop`); a run that stopped early on one raises
-    :class:`~posttrain.errors.RunStopped` after the algorithm saved and shut down. Calls the
+    Inputs are checked first (:func:`check_inputs`). SIGINT and SIGTERM stop the run
+    (:mod:`posttrain.run.stop`): during start-up at once, raising
+    :class:`~posttrain.run.stop.StoppedDuringStartup`; once the steps began, at the next step
+    boundary after a checkpoint, raising :class:`~posttrain.errors.RunStopped` once the
+    algorithm saved and shut down (both are ``RunStopped``). Calls the
     ``posttrain_run_start`` / ``posttrain_run_end`` hooks around the run; the end hook
     learns whether the run completed, was interrupted or failed.
     """
-    host = host or plugin_host()
-    algorithm = host.algorithms[config.algorithm or ""]()
-    configure_logging(config.logger.level, Path(config.run_dir) / "events.jsonl")
-    seed_everything(config.seed, config.deterministic)
-    context = RunContext(config, host)
-    try:
-        check_inputs(config, context)
-    except BaseException:
-        context.close()
-        raise
+    stop = StopRequest()
+    context: RunContext | None = None
+    with stop_on_signals(stop):
+        try:
+            host = host or plugin_host()
+            algorithm = host.algorithms[config.algorithm or ""]()
+            configure_logging(config.logger.level, Path(config.run_dir) / "events.jsonl")
+            seed_everything(config.seed, config.deterministic)
+            context = RunContext(config, host, stop)
+            try:
+                check_inputs(config, context)
+            except BaseException:
+                context.close()
+                raise
+            return _run(algorithm, context)
+        except StartupInterrupted as interrupted:
+            resumes = context is not None and config.checkpointing.resume
+            checkpoint = _latest_checkpoint(context) if resumes else None
+            raise StoppedDuringStartup(stop.signal_name, 128 + interrupted.signum, checkpoint) from None
+
+
+def _run(algorithm: Any, context: RunContext) -> dict[str, Any]:
+    """``algorithm.run(context)`` between the run hooks; the context is closed at the end."""
+    config, host = context.config, context.host
     host.hook.posttrain_run_start(config=config, run_dir=str(context.run_dir))
     status = "failed"
     try:
-        with stop_on_signals(context.stop):
-            result = algorithm.run(context)
+        result = algorithm.run(context)
         if context.stop_requested:
             status = "interrupted"
-            latest = context.checkpoints.latest() if context.checkpoints is not None else None
             stop = context.stop
-            raise RunStopped(
-                stop.signal_name, 128 + (stop.signum or 0), int(result.get("step", 0)), None if latest is None else str(latest)
-            )
+            raise RunStopped(stop.signal_name, 128 + (stop.signum or 0), int(result.get("step", 0)), _latest_checkpoint(context))
         status = "completed"
         return result
     except KeyboardInterrupt:
@@ -206,3 +234,8 @@ def run_algorithm(config: RunConfig, host: PluginHost | None = None) -> dict[str
     finally:
         host.hook.posttrain_run_end(config=config, run_dir=str(context.run_dir), status=status)
         context.close()
+
+
+def _latest_checkpoint(context: RunContext | None) -> str | None:
+    latest = context.checkpoints.latest() if context is not None and context.checkpoints is not None else None
+    return None if latest is None else str(latest)

@@ -7,6 +7,10 @@ and states its :class:`LoopPlan`; :class:`TrainingLoop` runs them the same way f
   latest one restores the :class:`~posttrain.run.checkpoint.TrainingState` (policy, data
   loader position, driver random states), the step, and that step's metrics and last
   validation's (from ``training_info.json``); then :meth:`LoopSteps.start` runs;
+- metric records: a run resumed from step N drops the records of later steps that a
+  stopped run wrote after saving step N, and a fresh run those of earlier runs in its
+  ``run_dir`` (:meth:`~posttrain.run.metrics.MetricLogger.rewind`): every step is on
+  file once, as an uninterrupted run logs it;
 - validation (phase ``validation``): before the first step when ``val_at_start`` (step 0,
   fresh runs only), every ``val_period`` steps, and after the last step when ``val_at_end``
   (unless that step was just validated or a stop was requested);
@@ -15,20 +19,26 @@ and states its :class:`LoopPlan`; :class:`TrainingLoop` runs them the same way f
 - checkpoints: every ``checkpointing.save_period`` steps and after the last step run,
   scored by the step's metrics and the last validation's (``validation/<name>``);
 - export: the policy's final weights as a Hugging Face folder (``export_dir``);
-- stop: after SIGINT / SIGTERM (``context.stop_requested``) no new step starts; the last
-  finished step is checkpointed and the loop returns without the end-of-run validation and
-  the export.
+- stop: until the first training step begins the run is starting up, and a stop signal
+  ends it at once (:mod:`posttrain.run.stop`); after SIGINT / SIGTERM
+  (``context.stop_requested``) no new step starts; the last finished step is checkpointed
+  and the loop returns without the end-of-run validation and the export;
+- the end: once a run completed its plan (validation and export included) its last
+  checkpoint is marked finished, with the plan. Started again with the same plan, the run
+  is over before any worker starts: :func:`finished_run`, which an algorithm calls with its
+  plan before it builds its workers, says so and returns the run's final metrics.
 """
 
 from __future__ import annotations
 
 import abc
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from posttrain.config import dump_config
-from posttrain.run.checkpoint import TrainingState
+from posttrain.run.checkpoint import CheckpointManager, TrainingState
 from posttrain.run.context import RunContext, with_schedule_horizon
 
 
@@ -43,6 +53,12 @@ class LoopPlan:
     val_at_start: bool = False
     val_at_end: bool = False
     export_dir: str | None = None  # write a Hugging Face folder of the final weights here
+    length_keys: tuple[str, ...] = ()  # the config keys that set total_steps, named when a finished run is started again
+
+    def record(self) -> dict[str, Any]:
+        """The plan as saved in a checkpoint's ``training_info.json``: what decides whether a
+        run started again has anything left to do."""
+        return {"total_steps": self.total_steps, "val_at_end": self.val_at_end, "export_dir": self.export_dir}
 
 
 class LoopSteps(abc.ABC):
@@ -87,9 +103,11 @@ class TrainingLoop:
         context, plan = self.context, self.plan
         save_period = context.config.checkpointing.save_period
         start = self.step = self.resume()
+        context.metrics.rewind(start if start else None)
         self.steps.start(start)
         if plan.val_at_start and self.step == 0:
             self.validate()
+        context.stop.begin_steps()
         bar = context.progress(plan.total_steps, plan.label, initial=self.step)
         try:
             while self.step < plan.total_steps and not context.stop_requested:
@@ -112,6 +130,8 @@ class TrainingLoop:
         if plan.export_dir and not context.stop_requested:
             self.state.policy.export_hf(plan.export_dir)
             context.log.info("exported Hugging Face weights", path=plan.export_dir, step=self.step)
+        if context.checkpoints is not None and self.saved_step == self.step and not context.stop_requested:
+            context.checkpoints.update_info(self.step, {"finished": True, "plan": plan.record()})
         return {"step": self.step, **self.metrics, **self._scored_validation()}
 
     def validate(self) -> None:
@@ -129,17 +149,17 @@ class TrainingLoop:
         if manager is None:
             return
         config = with_schedule_horizon(self.context.config, self.plan.schedule_steps)
-        manager.save(self.step, self.state.save, {**self.metrics, **self._scored_validation()}, dump_config(config))
+        info = {"validated_step": self.validated_step, "plan": self.plan.record()}
+        manager.save(self.step, self.state.save, {**self.metrics, **self._scored_validation()}, dump_config(config), info)
         self.saved_step = self.step
 
     def resume(self) -> int:
         """Restore the latest checkpoint when resuming is on; return its step (0: a fresh run)."""
-        manager = self.context.checkpoints
-        if manager is None or not self.context.config.checkpointing.resume:
-            return 0
-        folder = manager.latest()
+        folder = resume_folder(self.context)
         if folder is None:
             return 0
+        manager = self.context.checkpoints
+        assert manager is not None
         info = manager.info(folder)
         self.state.load(folder, self.plan.label)
         for name, value in info.get("metrics", {}).items():
@@ -147,9 +167,42 @@ class TrainingLoop:
                 self.validation[name.removeprefix("validation/")] = value
             else:
                 self.metrics[name] = value
+        self.validated_step = info.get("validated_step")
         step = self.saved_step = int(info["step"])
         self.context.log.info("resumed", algorithm=self.plan.label, checkpoint=str(folder), step=step, total_steps=self.plan.total_steps)
         return step
 
     def _scored_validation(self) -> dict[str, float]:
         return {f"validation/{name}": value for name, value in self.validation.items()}
+
+
+def resume_folder(context: RunContext) -> Path | None:
+    """The checkpoint the run resumes from: the latest in ``checkpointing.dir`` when resuming
+    is on; None for a fresh run."""
+    manager = context.checkpoints
+    if manager is None or not context.config.checkpointing.resume:
+        return None
+    return manager.latest()
+
+
+def finished_run(context: RunContext, plan: LoopPlan) -> dict[str, Any] | None:
+    """When the checkpoint the run would resume from is marked finished with this very plan
+    (same steps, end-of-run validation and export), the run has nothing left to do: log so,
+    naming the checkpoint and how to go on, and return what :meth:`TrainingLoop.run`
+    returned then (the step and the final metrics). Otherwise None. An algorithm calls this
+    with its plan before it builds any worker."""
+    folder = resume_folder(context)
+    if folder is None:
+        return None
+    manager: CheckpointManager = context.checkpoints  # type: ignore[assignment]
+    info = manager.info(folder)
+    if not info.get("finished") or info.get("plan") != plan.record():
+        return None
+    step = int(info["step"])
+    longer = f"raise {' or '.join(plan.length_keys)}" if plan.length_keys else "plan more steps"
+    context.log.info(
+        f"the run already finished: it completed at step {step} (checkpoint {folder}), so there is nothing to do. "
+        f"To train longer, {longer}; to start over, set checkpointing.resume=false or use another run_dir",
+        algorithm=plan.label,
+    )
+    return {"step": step, **info.get("metrics", {})}

@@ -1,10 +1,19 @@
-"""Graceful stop on SIGINT / SIGTERM: finish the current step, save, exit.
+"""Stopping a run on SIGINT / SIGTERM: at once during start-up, at a step boundary after.
 
-:func:`stop_on_signals` installs handlers for the length of a run. The first signal only
-sets :class:`StopRequest`; training loops poll :attr:`StopRequest.requested` between steps,
-so the step in flight either completes and is checkpointed, or (when the signal came
-before it started) never runs. A half-applied step is never saved. A second signal gives
-up on the clean stop and raises :class:`KeyboardInterrupt` at once (no checkpoint).
+:func:`stop_on_signals` installs handlers for the length of a run. What the first signal does
+depends on the run's phase (:class:`StopRequest`):
+
+- during start-up (before :meth:`StopRequest.begin_steps`: data, Ray, workers, a checkpoint
+  being restored, the validation before the first step), nothing is trained and nothing can
+  be saved, so the handler raises :class:`StartupInterrupted` at once: what started is shut
+  down and no further worker starts;
+- once the steps began, it only sets :class:`StopRequest`; training loops poll
+  :attr:`StopRequest.requested` between steps, so the step in flight either completes and is
+  checkpointed, or (when the signal came before it started) never runs. A half-applied step
+  is never saved.
+
+A second signal gives up on the clean stop and raises :class:`KeyboardInterrupt` at once (no
+checkpoint).
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from types import FrameType
 
+from posttrain.errors import RunStopped
 from posttrain.log import get_logger
 
 #: The signals a run stops on: Ctrl-C and what schedulers (Slurm, Kubernetes) send first.
@@ -22,10 +32,12 @@ STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopRequest:
-    """Set once a stop signal arrived; read by the loops between steps."""
+    """Set once a stop signal arrived; read by the loops between steps. ``stepping`` is false
+    while the run starts up and true from :meth:`begin_steps` on."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.stepping = False
 
     @property
     def requested(self) -> bool:
@@ -40,10 +52,37 @@ class StopRequest:
         if self.signum is None:
             self.signum = signum
 
+    def begin_steps(self) -> None:
+        """Start-up is over: from now on a stop signal finishes the step in flight and saves
+        (a training loop calls this as its first step begins)."""
+        self.stepping = True
+
+
+class StartupInterrupted(KeyboardInterrupt):
+    """Raised by the stop handler when a stop signal arrives during start-up (a
+    :class:`KeyboardInterrupt`, so no ``except Exception`` on the way swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"{signal.Signals(signum).name} during start-up")
+        self.signum = signum
+
+
+class StoppedDuringStartup(RunStopped):
+    """A run stopped by a signal before its first step: nothing trained, nothing saved."""
+
+    def __init__(self, signal_name: str, exit_code: int, checkpoint: str | None):
+        super().__init__(signal_name, exit_code, 0, checkpoint)
+        again = f"resumes from the checkpoint {checkpoint}" if checkpoint else "starts from the beginning"
+        self.args = (
+            f"stopped by {signal_name} during start-up, before the first step; nothing was trained or saved. "
+            f"The run {again} when started again",
+        )
+
 
 @contextlib.contextmanager
 def stop_on_signals(stop: StopRequest, signals: Sequence[signal.Signals] = STOP_SIGNALS) -> Iterator[StopRequest]:
-    """Route ``signals`` to ``stop`` while the block runs, then restore the previous handlers.
+    """Route ``signals`` to ``stop`` while the block runs (see the module docstring), then
+    restore the previous handlers.
 
     Off the main thread (where Python cannot install handlers) it does nothing.
     """
@@ -52,12 +91,16 @@ def stop_on_signals(stop: StopRequest, signals: Sequence[signal.Signals] = STOP_
         return
 
     def handle(signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
         if stop.requested:
-            raise KeyboardInterrupt(f"second stop signal ({signal.Signals(signum).name}): stopping without a checkpoint")
+            raise KeyboardInterrupt(f"second stop signal ({name}): stopping without a checkpoint")
         stop.request(signum)
+        if not stop.stepping:
+            get_logger().warning("stop requested during start-up: no step has run; stopping what has started", signal=name)
+            raise StartupInterrupted(signum)
         get_logger().warning(
             "stop requested: finishing the current step, then saving a checkpoint; send the signal again to stop at once",
-            signal=signal.Signals(signum).name,
+            signal=name,
         )
 
     previous = {sig: signal.signal(sig, handle) for sig in signals}

@@ -32,7 +32,7 @@ from posttrain.interfaces.loss import LossFunction, LossType, combine_metrics
 from posttrain.interfaces.policy import Policy
 from posttrain.run.checkpoint import TrainingState
 from posttrain.run.context import RunContext
-from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
+from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop, finished_run
 from posttrain.run.metrics import PASS_METRICS
 from posttrain.run.supervised_config import SupervisedConfig
 
@@ -66,7 +66,8 @@ class SupervisedRun(LoopSteps):
         config = context.config
         self.algorithm = algorithm
         self.context = context
-        self.options: SupervisedConfig = config.section(algorithm.config_section or algorithm.name)
+        section = algorithm.config_section or algorithm.name
+        self.options: SupervisedConfig = config.section(section)
         per = algorithm.rows_per_example
         train_rows = config.policy.train_global_batch_size
         encoder = encoder_from_config(config)
@@ -86,6 +87,7 @@ class SupervisedRun(LoopSteps):
             val_at_start=self.options.val_at_start,
             val_at_end=self.options.val_at_end,
             export_dir=self.options.export_dir,
+            length_keys=tuple(f"{section}.{key}" for key in ("max_num_steps", "max_num_epochs")),
         )
         self.loss_fn: LossFunction = context.build_loss(self.options.loss, self.options)
         self._policy: Policy | None = None
@@ -103,7 +105,11 @@ class SupervisedRun(LoopSteps):
         return self._plane
 
     def fit(self) -> dict[str, Any]:
-        """Build the policy and the data plane, run the loop, shut both down."""
+        """Build the policy and the data plane, run the loop, shut both down; a run that
+        already finished this plan starts nothing (:func:`~posttrain.run.loop.finished_run`)."""
+        finished = finished_run(self.context, self.plan)
+        if finished is not None:
+            return finished
         self._policy = self.context.build_policy(schedule_steps=self.plan.schedule_steps)
         try:
             self._plane = self.context.build_data_plane()
