@@ -47,11 +47,16 @@ class NeedsValueConfig:
 
 
 class ToyPlugin:
-    """Registers a data plane, three config sections and a validation rule."""
+    """Registers a data plane, environments that declare no options, three config sections
+    and a validation rule."""
 
     @posttrain.hookimpl
     def posttrain_data_planes(self):
         return {"memory": lambda config: None}
+
+    @posttrain.hookimpl
+    def posttrain_environments(self):
+        return {name: lambda options: None for name in ("math", "base", "child", "again")}
 
     @posttrain.hookimpl
     def posttrain_config_sections(self):
@@ -300,7 +305,7 @@ def test_scalar_type_rules(host):
         config_from_dict({"generation": {"stop_token_ids": [1, "2"]}}, host=host)
     assert "config key 'generation.stop_token_ids[1]' (at <dict>): expected int, found str '2'" in str(err.value)
 
-    config = config_from_dict({"policy": {"optimizer": {"lr": 1, "betas": [1, 0.5]}}}, host=host)
+    config = config_from_dict({"policy": {"optimizer": {"lr": 1, "betas": [0, 0.5]}}}, host=host)
     assert type(config.policy.optimizer.lr) is float and config.policy.optimizer.lr == 1.0
     assert [type(b) for b in config.policy.optimizer.betas] == [float, float]
 
@@ -439,21 +444,23 @@ def test_batch_arithmetic_message_shows_the_numbers(in_tmp, host):
     message = str(err.value)
     assert (
         "policy.train_global_batch_size=30 is not divisible by policy.train_micro_batch_size (4) x "
-        "data-parallel size (2) = 8. Use a multiple of 8, e.g. 32." in message
-    )
-    assert (
-        "Where set: policy.train_global_batch_size at exp.yaml:4; policy.train_micro_batch_size at exp.yaml:3."
+        "data-parallel size (2) = 8. Use policy.train_global_batch_size=32, or policy.train_micro_batch_size=3."
         in message
     )
-    # The same numbers with a divisible global batch pass.
+    assert (
+        "Where set: policy.num_workers at exp.yaml:2; policy.train_global_batch_size at exp.yaml:4; "
+        "policy.train_micro_batch_size at exp.yaml:3." in message
+    )
+    # Either suggestion passes.
     assert load_config("exp.yaml", ["policy.train_global_batch_size=32"], host=host).data_parallel_size == 2
+    assert load_config("exp.yaml", ["policy.train_micro_batch_size=3"], host=host).data_parallel_size == 2
 
 
 def test_parallelism_must_divide_workers(host):
     with pytest.raises(ConfigError) as err:
         config_from_dict({"policy": {"num_workers": 3, "tensor_parallel_size": 2}}, host=host)
     assert (
-        "policy.num_workers=3 is not divisible by policy.tensor_parallel_size (2) = 2. Use a multiple of 2, e.g. 4."
+        "policy.num_workers=3 is not divisible by policy.tensor_parallel_size (2) = 2. Use policy.num_workers=4."
     ) in str(err.value)
 
     with pytest.raises(ConfigError, match=r"policy.train_micro_batch_size must be at least 1, found 0"):
@@ -472,11 +479,12 @@ def test_a_backend_section_adds_its_model_parallel_sizes(host):
         config_from_dict({"policy": {**policy, "num_workers": 3}}, host=host)
     assert (
         "policy.num_workers=3 is not divisible by policy.tensor_parallel_size (1) x policy.toy_backend.shards (2) "
-        "= 2. Use a multiple of 2, e.g. 4."
+        "= 2. Use policy.num_workers=4."
     ) in str(err.value)
     with pytest.raises(ConfigError, match=r"policy.toy_backend.shards must be at least 1, found 0"):
         config_from_dict({"policy": {**policy, "toy_backend": {"shards": 0}}}, host=host)
-    with pytest.raises(ConfigError, match=r"data-parallel size \(2\) = 6\. Use a multiple of 6, e.g. 12\."):
+    with pytest.raises(ConfigError, match=r"data-parallel size \(2\) = 6\. Use policy.train_global_batch_size=12, or "
+                                          r"policy.train_micro_batch_size=2\."):
         config_from_dict({"policy": {**policy, "train_global_batch_size": 8, "train_micro_batch_size": 3}}, host=host)
 
 

@@ -102,8 +102,12 @@ def test_the_actor_object_keeps_a_build_error_for_ready():
 
 
 def test_the_call_deadline_option_is_checked_before_an_actor_starts():
-    with pytest.raises(ConfigError, match=r"environments.flaky.call_timeout_s: expected a number of seconds > 0, found '10s'"):
+    with pytest.raises(ConfigError) as info:
         RemoteEnvironment("flaky", {"call_timeout_s": "10s"}, plugins=PLUGINS)
+    assert str(info.value) == "config key 'environments.flaky.call_timeout_s': expected float, found str '10s'"
+    with pytest.raises(ConfigError) as info:
+        RemoteEnvironment("flaky", {"call_timeout_s": -1}, plugins=PLUGINS)
+    assert str(info.value) == "config key 'environments.flaky.call_timeout_s': expected a number > 0, found -1.0"
 
 
 # ----------------------------------------------------------------------------- Ray actors

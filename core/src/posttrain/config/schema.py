@@ -8,7 +8,7 @@ Every field has a default except where the user must decide. Units are in the na
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -31,13 +31,15 @@ class ClusterConfig:
 
 @attrs.define
 class OptimizerConfig:
-    """The policy's optimizer, built by the policy backend."""
+    """The policy's optimizer, built by the policy backend. Values are checked when the
+    config is loaded (:func:`posttrain.config.validate.check_optimizer`)."""
 
-    name: str = "adamw"  # adamw | adam | sgd (no momentum)
-    lr: float = 1e-5  # base learning rate, scaled per optimizer step by policy.scheduler
-    weight_decay: float = 0.0  # adamw: decoupled decay; adam and sgd: an L2 term added to the gradient; 0: none
-    betas: list[float] = attrs.field(factory=lambda: [0.9, 0.999])  # Adam's [beta1, beta2]; unused by sgd
-    eps: float = 1e-8  # added to Adam's denominator; unused by sgd
+    name: Literal["adamw", "adam", "sgd"] = "adamw"  # adamw | adam | sgd (no momentum)
+    lr: float = 1e-5  # base learning rate (>= 0), scaled per optimizer step by policy.scheduler
+    # >= 0; adamw: decoupled decay; adam and sgd: an L2 term added to the gradient; 0: none
+    weight_decay: float = 0.0
+    betas: list[float] = attrs.field(factory=lambda: [0.9, 0.999])  # Adam's [beta1, beta2], each in [0, 1); unused by sgd
+    eps: float = 1e-8  # added to Adam's denominator (>= 0); unused by sgd
 
 
 @attrs.define
@@ -45,10 +47,12 @@ class SchedulerConfig:
     """The learning-rate schedule: a factor of ``policy.optimizer.lr`` per optimizer step
     (:mod:`posttrain.backend.lr_schedule`)."""
 
-    name: str = "constant"  # after warmup: constant | linear | cosine (decay to min_lr_ratio at total_steps)
+    # after warmup: constant | linear | cosine (decay to min_lr_ratio at total_steps)
+    name: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = 0  # optimizer steps of linear warmup, the factor rising from 1/warmup_steps to 1; 0: none
-    total_steps: int | None = None  # optimizer step where linear/cosine decay ends; None: the run's optimizer steps
-    min_lr_ratio: float = 0.0  # linear/cosine: the factor the decay ends at (0: down to 0)
+    # optimizer step where linear/cosine decay ends (>= 1, not before warmup_steps); None: the run's optimizer steps
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0  # linear/cosine: the factor the decay ends at, in [0, 1] (0: down to 0)
 
 
 @attrs.define

@@ -1,18 +1,32 @@
 """Checks on a structured config that span several keys or need the plugin registries.
 
-:func:`validate_config` runs core's checks, then every plugin's
-``posttrain_validate_config`` hook. Messages name the keys, the numbers and where each key
-was set.
+:func:`validate_config` runs core's checks, then every plugin's ``posttrain_validate_config``
+hook. Messages name the keys, the numbers, where each key was set, and the fix.
+
+Batch sizes: core requires ``policy.num_workers`` to be a multiple of the model-parallel
+sizes and ``policy.train_global_batch_size`` a multiple of ``policy.train_micro_batch_size``
+x the data-parallel size. The running algorithm may add rules (:class:`BatchSizeRules`)
+through a ``batch_size_rules()`` method of its section (the one named like
+``config.algorithm``, e.g. ``grpo``); core checks them together with its own, so the sizes
+a message suggests satisfy every rule at once.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
+import attrs
+
+from posttrain.config.environments import read_environment_options
 from posttrain.config.schema import RunConfig
 from posttrain.errors import ConfigError, PluginError
 from posttrain.plugins import PluginHost, Registry, plugin_host
+
+WORKERS = "policy.num_workers"
+GLOBAL = "policy.train_global_batch_size"
+MICRO = "policy.train_micro_batch_size"
 
 
 def where_set(config: RunConfig | None, *keys: str) -> str:
@@ -20,7 +34,7 @@ def where_set(config: RunConfig | None, *keys: str) -> str:
     loader saw, or ``""``. Plugins append it to their own validation messages."""
     if config is None:
         return ""
-    found = [f"{key} at {config.sources[key]}" for key in keys if key in config.sources]
+    found = [f"{key} at {config.sources[key]}" for key in dict.fromkeys(keys) if key in config.sources]
     return f" Where set: {'; '.join(found)}." if found else ""
 
 
@@ -34,40 +48,206 @@ def require_registered(registry: Registry, name: str, key: str, *, config: RunCo
 
 
 def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
-    """Check parallelism and batch arithmetic, the data plane name, then the plugins' checks.
+    """Check sizes, the optimizer and its schedule, batch arithmetic (with the algorithm's
+    :class:`BatchSizeRules`), the data plane, every configured environment (its name and
+    options), then the plugins' checks.
 
     Raises :class:`ConfigError` on the first problem; returns nothing when the config is fine.
     """
     host = host if host is not None else plugin_host()
     policy = config.policy
-    factors = config.replica_factors()
     sizes = [(f"policy.{name}", getattr(policy, name)) for name in
              ("num_workers", "train_global_batch_size", "train_micro_batch_size")]
-    for key, value in [*sizes, *factors]:
+    for key, value in [*sizes, *config.replica_factors()]:
         if value < 1:
             raise ConfigError(f"{key} must be at least 1, found {value}.{where_set(config, key)}")
-    _require_multiple(config, "policy.num_workers", policy.num_workers, factors)
-    _require_multiple(
-        config,
-        "policy.train_global_batch_size",
-        policy.train_global_batch_size,
-        [
-            ("policy.train_micro_batch_size", policy.train_micro_batch_size),
-            ("data-parallel size", config.data_parallel_size),
-        ],
-    )
+    check_optimizer(config)
+    check_batch_sizes(config, batch_size_rules(config))
     require_registered(host.data_planes, config.data_plane.backend, "data_plane.backend", config=config)
+    check_environments(config, host)
     host.hook.posttrain_validate_config(config=config)
 
 
-def _require_multiple(config: RunConfig, key: str, value: int, factors: list[tuple[str, int]]) -> None:
-    """Raise unless ``value`` is a multiple of the product of ``factors`` ((label, number) pairs)."""
-    unit = math.prod(number for _, number in factors)
-    if value % unit == 0:
+# --------------------------------------------------------------------------- optimizer
+
+
+def check_optimizer(config: RunConfig) -> None:
+    """``policy.optimizer``, ``policy.scheduler`` and ``policy.max_grad_norm`` hold values the
+    policy backends' optimizers accept (the names are checked by their annotations)."""
+    optimizer, scheduler = config.policy.optimizer, config.policy.scheduler
+    checks: list[tuple[str, Any, bool, str]] = [
+        ("policy.optimizer.lr", optimizer.lr, _finite(optimizer.lr) and optimizer.lr >= 0,
+         "a learning rate >= 0, e.g. 1e-05"),
+        ("policy.optimizer.weight_decay", optimizer.weight_decay,
+         _finite(optimizer.weight_decay) and optimizer.weight_decay >= 0, "a number >= 0 (0: no decay)"),
+        ("policy.optimizer.betas", optimizer.betas,
+         len(optimizer.betas) == 2 and all(0 <= beta < 1 for beta in optimizer.betas),
+         "two numbers in [0, 1), e.g. [0.9, 0.999]"),
+        ("policy.optimizer.eps", optimizer.eps, _finite(optimizer.eps) and optimizer.eps >= 0,
+         "a small number >= 0, e.g. 1e-08"),
+        ("policy.max_grad_norm", config.policy.max_grad_norm,
+         config.policy.max_grad_norm is None or config.policy.max_grad_norm > 0,
+         "a norm > 0, or null for no clipping"),
+        ("policy.scheduler.warmup_steps", scheduler.warmup_steps, scheduler.warmup_steps >= 0,
+         "a number of optimizer steps >= 0 (0: no warmup)"),
+        ("policy.scheduler.total_steps", scheduler.total_steps,
+         scheduler.total_steps is None or scheduler.total_steps >= 1,
+         "a number of optimizer steps >= 1, or null for the run's length"),
+        ("policy.scheduler.min_lr_ratio", scheduler.min_lr_ratio, 0 <= scheduler.min_lr_ratio <= 1,
+         "a factor in [0, 1]"),
+    ]
+    for key, value, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{key}: expected {expected}, found {value!r}.{where_set(config, key)}")
+    total, warmup = scheduler.total_steps, scheduler.warmup_steps
+    if scheduler.name != "constant" and total is not None and warmup > total:
+        raise ConfigError(
+            f"policy.scheduler.warmup_steps={warmup} is past policy.scheduler.total_steps={total}, where the "
+            f"{scheduler.name} decay ends; lower warmup_steps to at most {total}, or raise total_steps."
+            f"{where_set(config, 'policy.scheduler.warmup_steps', 'policy.scheduler.total_steps')}"
+        )
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+# --------------------------------------------------------------------------- batch sizes
+
+
+@attrs.frozen
+class BatchSizeRules:
+    """What an algorithm requires of the policy's batch sizes besides core's rule (the
+    global batch a multiple of the micro batch x the data-parallel size). Its section gives
+    them from a ``batch_size_rules(self) -> BatchSizeRules`` method (see the module doc)."""
+
+    micro_multiple: int = 1  # policy.train_micro_batch_size must be a multiple of this
+    micro_reason: str = ""  # why, for messages: e.g. "whole chosen/rejected pairs"
+    global_divides: int | None = None  # policy.train_global_batch_size must divide this number
+    global_reason: str = ""  # what that number is, for messages: e.g. "samples per GRPO step (...)"
+    keys: tuple[str, ...] = ()  # the config keys the rules derive from, named in "Where set"
+
+
+def batch_size_rules(config: RunConfig) -> BatchSizeRules:
+    """The rules of the section named like ``config.algorithm``, or none."""
+    section = config.sections.get(config.algorithm or "")
+    rules = getattr(section, "batch_size_rules", None)
+    return rules() if callable(rules) else BatchSizeRules()
+
+
+def check_batch_sizes(config: RunConfig, rules: BatchSizeRules) -> None:
+    """Raise :class:`ConfigError` when the workers or batch sizes break a rule, naming every
+    broken rule and suggesting sizes that satisfy all of them."""
+    factors = config.replica_factors()
+    sizes = {WORKERS: config.policy.num_workers, GLOBAL: config.policy.train_global_batch_size,
+             MICRO: config.policy.train_micro_batch_size}
+    checker = _BatchRules(factors, rules)
+    problems = checker.problems(sizes)
+    if not problems:
         return
-    product = " x ".join(f"{label} ({number})" for label, number in factors)
-    suggestion = max(unit, math.ceil(value / unit) * unit)
-    raise ConfigError(
-        f"{key}={value} is not divisible by {product} = {unit}. Use a multiple of {unit}, e.g. {suggestion}."
-        f"{where_set(config, key, *(label for label, _ in factors))}"
-    )
+    message = "; ".join(problems) + "."
+    fix = checker.suggest(sizes)
+    if fix:
+        message += " Use " + fix + "."
+    keys = [WORKERS, *(label for label, _ in factors), GLOBAL, MICRO, *rules.keys]
+    raise ConfigError(message + where_set(config, *keys))
+
+
+@attrs.frozen
+class _BatchRules:
+    factors: list[tuple[str, int]]  # the model-parallel sizes of one replica
+    rules: BatchSizeRules
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return math.prod(size for _, size in self.factors)
+
+    def problems(self, sizes: dict[str, int]) -> list[str]:
+        """What ``sizes`` (workers, global and micro batch) break, one phrase per rule."""
+        workers, gbs, mbs = sizes[WORKERS], sizes[GLOBAL], sizes[MICRO]
+        unit = self.ranks_per_replica
+        out = []
+        if workers % unit:
+            product = " x ".join(f"{label} ({size})" for label, size in self.factors)
+            out.append(f"{WORKERS}={workers} is not divisible by {product} = {unit}")
+        dp = max(1, workers // unit)
+        if gbs % (mbs * dp):
+            out.append(f"{GLOBAL}={gbs} is not divisible by {MICRO} ({mbs}) x data-parallel size ({dp}) = {mbs * dp}")
+        multiple = self.rules.micro_multiple
+        if mbs % multiple:
+            out.append(f"{MICRO}={mbs} is not a multiple of {multiple} ({self.rules.micro_reason})")
+        divides = self.rules.global_divides
+        if divides is not None and divides % gbs:
+            out.append(f"{GLOBAL}={gbs} does not divide {divides} ({self.rules.global_reason})")
+        return out
+
+    def suggest(self, sizes: dict[str, int]) -> str:
+        """Values that satisfy every rule: each single key that does, else a pair of keys."""
+        ok = lambda changed: not self.problems({**sizes, **changed})  # noqa: E731
+        parallel_wrong = sizes[WORKERS] % self.ranks_per_replica != 0
+        keys = [WORKERS] if parallel_wrong else [GLOBAL, MICRO]
+        singles = []
+        for key in keys:
+            value = next((v for v in self.candidates(key, sizes) if ok({key: v})), None)
+            if value is not None:
+                singles.append(f"{key}={value}")
+        if singles:
+            return ", or ".join(singles)
+        pairs = [(WORKERS, GLOBAL), (WORKERS, MICRO)] if parallel_wrong else [(MICRO, GLOBAL)]
+        for first, second in pairs:
+            for a in self.nearby(first, sizes):
+                changed = {**sizes, first: a}
+                b = next((v for v in self.candidates(second, changed) if ok({first: a, second: v})), None)
+                if b is not None:
+                    return f"{first}={a} with {second}={b}"
+        return ""
+
+    def candidates(self, key: str, sizes: dict[str, int]) -> list[int]:
+        """Values of ``key`` that may satisfy the rules with the other sizes as they are,
+        most preferred first: the workers and the global batch rounded up, the micro batch
+        rounded down."""
+        workers, gbs, mbs = sizes[WORKERS], sizes[GLOBAL], sizes[MICRO]
+        unit = self.ranks_per_replica
+        dp = max(1, workers // unit)
+        if key == WORKERS:  # the data-parallel size must divide the global batch
+            return _prefer([unit * k for k in _divisors(gbs)], workers, up=True)
+        if key == GLOBAL:
+            if self.rules.global_divides is not None:
+                return _prefer(_divisors(self.rules.global_divides), gbs, up=True)
+            step = mbs * dp
+            return _prefer([math.ceil(gbs / step) * step, gbs // step * step], gbs, up=True)
+        return _prefer(_divisors(gbs // dp) if gbs % dp == 0 else [], mbs, up=False)
+
+    def nearby(self, key: str, sizes: dict[str, int]) -> list[int]:
+        """Values of ``key`` near its own, to pair with another key's candidates."""
+        current = sizes[key]
+        step = self.ranks_per_replica if key == WORKERS else self.rules.micro_multiple
+        values = [step * k for k in range(1, 2 * math.ceil(current / step) + 2)]
+        return _prefer(values, current, up=key == WORKERS)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def _prefer(values: Iterable[int], current: int, *, up: bool) -> list[int]:
+    """``values`` other than ``current`` (positive, without repeats), nearest first on the
+    preferred side (above when ``up``), then the others nearest first."""
+    distinct = sorted({v for v in values if v >= 1 and v != current})
+    above = [v for v in distinct if v > current]
+    below = [v for v in reversed(distinct) if v < current]
+    return above + below if up else below + above
+
+
+# --------------------------------------------------------------------------- environments
+
+
+def check_environments(config: RunConfig, host: PluginHost) -> None:
+    """Every name under ``environments`` is a registered environment, and its options are
+    what the environment declares (:mod:`posttrain.config.environments`)."""
+    sources = {tuple(key.split(".")): where for key, where in config.sources.items()}
+    for name, options in config.environments.items():
+        factory = require_registered(host.environments, name, f"environments.{name}", config=config)
+        read_environment_options(name, factory, options, sources)
+

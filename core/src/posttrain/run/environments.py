@@ -2,8 +2,10 @@
 
 Each environment named by a run's tasks runs in its own Ray actor
 (:class:`RemoteEnvironment`), built there by name from that process's plugin host with the
-options under ``environments.<name>``. One option is read by the host and not passed to the
-environment: ``call_timeout_s`` (default 600), the deadline of one call to the actor.
+options under ``environments.<name>``, read as :mod:`posttrain.config.environments` says:
+core's own keys (``call_timeout_s``, the deadline of one call to the actor) are read here and
+not passed on; the rest go to the environment's factory, checked against the options class
+it declares.
 
 Containment (:func:`step_contained`, used by the rollout): an environment call that raises,
 returns results of the wrong length, or passes its deadline gives every sample of that call
@@ -23,13 +25,11 @@ from typing import Any
 import attrs
 import torch
 
-from posttrain.errors import ConfigError, PluginError, PosttrainError, WorkerError
+from posttrain.config.environments import read_core_options, read_environment_options
+from posttrain.errors import PluginError, PosttrainError, WorkerError
 from posttrain.interfaces import Environment, EnvironmentReturn, Message
 from posttrain.log import get_logger
 from posttrain.plugins import PluginHost, new_plugin_host, plugin_host
-
-CALL_TIMEOUT_KEY = "call_timeout_s"
-DEFAULT_CALL_TIMEOUT_S = 600.0
 
 _log = get_logger(__name__)
 
@@ -180,14 +180,9 @@ class RemoteEnvironment(Environment):
         actor_options: Mapping[str, Any] | None = None,
         start_timeout_s: float = 300.0,
     ):
-        options = dict(options or {})
+        core, self._options = read_core_options(name, options)
         self.name = name
-        self.call_timeout_s = options.pop(CALL_TIMEOUT_KEY, DEFAULT_CALL_TIMEOUT_S)
-        if isinstance(self.call_timeout_s, bool) or not isinstance(self.call_timeout_s, (int, float)) or self.call_timeout_s <= 0:
-            raise ConfigError(
-                f"environments.{name}.{CALL_TIMEOUT_KEY}: expected a number of seconds > 0, found {self.call_timeout_s!r}"
-            )
-        self._options = options
+        self.call_timeout_s = core.call_timeout_s
         self._plugins = tuple(plugins)
         self._actor_options = {"num_cpus": 0, **(actor_options or {})}
         self._start_timeout_s = start_timeout_s
@@ -245,7 +240,7 @@ class RemoteEnvironment(Environment):
             self._kill()
             raise EnvironmentTimeout(
                 f"environment '{self.name}' did not answer {method}() within {self.call_timeout_s:g} s "
-                f"(environments.{self.name}.{CALL_TIMEOUT_KEY}); its actor was stopped and the next call starts a fresh one"
+                f"(environments.{self.name}.call_timeout_s); its actor was stopped and the next call starts a fresh one"
             ) from None
         except ray.exceptions.RayActorError as exc:
             self._actor = None
@@ -274,14 +269,16 @@ def start_environments(
 ) -> dict[str, RemoteEnvironment]:
     """One :class:`RemoteEnvironment` per name in ``names``, with ``options[name]``.
 
-    Every name in ``names`` and in ``options`` (``config.environments``) must be registered;
-    an unknown one raises the host's unknown-name :class:`PluginError` before any actor
-    starts. If one environment fails to start, those already started are shut down.
+    Every name in ``names`` and in ``options`` (``config.environments``) must be registered
+    and its options valid: an unknown name raises the host's unknown-name
+    :class:`PluginError`, a bad option a :class:`~posttrain.errors.ConfigError`, before any
+    actor starts. If one environment fails to start, those already started are shut down.
     """
     names = list(dict.fromkeys(names))
     registry = host_with(plugins).environments
-    for name in [*names, *options]:
-        registry[name]  # raises "unknown environment 'mth'; installed: ... Did you mean 'math'?"
+    for name in dict.fromkeys([*names, *options]):
+        # raises "unknown environment 'mth'; installed: ... Did you mean 'math'?"
+        read_environment_options(name, registry[name], options.get(name))
     started: dict[str, RemoteEnvironment] = {}
     try:
         for name in names:

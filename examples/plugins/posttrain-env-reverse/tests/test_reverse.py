@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from posttrain.config import config_from_dict
 from posttrain.errors import ConfigError, DataError
 from posttrain.testing import EnvironmentCase, EnvironmentContract
 
@@ -49,6 +50,23 @@ def test_missing_text_names_the_sample(posttrain_host):
         env.step([_log("a", "a"), _log("b", "b")], [{"text": "a"}, {"txt": "b"}])
 
 
-def test_unknown_option_is_refused(posttrain_host):
-    with pytest.raises(ConfigError, match=r"environments.reverse: unknown option\(s\) \['case'\]"):
-        posttrain_host.environments["reverse"]({"case": "lower"})
+def test_ignore_case_is_an_option(posttrain_host):
+    env = posttrain_host.environments["reverse"]({"ignore_case": True})
+    assert env.step([_log("Abc", "CBA"), _log("ab", "bb")], [{"text": "Abc"}, {"text": "ab"}]).rewards.tolist() == [1.0, 0.0]
+    strict = posttrain_host.environments["reverse"]({})
+    assert strict.step([_log("Abc", "CBA")], [{"text": "Abc"}]).rewards.tolist() == [0.0]
+
+
+def test_options_are_checked_when_the_config_is_loaded(posttrain_host):
+    """posttrain reads environments.reverse into ReverseOptions (declared on the factory),
+    next to core's own call_timeout_s, before anything starts."""
+    config = config_from_dict({"environments": {"reverse": {"ignore_case": True, "call_timeout_s": 30}}}, host=posttrain_host)
+    assert config.environments["reverse"] == {"ignore_case": True, "call_timeout_s": 30}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"environments": {"reverse": {"ignore_cas": True}}}, host=posttrain_host)
+    assert str(info.value) == (
+        "unknown config key 'environments.reverse.ignore_cas' (at <dict>). Did you mean 'environments.reverse.ignore_case'?"
+    )
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"environments": {"reverse": {"ignore_case": "yes"}}}, host=posttrain_host)
+    assert str(info.value) == "config key 'environments.reverse.ignore_case' (at <dict>): expected bool, found str 'yes'"

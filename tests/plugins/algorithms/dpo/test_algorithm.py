@@ -177,15 +177,24 @@ def test_data_parallel_packed_dpo_loss_equals_a_single_process_reference(tiny_mo
 
 
 def test_config_checks_give_the_numbers(tiny_model_path, tmp_path):
+    """Pairs: core checks the micro batch with DPO's batch-size rule (whole pairs) and suggests
+    sizes that pass every batch rule at once."""
     with pytest.raises(ConfigError) as info:
         dpo_config(tiny_model_path, tmp_path, "policy.num_workers=2", "policy.train_global_batch_size=6",
-                   "policy.train_micro_batch_size=3", "dpo.val_global_batch_size=5")
+                   "policy.train_micro_batch_size=3")
     assert str(info.value).startswith(
-        "policy.train_global_batch_size: expected a multiple of 2 x data-parallel size 2 = 4 (rows: a chosen and a "
-        "rejected row per pair, whole pairs on every rank), found 6; use e.g. 4."
+        "policy.train_micro_batch_size=3 is not a multiple of 2 (whole chosen/rejected pairs of rows). Use "
+        "policy.train_micro_batch_size=2 with policy.train_global_batch_size=8. Where set: policy.num_workers at "
+        "command line override 'policy.num_workers=2';"
     )
-    assert "policy.train_micro_batch_size: expected an even number of rows (whole chosen/rejected pairs), found 3; use 4" in str(info.value)
-    assert "dpo.val_global_batch_size: expected an even number of rows, found 5; use 6" in str(info.value)
+    dpo_config(tiny_model_path, tmp_path, "policy.num_workers=2", "policy.train_global_batch_size=8",
+               "policy.train_micro_batch_size=2")  # the suggestion passes
+    with pytest.raises(ConfigError) as info:
+        dpo_config(tiny_model_path, tmp_path, "dpo.val_global_batch_size=5")
+    assert str(info.value) == (
+        "dpo.val_global_batch_size: expected an even number of rows, found 5; use 6. Where set: "
+        "dpo.val_global_batch_size at command line override 'dpo.val_global_batch_size=5'."
+    )
     with pytest.raises(ConfigError, match=r"at least 64 tokens, found 40; raise it or lower data.max_length to 20"):
         dpo_config(tiny_model_path, tmp_path, "policy.sequence_packing.max_tokens_per_row=40")
     with pytest.raises(ConfigError, match=r"dpo\.loss: unknown loss 'dop'"):

@@ -6,19 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.config.schema import PolicyConfig, RunConfig
+from posttrain.config import config_from_dict
 from posttrain.errors import ConfigError
 from posttrain.plugins import new_plugin_host
-from posttrain_env_code.environment import build_code_environment
+from posttrain_env_code.environment import CodeEnvironment
 from posttrain_env_code.extract import extract_code
-from posttrain_env_code.options import CodeOptions, read_options
+from posttrain_env_code.options import CodeOptions
 
 TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def env():
-    environment = build_code_environment({"timeout_s": TIMEOUT_S, "memory_mb": 256, "max_concurrency": 2})
+    environment = CodeEnvironment(CodeOptions(timeout_s=TIMEOUT_S, memory_mb=256, max_concurrency=2))
     yield environment
     environment.shutdown()
 
@@ -113,7 +113,7 @@ def test_a_case_fails_on_a_nonzero_exit_even_with_the_right_output(env):
 
 
 def test_all_or_nothing_reward():
-    environment = build_code_environment({"reward": "all", "timeout_s": TIMEOUT_S})
+    environment = CodeEnvironment(CodeOptions(reward="all", timeout_s=TIMEOUT_S))
     try:
         result = environment.step(
             [reply("def add(a, b):\n    return a + b"), reply("def add(a, b):\n    return a * b")],
@@ -149,7 +149,7 @@ def test_runs_happen_concurrently_up_to_max_concurrency():
     """Four samples that each sleep 1 s take about 2 s with two runs at a time."""
     import time
 
-    environment = build_code_environment({"max_concurrency": 2, "timeout_s": 5})
+    environment = CodeEnvironment(CodeOptions(max_concurrency=2, timeout_s=5))
     try:
         start = time.monotonic()
         result = environment.step(
@@ -178,44 +178,40 @@ def test_malformed_metadata_is_a_per_sample_error(env):
 # ----------------------------------------------------------------------------- options
 
 
-def test_defaults():
-    assert read_options({}) == CodeOptions()
+def test_the_registered_factory_reads_the_mapping_into_its_options():
+    environment = new_plugin_host().environments["code"]({"timeout_s": 2, "reward": "all"})
+    try:
+        assert environment.options == CodeOptions(timeout_s=2.0, reward="all")
+    finally:
+        environment.shutdown()
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"timeout": 3}, "unknown config key 'environments.code.timeout'. Did you mean 'environments.code.timeout_s'?"),
-        ({"zzz": 1}, "unknown config key 'environments.code.zzz'. Valid keys here: timeout_s, memory_mb"),
-        ({"timeout_s": 0}, "config key 'environments.code.timeout_s': expected a number >= 0.1, found 0"),
-        ({"memory_mb": 32}, "config key 'environments.code.memory_mb': expected an integer >= 64, found 32"),
+        ({"timeout": 3}, "unknown config key 'environments.code.timeout' (at <dict>). Did you mean 'environments.code.timeout_s'?"),
         (
-            {"max_concurrency": 1.5},
-            "config key 'environments.code.max_concurrency': expected an integer >= 1, found 1.5",
+            {"zzz": 1},
+            "unknown config key 'environments.code.zzz' (at <dict>). Valid keys here: call_timeout_s, disk_mb, "
+            "max_concurrency, max_output_bytes, max_processes, memory_mb, namespaces, reward, timeout_s.",
         ),
-        ({"max_processes": True}, "config key 'environments.code.max_processes': expected an integer >= 4, found True"),
+        ({"timeout_s": 0}, "config key 'environments.code.timeout_s' (at <dict>): expected a number >= 0.1, found 0.0"),
+        ({"memory_mb": 32}, "config key 'environments.code.memory_mb' (at <dict>): expected a number >= 64, found 32"),
+        ({"max_output_bytes": 0}, "config key 'environments.code.max_output_bytes' (at <dict>): expected a number >= 1, found 0"),
+        ({"max_concurrency": 1.5}, "config key 'environments.code.max_concurrency' (at <dict>): expected int, found float 1.5"),
+        ({"max_processes": True}, "config key 'environments.code.max_processes' (at <dict>): expected int, found bool True"),
         (
             {"reward": "fractoin"},
-            "config key 'environments.code.reward': expected one of 'fraction', 'all', found 'fractoin'. Did you mean 'fraction'?",
+            "config key 'environments.code.reward' (at <dict>): expected one of 'fraction', 'all', found str 'fractoin'. "
+            "Did you mean 'fraction'?",
         ),
         (
             {"namespaces": "yes"},
-            "config key 'environments.code.namespaces': expected one of 'auto', 'require', 'off', found 'yes'",
+            "config key 'environments.code.namespaces' (at <dict>): expected one of 'auto', 'require', 'off', found str 'yes'",
         ),
     ],
 )
-def test_option_errors_name_the_key(options, message):
+def test_option_errors_name_the_key_when_the_config_is_loaded(options, message):
     with pytest.raises(ConfigError) as info:
-        build_code_environment(options)
-    assert message in str(info.value)
-
-
-def test_validate_config_hook_checks_the_section():
-    host = new_plugin_host()
-    bad = RunConfig(
-        policy=PolicyConfig(model="m"), environments={"code": {"max_output_bytes": 0, "call_timeout_s": 30}}
-    )
-    with pytest.raises(ConfigError, match="environments.code.max_output_bytes"):
-        host.hook.posttrain_validate_config(config=bad)
-    good = RunConfig(policy=PolicyConfig(model="m"), environments={"code": {"timeout_s": 2, "call_timeout_s": 30}})
-    host.hook.posttrain_validate_config(config=good)
+        config_from_dict({"environments": {"code": {**options, "call_timeout_s": 30}}})
+    assert str(info.value) == message

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from posttrain.config import config_from_dict
 from posttrain.errors import ConfigError
-from posttrain_env_math.guess_number import STOP, build_guess_number_environment, guess_number_prompt, parse_guess
+from posttrain_env_math.guess_number import STOP, GuessNumberEnvironment, guess_number_prompt, parse_guess
+from posttrain_env_math.options import GuessNumberOptions
 
 
 def play(env, replies, meta):
@@ -24,7 +26,7 @@ def play(env, replies, meta):
 
 
 def test_higher_lower_then_solved():
-    env = build_guess_number_environment({"max_guesses": 5})
+    env = GuessNumberEnvironment(GuessNumberOptions(max_guesses=5))
     turns, meta = play(env, ["<guess>50</guess>", "<guess>20</guess>", "hmm", "<guess>37</guess>"], {"target": 37})
     assert turns == [
         ("Lower.", 0.0, False, [STOP]),
@@ -36,14 +38,14 @@ def test_higher_lower_then_solved():
 
 
 def test_out_of_guesses():
-    env = build_guess_number_environment({"max_guesses": 2})
+    env = GuessNumberEnvironment(GuessNumberOptions(max_guesses=2))
     turns, meta = play(env, ["<guess>1</guess>", "<guess>2</guess>", "<guess>3</guess>"], {"target": 3, "low": 1, "high": 3})
     assert turns == [("Higher.", 0.0, False, [STOP]), ("", 0.0, True, None)]
     assert meta["solved"] is False and meta["guesses"] == 2
 
 
 def test_batch_and_metrics():
-    env = build_guess_number_environment({})
+    env = GuessNumberEnvironment(GuessNumberOptions())
     logs = [[{"role": "assistant", "content": c}] for c in ["<guess>7</guess>", "<guess>-2</guess>", "seven"]]
     result = env.step(logs, [{"target": 7}, {"target": 7}, {"target": 7}])
     assert result.rewards.tolist() == [1.0, 0.0, 0.0]
@@ -57,8 +59,15 @@ def test_parse_guess_takes_the_last_tag():
     assert parse_guess("<guess>three</guess> 4") is None
 
 
-def test_options_are_checked():
-    with pytest.raises(ConfigError, match=r"'environments.guess_number.max_turns'. Did you mean 'environments.guess_number.max_guesses'\?"):
-        build_guess_number_environment({"max_turns": 3})
-    with pytest.raises(ConfigError, match=r"unknown config key 'environments.guess_number.colour'. Valid keys here: max_guesses."):
-        build_guess_number_environment({"colour": "red"})
+def test_options_are_checked_when_the_config_is_loaded():
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"environments": {"guess_number": {"max_turns": 3}}})
+    assert str(info.value) == (
+        "unknown config key 'environments.guess_number.max_turns' (at <dict>). "
+        "Did you mean 'environments.guess_number.max_guesses'?"
+    )
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"environments": {"guess_number": {"colour": "red"}}})
+    assert str(info.value) == (
+        "unknown config key 'environments.guess_number.colour' (at <dict>). Valid keys here: call_timeout_s, max_guesses."
+    )

@@ -8,16 +8,18 @@ import time
 import pytest
 import torch
 
+from posttrain.config import config_from_dict
 from posttrain.errors import ConfigError
 from posttrain.plugins import new_plugin_host
-from posttrain_env_math.math_env import MathEnvironment, build_math_environment
+from posttrain_env_math.math_env import MathEnvironment
+from posttrain_env_math.options import MathOptions
 
 TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def env():
-    environment = build_math_environment({"timeout_s": TIMEOUT_S, "num_workers": 2})
+    environment = MathEnvironment(MathOptions(timeout_s=TIMEOUT_S, num_workers=2))
     yield environment
     environment.shutdown()
 
@@ -93,13 +95,6 @@ def test_metrics(env):
     assert env.metrics(rewards, metadata) == {"accuracy": 0.5, "answer_rate": 0.5, "verify_timeouts": 1.0}
 
 
-def test_options_are_checked():
-    with pytest.raises(ConfigError, match=r"unknown config key 'environments.math.timout_s'. Did you mean 'environments.math.timeout_s'\?"):
-        build_math_environment({"timout_s": 1})
-    with pytest.raises(ConfigError, match=r"'num_workers' must be an integer greater than 0, found 0"):
-        build_math_environment({"num_workers": 0})
-
-
 def test_registered_through_the_entry_point():
     from posttrain_env_math.guess_number import GuessNumberEnvironment
 
@@ -112,10 +107,22 @@ def test_registered_through_the_entry_point():
     environment.shutdown()
 
 
-def test_options_are_checked_when_the_config_is_validated():
-    from posttrain.config import RunConfig, validate_config
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"timout_s": 1}, "unknown config key 'environments.math.timout_s' (at <dict>). Did you mean 'environments.math.timeout_s'?"),
+        ({"num_workers": 0}, "config key 'environments.math.num_workers' (at <dict>): expected a number > 0, found 0"),
+        ({"timeout_s": -1}, "config key 'environments.math.timeout_s' (at <dict>): expected a number > 0, found -1.0"),
+        ({"num_workers": 1.5}, "config key 'environments.math.num_workers' (at <dict>): expected int, found float 1.5"),
+        ({"call_timeout_s": 0}, "config key 'environments.math.call_timeout_s' (at <dict>): expected a number > 0, found 0.0"),
+    ],
+)
+def test_options_are_checked_when_the_config_is_loaded(options, message):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"environments": {"math": options}})
+    assert str(info.value) == message
 
-    host = new_plugin_host()
-    validate_config(RunConfig(environments={"math": {"timeout_s": 2, "call_timeout_s": 60}, "guess_number": {}}), host)
-    with pytest.raises(ConfigError, match=r"config key 'environments.math': 'timeout_s' must be a number greater than 0, found -1"):
-        validate_config(RunConfig(environments={"math": {"timeout_s": -1}}), host)
+
+def test_good_options_and_core_keys_are_accepted():
+    config = config_from_dict({"environments": {"math": {"timeout_s": 2, "call_timeout_s": 60}, "guess_number": {}}})
+    assert config.environments == {"math": {"timeout_s": 2, "call_timeout_s": 60}, "guess_number": {}}

@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from posttrain.config import where_set
+from posttrain.config.validate import BatchSizeRules, where_set
 from posttrain.run.supervised_config import SupervisedConfig, check_supervised_config
 
 LOSS_TYPES = ("sigmoid", "ipo")
@@ -26,6 +26,11 @@ class DPOConfig(SupervisedConfig):
     label_smoothing: float = 0.0  # sigmoid only: assumed probability that a label is flipped
     loss: str = "dpo"
 
+    def batch_size_rules(self) -> BatchSizeRules:
+        """Batch sizes count rows, a chosen and a rejected row per pair: core keeps whole
+        pairs in every microbatch (and so on every data-parallel rank)."""
+        return BatchSizeRules(micro_multiple=2, micro_reason="whole chosen/rejected pairs of rows")
+
 
 def check_options(options: DPOConfig) -> list[str]:
     """Problems with the ``dpo`` section, each naming its key, what was expected and what was found."""
@@ -44,30 +49,18 @@ def check_options(options: DPOConfig) -> list[str]:
 
 
 def check_pair_batching(config: Any, options: DPOConfig) -> list[str]:
-    """Problems with batch sizes for chosen/rejected pairs (``config`` is the RunConfig).
-
-    Batch sizes count rows, two per pair, and every data-parallel rank and microbatch must
-    hold whole pairs; a packed row must fit a pair of sequences of the longest allowed length.
-    """
+    """Problems with the validation batch and packed rows for chosen/rejected pairs
+    (``config`` is the RunConfig); the training batch sizes are core's check, with
+    :meth:`DPOConfig.batch_size_rules`. A packed row must fit a pair of sequences of the
+    longest allowed length."""
     policy = config.policy
-    dp = config.data_parallel_size
     problems = []
-    gbs = policy.train_global_batch_size
-    if gbs % (2 * dp):
-        problems.append(
-            f"policy.train_global_batch_size: expected a multiple of 2 x data-parallel size {dp} = {2 * dp} "
-            f"(rows: a chosen and a rejected row per pair, whole pairs on every rank), found {gbs}; "
-            f"use e.g. {max(2 * dp, gbs // (2 * dp) * 2 * dp)}.{where_set(config, 'policy.train_global_batch_size')}"
-        )
-    mbs = policy.train_micro_batch_size
-    if mbs % 2:
-        problems.append(
-            f"policy.train_micro_batch_size: expected an even number of rows (whole chosen/rejected pairs), "
-            f"found {mbs}; use {mbs + 1}.{where_set(config, 'policy.train_micro_batch_size')}"
-        )
     vbs = options.val_global_batch_size
     if vbs is not None and vbs % 2:
-        problems.append(f"dpo.val_global_batch_size: expected an even number of rows, found {vbs}; use {vbs + 1}")
+        problems.append(
+            f"dpo.val_global_batch_size: expected an even number of rows, found {vbs}; use {vbs + 1}."
+            f"{where_set(config, 'dpo.val_global_batch_size')}"
+        )
     packing = policy.sequence_packing
     if packing.enabled:
         row = packing.max_tokens_per_row or policy.max_total_sequence_length

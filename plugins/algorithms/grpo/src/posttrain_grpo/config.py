@@ -8,6 +8,8 @@ from typing import Literal
 
 import attrs
 
+from posttrain.config.validate import BatchSizeRules
+
 Baseline = Literal["mean", "leave_one_out"]
 KLEstimator = Literal["k1", "k2", "k3"]
 ISCorrection = Literal["tis", "icepop", "seq_mask_tis"]
@@ -114,3 +116,13 @@ class GRPOConfig:
     @property
     def samples_per_step(self) -> int:
         return self.num_prompts_per_step * self.num_generations_per_prompt
+
+    def batch_size_rules(self) -> BatchSizeRules:
+        """A step's samples make whole optimizer steps: core checks that
+        ``policy.train_global_batch_size`` divides them, with its own batch rules."""
+        return BatchSizeRules(
+            global_divides=self.samples_per_step,
+            global_reason=f"the samples of a GRPO step: grpo.num_prompts_per_step ({self.num_prompts_per_step}) x "
+            f"grpo.num_generations_per_prompt ({self.num_generations_per_prompt})",
+            keys=("grpo.num_prompts_per_step", "grpo.num_generations_per_prompt"),
+        )

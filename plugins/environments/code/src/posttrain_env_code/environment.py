@@ -38,7 +38,7 @@ import torch
 
 from posttrain.interfaces import Environment, EnvironmentReturn, Message
 from posttrain_env_code.extract import extract_code
-from posttrain_env_code.options import CodeOptions, read_options
+from posttrain_env_code.options import CodeOptions
 from posttrain_env_code.sandbox import RunResult, Sandbox, SandboxError, SandboxLimits
 
 _STATUS_ORDER = ("timeout", "memory", "error")  # which problem names a sample that did not pass
@@ -215,6 +215,3 @@ def last_assistant_text(message_log: Sequence[Message]) -> str:
             return str(message.get("content", ""))
     return ""
 
-
-def build_code_environment(options: Mapping[str, Any]) -> CodeEnvironment:
-    return CodeEnvironment(read_options(options))

@@ -1,23 +1,31 @@
-"""Hook implementations of posttrain-env-code."""
+"""Hook implementations of posttrain-env-code.
+
+Every Ray worker loads this module, so it imports nothing heavy: the environment (torch,
+the sandbox) is imported by its factory. The factory declares its options class, which
+core reads and checks when the config is loaded.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain import hookimpl
-from posttrain.config import RunConfig
-from posttrain.run.environments import CALL_TIMEOUT_KEY
-from posttrain_env_code.environment import build_code_environment
-from posttrain_env_code.options import read_options
+from posttrain.config.environments import environment_options
+from posttrain_env_code.options import CodeOptions
+
+if TYPE_CHECKING:
+    from posttrain_env_code.environment import CodeEnvironment
+
+
+@environment_options(CodeOptions)
+def code_environment(options: CodeOptions) -> CodeEnvironment:
+    """Factory of the ``code`` environment."""
+    from posttrain_env_code.environment import CodeEnvironment
+
+    return CodeEnvironment(options)
 
 
 @hookimpl
 def posttrain_environments() -> Mapping[str, Callable[..., Any]]:
-    return {"code": build_code_environment}
-
-
-@hookimpl
-def posttrain_validate_config(config: RunConfig) -> None:
-    """Check ``environments.code`` before any worker starts."""
-    read_options({k: v for k, v in config.environments.get("code", {}).items() if k != CALL_TIMEOUT_KEY})
+    return {"code": code_environment}

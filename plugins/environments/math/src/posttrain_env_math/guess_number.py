@@ -23,7 +23,7 @@ import torch
 
 from posttrain.interfaces import Environment, EnvironmentReturn, Message
 from posttrain_env_math.math_env import last_assistant_text
-from posttrain_env_math.options import GuessNumberOptions, read_options
+from posttrain_env_math.options import GuessNumberOptions
 
 STOP = "</guess>"
 _GUESS = re.compile(r"<guess>\s*(-?\d+)\s*</guess>")
@@ -82,6 +82,3 @@ class GuessNumberEnvironment(Environment):
             "mean_guesses": sum(int(m.get("guesses", 0)) for m in metadata) / len(metadata),
         }
 
-
-def build_guess_number_environment(options: Mapping[str, Any]) -> GuessNumberEnvironment:
-    return GuessNumberEnvironment(read_options(GuessNumberOptions, options, "guess_number"))

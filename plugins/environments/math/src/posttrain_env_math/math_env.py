@@ -23,7 +23,7 @@ import torch
 
 from posttrain.interfaces import Environment, EnvironmentReturn, Message
 from posttrain_env_math.deadline_pool import DeadlinePool
-from posttrain_env_math.options import MathOptions, read_options
+from posttrain_env_math.options import MathOptions
 
 
 class MathEnvironment(Environment):
@@ -83,6 +83,3 @@ def _metadata_problem(meta: Any) -> str | None:
         return "the sample's metadata has no 'answer' (the ground truth the math environment compares with)"
     return None
 
-
-def build_math_environment(options: Mapping[str, Any]) -> MathEnvironment:
-    return MathEnvironment(read_options(MathOptions, options, "math"))
