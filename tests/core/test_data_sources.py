@@ -192,11 +192,20 @@ def test_paths_and_names_that_are_not_there(tmp_path, monkeypatch):
     with pytest.raises(DataError) as info:
         open_source("someorg/math", key="data.train")
     assert str(info.value) == (
-        "data.train: someorg/math: no such file or folder. "
+        f"data.train: no such file or folder: {tmp_path}/someorg/math ('someorg/math' is relative: relative data "
+        f"paths resolve against the current directory, {tmp_path}, not the config file's folder). "
         "For the Hub dataset 'someorg/math', write data.train: {name: someorg/math}"
     )
-    with pytest.raises(DataError, match=r"^data\.train: data/train\.jsonl: no such file or folder$"):
-        open_source("data/train.jsonl", key="data.train")
+    with pytest.raises(DataError) as info:
+        open_source("data/train.jsonl", key="data.train", sources={"data.train": "exp.yaml:4"})
+    assert str(info.value) == (
+        f"data.train (at exp.yaml:4): no such file or folder: {tmp_path}/data/train.jsonl ('data/train.jsonl' is "
+        f"relative: relative data paths resolve against the current directory, {tmp_path}, not the config file's "
+        "folder). Fix the path, or run from the folder it is relative to"
+    )
+    with pytest.raises(DataError) as info:
+        open_source(DataSource(path=str(tmp_path / "gone")), key="data.validation", sources={"data.validation.path": "b.yaml:9"})
+    assert str(info.value) == f"data.validation.path (at b.yaml:9): no such file or folder: {tmp_path}/gone. Fix the path"
     save_dict(tmp_path / "org" / "set", train=QA)
     with pytest.raises(ConfigError) as info:
         open_source(DataSource(name="org/set"), key="data.train")

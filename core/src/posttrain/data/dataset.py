@@ -60,8 +60,9 @@ _REPORTED_SKIPS = 5  # skipped rows quoted in the load report
 
 @attrs.frozen
 class LoadReport:
-    """What loading a dataset did. ``source`` is its label (the path for a local file);
-    ``skipped`` quotes the first few skipped rows' errors."""
+    """What loading a dataset did. ``source`` is its label (the path for a local file) and
+    ``key`` the config key that named it (None for a source given in code); ``skipped``
+    quotes the first few skipped rows' errors."""
 
     source: str
     format: str
@@ -71,6 +72,7 @@ class LoadReport:
     skipped: tuple[str, ...]
     num_truncated: int
     num_without_loss: int  # examples with sample_mask 0
+    key: str | None = None
 
 
 class TokenizedDataset:
@@ -164,10 +166,17 @@ def build_dataset(
         builder.add(columns, number)
     report = LoadReport(
         label, fmt, num_rows, builder.size, len(skipped), tuple(skipped[:_REPORTED_SKIPS]),
-        num_truncated, num_without_loss,
+        num_truncated, num_without_loss, rows.key,
     )
+    if num_rows == 0:
+        raise DataError(
+            f"{rows.prefix}{label} has no rows. Add rows to it, or set {rows.key or 'the source'} to a dataset that has some"
+        )
     if builder.size == 0:
-        raise DataError(f"{label}: no usable rows ({num_rows} read, {len(skipped)} skipped as malformed)")
+        raise DataError(
+            f"{rows.prefix}{label}: no usable rows ({num_rows} read, {len(skipped)} skipped as malformed); "
+            f"the first: {skipped[0]}"
+        )
     _log_report(report)
     return TokenizedDataset(builder.finish(), kind, encoder.pad_token_id, report)
 

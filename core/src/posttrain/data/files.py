@@ -42,7 +42,7 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
     """
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: file not found")
+        raise DataError(f"{path}: no such file: {path.absolute()}")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         yield from _jsonl_rows(path)

@@ -33,7 +33,7 @@ def dataset_from_config(
     spec = getattr(data, split)
     if spec is None:
         return None
-    source = open_source(spec, key=f"data.{split}", default_split=split, columns=data.columns)
+    source = open_source(spec, key=f"data.{split}", default_split=split, columns=data.columns, sources=config.sources)
     limit = max_length or data.max_length or config.policy.max_total_sequence_length
     return build_dataset(source, kind, encoder, fmt=data.format, max_length=limit, skip_malformed=data.skip_malformed)
 

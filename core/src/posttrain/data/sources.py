@@ -3,7 +3,8 @@
 :func:`open_source` turns a config value (a path, or a
 :class:`~posttrain.config.schema.DataSource` mapping) into a :class:`RowSource`: the rows as
 ``(number, row)`` with 1-based numbers, the column names, the label messages name the data
-by, and the column renames the config asks for.
+by, the config key that named it and where that key was set, and the column renames the
+config asks for.
 
 - A JSON Lines, JSON or parquet file is read by :mod:`posttrain.data.files`, each row as written.
 - A folder written by ``save_to_disk`` (it holds ``dataset_dict.json``, or ``state.json``
@@ -42,17 +43,26 @@ class RowSource:
 
     ``label`` names the data in messages (a path, or e.g. ``Hub dataset openai/gsm8k (subset
     main, split train)``); ``key`` is the config key that chose it (None for a path given in
-    code); ``rename`` maps columns to row keys, as set under the config key ``rename_key``."""
+    code); ``set_at`` where that key was set (``exp.yaml:12``), when known; ``rename`` maps
+    columns to row keys, as set under the config key ``rename_key``."""
 
     label: str
     columns: tuple[str, ...]
     read: Callable[[], Iterator[tuple[int, Any]]] = attrs.field(repr=False)
     key: str | None = None
+    set_at: str | None = None
     rename: Mapping[str, str] = attrs.field(factory=dict)
     rename_key: str = "data.columns"
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         return self.read()
+
+    @property
+    def prefix(self) -> str:
+        """``"data.train (at exp.yaml:12): "`` for messages; ``""`` for a path given in code."""
+        if self.key is None:
+            return ""
+        return f"{self.key} (at {self.set_at}): " if self.set_at else f"{self.key}: "
 
 
 def open_source(
@@ -61,10 +71,12 @@ def open_source(
     key: str | None = None,
     default_split: str = "train",
     columns: Mapping[str, str] | None = None,
+    sources: Mapping[str, str] | None = None,
 ) -> RowSource:
     """Open ``spec``, a path or a DataSource, without reading its rows yet.
 
-    ``key`` is the config key that names it (``data.train``), for messages; ``default_split``
+    ``key`` is the config key that names it (``data.train``) and ``sources`` where the config's
+    keys were set (:attr:`RunConfig.sources`), for messages; ``default_split``
     the split taken from a dataset with several when ``split`` is unset; ``columns`` the
     renames that apply when ``spec`` sets none of its own (``data.columns``).
 
@@ -74,13 +86,13 @@ def open_source(
     """
     mapped = isinstance(spec, DataSource)
     source = spec if isinstance(spec, DataSource) else DataSource(path=os.fspath(spec))
-    at = _Where(key, default_split, mapped)
+    at = _Where(key, default_split, mapped, dict(sources or {}))
     if source.columns is not None:
         rename, rename_key = dict(source.columns), at.field("columns")
     else:
         rename, rename_key = dict(columns or {}), "data.columns"
     opened = _open_hub(source, at) if source.name is not None else _open_path(source, at)
-    return attrs.evolve(opened, key=key, rename=rename, rename_key=rename_key)
+    return attrs.evolve(opened, key=key, set_at=at.set_at(), rename=rename, rename_key=rename_key)
 
 
 @attrs.frozen
@@ -90,9 +102,16 @@ class _Where:
     key: str | None
     default_split: str
     mapped: bool  # the config wrote a mapping (so its fields can be named), not a plain path
+    sources: dict[str, str]  # where each config key was set, dotted
 
     def field(self, name: str) -> str:
         return f"{self.key}.{name}" if self.key else name
+
+    def set_at(self, name: str | None = None) -> str | None:
+        """Where the key (or its field ``name``) was set, when the loader recorded it."""
+        if self.key is None:
+            return None
+        return self.sources.get(self.field(name)) if name else self.sources.get(self.key)
 
     @property
     def prefix(self) -> str:
@@ -119,10 +138,7 @@ def _open_path(source: DataSource, at: _Where) -> RowSource:
                 )
         return RowSource(str(path), read_columns(path), lambda: read_rows(path))
     if not path.is_dir():
-        hint = ""
-        if _HUB_ID.match(source.path) and path.suffix.lower() not in SUFFIXES:
-            hint = f". For the Hub dataset '{source.path}', write {at.key or 'the source'}: {{name: {source.path}}}"
-        raise DataError(f"{at.prefix}{path}: no such file or folder{hint}")
+        raise DataError(_missing(path, source, at))
     import datasets
 
     saved = (datasets.config.DATASETDICT_JSON_FILENAME, datasets.config.DATASET_STATE_JSON_FILENAME)
@@ -131,6 +147,25 @@ def _open_path(source: DataSource, at: _Where) -> RowSource:
             raise ConfigError(f"{at.field('subset')}: {path} is a save_to_disk folder, which has no subsets; remove it")
         return _pick_split(datasets.load_from_disk(str(path)), source, at)
     return _pick_split(_load_dataset(str(path), source, at), source, at)
+
+
+def _missing(path: Path, source: DataSource, at: _Where) -> str:
+    """What a path that is not there says: the key, the absolute path tried and, for a
+    relative path, what it was resolved against; a Hub id written as a path is pointed out."""
+    key = (at.field("path") if at.mapped else at.key) if at.key else None
+    where = at.set_at("path" if at.mapped else None)
+    head = f"{key}{f' (at {where})' if where else ''}: " if key else ""
+    message = f"{head}no such file or folder: {path.absolute()}"
+    fix = "Fix the path"
+    if not path.is_absolute():
+        message += (
+            f" ('{source.path}' is relative: relative data paths resolve against the current directory, "
+            f"{Path.cwd()}, not the config file's folder)"
+        )
+        fix += ", or run from the folder it is relative to"
+    if _HUB_ID.match(source.path or "") and path.suffix.lower() not in SUFFIXES:
+        fix = f"For the Hub dataset '{source.path}', write {at.key or 'the source'}: {{name: {source.path}}}"
+    return f"{message}. {fix}"
 
 
 def _open_hub(source: DataSource, at: _Where) -> RowSource:
