@@ -259,6 +259,24 @@ def test_rows_without_a_task_and_several_environments_are_refused(tmp_path, enco
         environment_names(RunConfig(), [prompt_dataset(tmp_path, "none", [None], encoder)])
 
 
+def test_an_unknown_task_names_the_data_key_file_and_row(tmp_path, encoder):
+    train = prompt_dataset(tmp_path, "train", ["math", "math", "mth"], encoder)
+    with pytest.raises(ConfigError) as info:
+        environment_names(RunConfig(), [train])
+    message = str(info.value)
+    assert message.startswith(f"the data ({tmp_path}/train.jsonl) row 3, key 'task': unknown environment 'mth'; installed: ")
+    assert message.endswith("Did you mean 'math'? Correct the row's task, or install the plugin that provides 'mth'.")
+    with pytest.raises(ConfigError, match=r"^environments.gues_number: unknown environment 'gues_number'; installed: "):
+        environment_names(RunConfig(environments={"gues_number": {}}), [train])
+
+
+def test_plugin_modules_add_environments_to_the_check(tmp_path, encoder):
+    scripted = prompt_dataset(tmp_path, "scripted", ["scripted"], encoder)
+    with pytest.raises(ConfigError, match="row 1, key 'task': unknown environment 'scripted'"):
+        environment_names(RunConfig(), [scripted])
+    assert environment_names(RunConfig(), [scripted], plugins=["tests.e2e.grpo_environments"]) == (["scripted"], None)
+
+
 # ----------------------------------------------------------------------------- registration and config
 
 

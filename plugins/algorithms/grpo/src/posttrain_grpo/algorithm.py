@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from posttrain.batch import Batch
+from posttrain.config import where_set
 from posttrain.data import (
     TokenizedDataset,
     dataloader_from_config,
@@ -47,6 +48,7 @@ from posttrain.errors import ConfigError
 from posttrain.interfaces import Algorithm, PlaneSamples
 from posttrain.run.checkpoint import TrainingState
 from posttrain.run.context import RunContext
+from posttrain.run.environments import host_with
 from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
 from posttrain.run.metrics import combine_train_passes
 from posttrain.run.refit import refit
@@ -108,7 +110,7 @@ class GRPORun(LoopSteps):
         self.tokenizer, self.chat_template = encoder.tokenizer, encoder.template
         train_set = require_dataset(config, "train", "prompt", encoder)
         val_set = dataset_from_config(config, "validation", "prompt", encoder)
-        names, self.default_task = environment_names(config, [train_set, val_set])
+        names, self.default_task = environment_names(config, [train_set, val_set], plugins=environment_plugins)
         self.prompts = PromptStream(
             dataloader_from_config(config, train_set, self.grpo.num_prompts_per_step), self.grpo.max_num_epochs
         )
@@ -307,11 +309,35 @@ class GRPORun(LoopSteps):
         }
 
 
-def environment_names(config: Any, datasets: Sequence[TokenizedDataset | None]) -> tuple[list[str], str | None]:
+def environment_names(
+    config: Any, datasets: Sequence[TokenizedDataset | None], *, plugins: Sequence[str] = ()
+) -> tuple[list[str], str | None]:
     """The environments to start (every ``task`` named by the data plus every name under
     ``environments``) and the task of rows that name none (the only environment, or None
-    when every row names its task)."""
-    tasks = {task for dataset in datasets if dataset is not None for task in dataset.table["task"]}
+    when every row names its task).
+
+    Every name must be registered (in this process's plugin host, plus the extra plugin
+    modules ``plugins``), checked here, before Ray or any worker starts: an unknown task
+    names the config key of its data, the file and the row."""
+    registry = host_with(plugins).environments
+    for name in config.environments:
+        if name not in registry:
+            raise ConfigError(
+                f"environments.{name}: {registry.unknown_message(name)}{where_set(config, f'environments.{name}')}"
+            )
+    tasks: set[str | None] = set()
+    for dataset in datasets:
+        if dataset is None:
+            continue
+        for task, row in zip(dataset.table["task"], dataset.table["row"], strict=True):
+            if task and task not in registry:
+                key = dataset.report.key or "the data"
+                raise ConfigError(
+                    f"{key} ({dataset.report.source}) row {row}, key 'task': {registry.unknown_message(task)} "
+                    f"Correct the row's task, or install the plugin that provides "
+                    f"'{task}'.{where_set(config, key)}"
+                )
+            tasks.add(task)
     names = sorted({*config.environments, *(task for task in tasks if task)})
     if not names:
         raise ConfigError(
