@@ -32,6 +32,7 @@ def init_ray(config: ClusterConfig) -> None:
 
     ``ray.init`` replaces the SIGTERM handler with one that exits at once; a handler the
     program installed before (a run's graceful stop, :mod:`posttrain.run.stop`) is put back.
+    Ray's auto-connect is turned off once connected (:func:`_no_auto_connect`).
 
     Logging follows the configured ``logger.level`` (:mod:`posttrain.log`): Ray's own logger
     gets :func:`~posttrain.log.library_log_level`, this job's workers the environment of
@@ -59,6 +60,7 @@ def init_ray(config: ClusterConfig) -> None:
             **logging_options,
         )
     _print_worker_lines_above_progress_bars()
+    _no_auto_connect()
     if callable(previous):
         signal.signal(signal.SIGTERM, previous)
 
@@ -67,11 +69,16 @@ def _print_worker_lines_above_progress_bars() -> None:
     """Wrap the handler through which Ray prints the workers' output in this process (Ray
     names it ``ray_print_logs``; ray 2.60 keeps its handlers in a private dispatcher) so its
     lines go above the progress bar instead of into it. Nothing to wrap without
-    ``log_to_driver``."""
+    ``log_to_driver``. The autoscaler's batches (a status report every few seconds, of
+    which Ray prints only the rare events) pass as they are: clearing the bar for each
+    would make it flicker."""
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
     def wrap(print_lines: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
         def print_above_bars(data: dict[str, Any]) -> None:
+            if not data.get("lines") or data.get("pid") == "autoscaler":
+                print_lines(data)
+                return
             with above_progress_bars(sys.stderr if data.get("is_err") else sys.stdout):
                 print_lines(data)
 
@@ -81,6 +88,17 @@ def _print_worker_lines_above_progress_bars() -> None:
         dispatcher.handlers = [
             (name, wrap(handler) if name == "ray_print_logs" else handler) for name, handler in dispatcher.handlers
         ]
+
+
+def _no_auto_connect() -> None:
+    """Turn off Ray's auto-connect in this process: a Ray call after ``ray.shutdown`` raises
+    instead of starting a new local cluster. posttrain starts and stops Ray itself; after a
+    run stopped during its start-up, the threads still starting its workers
+    (:mod:`posttrain.run.startup`) would otherwise start a second cluster from their
+    clean-up calls (Ray's ``auto_init_hook`` reads its switch once, at import)."""
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False
 
 
 def bundle_of(resources: WorkerResources) -> dict[str, float]:
@@ -107,14 +125,19 @@ class VirtualCluster:
         self.placement_timeout_s = placement_timeout_s
         init_ray(config)
         self._groups: dict[str, PlacementGroup] = {}
+        self._lock = threading.Lock()  # worker groups may start from several threads at once
+        self._closed = False
 
     def reserve(self, name: str, num_workers: int, resources: WorkerResources) -> PlacementGroup:
         """Reserve ``num_workers`` bundles for the worker group ``name`` and wait for them.
 
         Raises :class:`ConfigError` when the cluster can never hold the request and
         :class:`WorkerError` when it is not placed within the timeout (resources held by
-        other groups or tasks).
+        other groups or tasks), or when the cluster was shut down meanwhile (a run stopped
+        during its start-up: the group is not placed).
         """
+        if self._closed:
+            raise WorkerError(f"worker group '{name}' cannot start: the run's cluster is shut down")
         if name in self._groups:
             raise WorkerError(f"worker group '{name}' already holds a placement group; shut it down first")
         if num_workers < 1:
@@ -138,12 +161,17 @@ class VirtualCluster:
                 f"{_brief(total)}; available now: {_brief(ray.available_resources())}. Other worker groups or "
                 "tasks hold the rest: shut them down, lower the request, or give Ray more logical CPUs."
             )
-        self._groups[name] = group
-        return group
+        with self._lock:
+            if not self._closed:
+                self._groups[name] = group
+                return group
+        remove_placement_group(group)
+        raise WorkerError(f"worker group '{name}' cannot start: the run's cluster is shut down")
 
     def release(self, name: str) -> None:
         """Remove the placement group of worker group ``name`` (no-op if it holds none)."""
-        group = self._groups.pop(name, None)
+        with self._lock:
+            group = self._groups.pop(name, None)
         if group is not None:
             remove_placement_group(group)
 
@@ -152,7 +180,9 @@ class VirtualCluster:
         return dict(self._groups)
 
     def shutdown(self) -> None:
-        """Remove every placement group this cluster reserved. Ray itself keeps running."""
+        """Remove every placement group this cluster reserved; no group is placed after it.
+        Ray itself keeps running."""
+        self._closed = True
         for name in list(self._groups):
             self.release(name)
 
