@@ -13,6 +13,7 @@ a message suggests satisfy every rule at once.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -182,24 +183,26 @@ class _BatchRules:
         return out
 
     def suggest(self, sizes: dict[str, int]) -> str:
-        """Values that satisfy every rule: each single key that does, else a pair of keys."""
+        """Values that satisfy every rule: each single key that does on its own (the workers
+        when they break the parallel sizes, else the global and the micro batch), else the
+        fewest keys together."""
         ok = lambda changed: not self.problems({**sizes, **changed})  # noqa: E731
         parallel_wrong = sizes[WORKERS] % self.ranks_per_replica != 0
-        keys = [WORKERS] if parallel_wrong else [GLOBAL, MICRO]
         singles = []
-        for key in keys:
+        for key in [WORKERS] if parallel_wrong else [GLOBAL, MICRO]:
             value = next((v for v in self.candidates(key, sizes) if ok({key: v})), None)
             if value is not None:
                 singles.append(f"{key}={value}")
         if singles:
             return ", or ".join(singles)
-        pairs = [(WORKERS, GLOBAL), (WORKERS, MICRO)] if parallel_wrong else [(MICRO, GLOBAL)]
-        for first, second in pairs:
-            for a in self.nearby(first, sizes):
-                changed = {**sizes, first: a}
-                b = next((v for v in self.candidates(second, changed) if ok({first: a, second: v})), None)
-                if b is not None:
-                    return f"{first}={a} with {second}={b}"
+        combos = [(WORKERS, GLOBAL), (WORKERS, MICRO), (WORKERS, MICRO, GLOBAL)] if parallel_wrong else [(MICRO, GLOBAL)]
+        for *firsts, last in combos:
+            for values in itertools.product(*(self.nearby(key, sizes) for key in firsts)):
+                changed = dict(zip(firsts, values, strict=True))
+                value = next((v for v in self.candidates(last, {**sizes, **changed}) if ok({**changed, last: v})), None)
+                if value is not None:
+                    parts = [f"{key}={v}" for key, v in [*changed.items(), (last, value)]]
+                    return f"{', '.join(parts[:-1])} and {parts[-1]} together"
         return ""
 
     def candidates(self, key: str, sizes: dict[str, int]) -> list[int]:

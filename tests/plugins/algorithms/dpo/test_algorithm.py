@@ -184,7 +184,7 @@ def test_config_checks_give_the_numbers(tiny_model_path, tmp_path):
                    "policy.train_micro_batch_size=3")
     assert str(info.value).startswith(
         "policy.train_micro_batch_size=3 is not a multiple of 2 (whole chosen/rejected pairs of rows). Use "
-        "policy.train_micro_batch_size=2 with policy.train_global_batch_size=8. Where set: policy.num_workers at "
+        "policy.train_micro_batch_size=2 and policy.train_global_batch_size=8 together. Where set: policy.num_workers at "
         "command line override 'policy.num_workers=2';"
     )
     dpo_config(tiny_model_path, tmp_path, "policy.num_workers=2", "policy.train_global_batch_size=8",

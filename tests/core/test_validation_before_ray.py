@@ -1,0 +1,341 @@
+"""Mistakes caught before Ray starts (issue 20): each case fails while the config is loaded or
+the data is read, naming the key, the file and line (or the data row) and the fix, and no
+Ray session is created.
+
+In process, Ray's start is replaced by a recorder (``no_ray``); through the command line
+(``python -m posttrain.cli run``), Ray's temporary folder is pointed at a fresh path that
+must not exist afterwards, and the exit status is 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from itertools import product
+from pathlib import Path
+
+import pytest
+
+from posttrain.config import PolicyConfig, RunConfig, load_config
+from posttrain.config.validate import BatchSizeRules, check_batch_sizes
+from posttrain.errors import ConfigError, DataError
+from posttrain.run.context import run_algorithm
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = "examples/configs/grpo_math_tiny.yaml"
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Fail the test if anything asks Ray to start; yields the list of attempts."""
+    import ray
+
+    import posttrain.distributed.cluster as cluster
+
+    attempts: list[str] = []
+    monkeypatch.setattr(cluster, "init_ray", lambda config: attempts.append("init_ray"))
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: attempts.append("ray.init"))
+    yield attempts
+    assert attempts == [], "Ray was asked to start"
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text).lstrip("\n"))
+    return path
+
+
+def rows(path: Path, tasks: list[str]) -> str:
+    path.write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"{i} + 1?"}], "answer": str(i + 1), "task": task}) + "\n"
+        for i, task in enumerate(tasks)
+    ))
+    return path.name
+
+
+def grpo_yaml(in_tmp: Path, model: str, train: str) -> Path:
+    """A GRPO run of the tiny model; ``data.train`` is set at line 6."""
+    return write(in_tmp / "exp.yaml", f"""
+        run_dir: run
+        policy:
+          model: {model}
+          train_global_batch_size: 8
+        data:
+          train: {train}
+        environments:
+          math: {{num_workers: 1}}
+        grpo: {{num_prompts_per_step: 2, num_generations_per_prompt: 4, max_num_steps: 1}}
+        logger: {{progress_bar: false}}
+        """)
+
+
+# ----------------------------------------------------------------------------- optimizer and schedule
+
+
+@pytest.mark.parametrize(
+    ("yaml", "message"),
+    [
+        (
+            "policy:\n  optimizer:\n    lr: -1.0e-3\n",
+            "policy.optimizer.lr: expected a learning rate >= 0, e.g. 1e-05, found -0.001. "
+            "Where set: policy.optimizer.lr at exp.yaml:3.",
+        ),
+        (
+            "policy:\n  optimizer:\n    betas: [0.9]\n",
+            "policy.optimizer.betas: expected two numbers in [0, 1), e.g. [0.9, 0.999], found [0.9]. "
+            "Where set: policy.optimizer.betas at exp.yaml:3.",
+        ),
+        (
+            "policy:\n  optimizer:\n    weight_decay: -0.1\n",
+            "policy.optimizer.weight_decay: expected a number >= 0 (0: no decay), found -0.1. "
+            "Where set: policy.optimizer.weight_decay at exp.yaml:3.",
+        ),
+        (
+            "policy:\n  max_grad_norm: 0\n",
+            "policy.max_grad_norm: expected a norm > 0, or null for no clipping, found 0.0. "
+            "Where set: policy.max_grad_norm at exp.yaml:2.",
+        ),
+        (
+            "policy:\n  optimizer:\n    name: adamww\n",
+            "config key 'policy.optimizer.name' (at exp.yaml:3): expected one of 'adamw', 'adam', 'sgd', "
+            "found str 'adamww'. Did you mean 'adamw'?",
+        ),
+        (
+            "policy:\n  scheduler:\n    name: cosin\n",
+            "config key 'policy.scheduler.name' (at exp.yaml:3): expected one of 'constant', 'linear', 'cosine', "
+            "found str 'cosin'. Did you mean 'cosine'?",
+        ),
+        (
+            "policy:\n  scheduler:\n    min_lr_ratio: 1.5\n",
+            "policy.scheduler.min_lr_ratio: expected a factor in [0, 1], found 1.5. "
+            "Where set: policy.scheduler.min_lr_ratio at exp.yaml:3.",
+        ),
+        (
+            "policy:\n  scheduler:\n    name: linear\n    warmup_steps: 20\n    total_steps: 10\n",
+            "policy.scheduler.warmup_steps=20 is past policy.scheduler.total_steps=10, where the linear decay ends; "
+            "lower warmup_steps to at most 10, or raise total_steps. Where set: policy.scheduler.warmup_steps at "
+            "exp.yaml:4; policy.scheduler.total_steps at exp.yaml:5.",
+        ),
+    ],
+)
+def test_optimizer_and_schedule_values_are_checked_when_the_config_is_loaded(in_tmp, no_ray, yaml, message):
+    (in_tmp / "exp.yaml").write_text(yaml)
+    with pytest.raises(ConfigError) as info:
+        load_config("exp.yaml")
+    assert str(info.value) == message
+
+
+# ----------------------------------------------------------------------------- environments
+
+
+def test_an_unknown_environment_in_the_config(in_tmp, no_ray):
+    write(in_tmp / "exp.yaml", """
+        environments:
+          math: {}
+          mth: {timeout_s: 3}
+        """)
+    with pytest.raises(ConfigError) as info:
+        load_config("exp.yaml")
+    message = str(info.value)
+    assert message.startswith("environments.mth: unknown environment 'mth'; installed: ")
+    assert "math, guess_number (from posttrain-env-math " in message
+    assert message.endswith("Did you mean 'math'? Where set: environments.mth at exp.yaml:3.")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            "{num_worker: 2}",
+            "unknown config key 'environments.math.num_worker' (at exp.yaml:3). "
+            "Did you mean 'environments.math.num_workers'?",
+        ),
+        (
+            "{call_timout_s: 2}",
+            "unknown config key 'environments.math.call_timout_s' (at exp.yaml:3). "
+            "Did you mean 'environments.math.call_timeout_s'?",
+        ),
+        (
+            "{timeout_s: fast}",
+            "config key 'environments.math.timeout_s' (at exp.yaml:3): expected float, found str 'fast'",
+        ),
+        (
+            "{num_workers: 0}",
+            "config key 'environments.math.num_workers' (at exp.yaml:3): expected a number > 0, found 0",
+        ),
+        (
+            "{call_timeout_s: -5}",
+            "config key 'environments.math.call_timeout_s' (at exp.yaml:3): expected a number > 0, found -5.0",
+        ),
+    ],
+)
+def test_environment_options_are_read_like_a_config_section(in_tmp, no_ray, options, message):
+    (in_tmp / "exp.yaml").write_text(f"environments:\n  guess_number: {{}}\n  math: {options}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config("exp.yaml")
+    assert str(info.value) == message
+
+
+def test_core_options_are_accepted_under_every_environment(in_tmp, no_ray):
+    write(in_tmp / "exp.yaml", """
+        environments:
+          math: {num_workers: 1, call_timeout_s: 30}
+          guess_number: {call_timeout_s: 5}
+          code: {call_timeout_s: 60, timeout_s: 2}
+          reverse: {call_timeout_s: 1.5}
+        """)
+    assert load_config("exp.yaml").environments["reverse"] == {"call_timeout_s": 1.5}
+
+
+def test_a_data_row_naming_an_unknown_environment(in_tmp, no_ray, tiny_model_path):
+    grpo_yaml(in_tmp, tiny_model_path, rows(in_tmp / "train.jsonl", ["math"] * 7 + ["mth"]))
+    config = load_config("exp.yaml", ["algorithm=grpo"])
+    with pytest.raises(ConfigError) as info:
+        run_algorithm(config)
+    message = str(info.value)
+    assert message.startswith("data.train (train.jsonl) row 8, key 'task': unknown environment 'mth'; installed: ")
+    assert message.endswith(
+        "Did you mean 'math'? Correct the row's task, or install the plugin that provides 'mth'. "
+        "Where set: data.train at exp.yaml:6."
+    )
+
+
+# ----------------------------------------------------------------------------- data files
+
+
+def test_a_missing_data_file(in_tmp, no_ray, tiny_model_path):
+    grpo_yaml(in_tmp, tiny_model_path, "data/missing.jsonl")
+    with pytest.raises(DataError) as info:
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo"]))
+    assert str(info.value) == (
+        f"data.train (at exp.yaml:6): no such file or folder: {in_tmp}/data/missing.jsonl ('data/missing.jsonl' is "
+        f"relative: relative data paths resolve against the current directory, {in_tmp}, not the config file's "
+        "folder). Fix the path, or run from the folder it is relative to"
+    )
+
+
+def test_an_empty_data_file(in_tmp, no_ray, tiny_model_path):
+    (in_tmp / "empty.jsonl").write_text("\n")
+    grpo_yaml(in_tmp, tiny_model_path, "empty.jsonl")
+    with pytest.raises(DataError) as info:
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo"]))
+    assert str(info.value) == (
+        "data.train (at exp.yaml:6): empty.jsonl has no rows. Add rows to it, or set data.train to a dataset that has some"
+    )
+
+
+# ----------------------------------------------------------------------------- batch sizes
+
+
+def test_the_grpo_batch_suggestion_passes_the_next_check(in_tmp, no_ray):
+    """The issue's case: 32 samples per step and a micro batch of 12. Core once suggested a
+    global batch of 36, which GRPO then refused (36 does not divide 32)."""
+    write(in_tmp / "exp.yaml", """
+        policy:
+          train_global_batch_size: 32
+          train_micro_batch_size: 12
+        grpo: {num_prompts_per_step: 4, num_generations_per_prompt: 8}
+        """)
+    with pytest.raises(ConfigError) as info:
+        load_config("exp.yaml", ["algorithm=grpo"])
+    assert str(info.value) == (
+        "policy.train_global_batch_size=32 is not divisible by policy.train_micro_batch_size (12) x data-parallel "
+        "size (1) = 12. Use policy.train_micro_batch_size=8. Where set: policy.train_global_batch_size at exp.yaml:2; "
+        "policy.train_micro_batch_size at exp.yaml:3; grpo.num_prompts_per_step at exp.yaml:4; "
+        "grpo.num_generations_per_prompt at exp.yaml:4."
+    )
+    assert load_config("exp.yaml", ["algorithm=grpo", "policy.train_micro_batch_size=8"]).policy.train_micro_batch_size == 8
+
+
+GRPO_RULES = BatchSizeRules(global_divides=24, global_reason="the samples of a GRPO step")
+DPO_RULES = BatchSizeRules(micro_multiple=2, micro_reason="whole chosen/rejected pairs of rows")
+SIZES = list(product([1, 2, 3, 4, 6], [1, 2], range(1, 33), range(1, 9)))  # workers, tensor parallel, global, micro
+
+
+def _apply(config: RunConfig, assignments: str) -> RunConfig:
+    fields = {key.removeprefix("policy."): int(value) for key, value in re.findall(r"(policy\.\w+)=(\d+)", assignments)}
+    assert fields, assignments
+    return RunConfig(policy=PolicyConfig(**{**_policy_fields(config.policy), **fields}))
+
+
+def _policy_fields(policy: PolicyConfig) -> dict[str, int]:
+    return {name: getattr(policy, name) for name in
+            ("num_workers", "tensor_parallel_size", "train_global_batch_size", "train_micro_batch_size")}
+
+
+@pytest.mark.parametrize("rules", [BatchSizeRules(), GRPO_RULES, DPO_RULES], ids=["core", "grpo", "dpo"])
+def test_every_batch_suggestion_satisfies_every_rule_at_once(rules):
+    """Over a grid of workers, tensor parallel sizes and batch sizes: every refused
+    combination gets a suggestion, and each alternative it offers passes every rule."""
+    refused = 0
+    for workers, tp, gbs, mbs in SIZES:
+        config = RunConfig(policy=PolicyConfig(num_workers=workers, tensor_parallel_size=tp,
+                                               train_global_batch_size=gbs, train_micro_batch_size=mbs))
+        try:
+            check_batch_sizes(config, rules)
+            continue
+        except ConfigError as exc:
+            message = str(exc)
+        refused += 1
+        fix = re.search(r" Use (.*?)\.(?: Where set|$)", message)
+        assert fix, f"no suggestion: {message}"
+        for alternative in fix.group(1).split(", or "):
+            check_batch_sizes(_apply(config, alternative), rules)  # raises if the suggestion breaks a rule
+    assert refused > len(SIZES) // 2  # the grid exercises the refusals
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def cli_run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """``python -m posttrain.cli run grpo`` on the example config, from the repository root,
+    with Ray's temporary folder at ``tmp_path/ray_tmp`` (created if Ray starts)."""
+    env = {**os.environ, "RAY_TMPDIR": str(tmp_path / "ray_tmp")}
+    return subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "run", "grpo", "-c", EXAMPLE, f"run_dir={tmp_path / 'run'}",
+         "logger.progress_bar=false", *overrides],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_cli_negative_learning_rate_exits_2_before_ray(tmp_path):
+    result = cli_run(tmp_path, "policy.optimizer.lr=-1e-3")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: policy.optimizer.lr: expected a learning rate >= 0, e.g. 1e-05, found -0.001. "
+        "Where set: policy.optimizer.lr at command line override 'policy.optimizer.lr=-1e-3'."
+    )
+    assert not (tmp_path / "ray_tmp").exists()
+
+
+def test_cli_unknown_environment_option_exits_2_before_ray(tmp_path):
+    result = cli_run(tmp_path, "environments.math.num_worker=2")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: unknown config key 'environments.math.num_worker' (at command line override "
+        "'environments.math.num_worker=2'). Did you mean 'environments.math.num_workers'?"
+    )
+    assert not (tmp_path / "ray_tmp").exists()
+
+
+def test_cli_unknown_task_in_a_data_row_exits_2_before_ray(tmp_path, tiny_model_path):
+    train = tmp_path / "train.jsonl"
+    rows(train, ["math", "mathh", "math", "math"])
+    result = cli_run(tmp_path, f"policy.model={tiny_model_path}", f"data.train={train}", "data.validation=null")
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: data.train ({train}) row 2, key 'task': unknown environment 'mathh'; installed: ")
+    assert last.endswith(
+        f"Did you mean 'math'? Correct the row's task, or install the plugin that provides 'mathh'. "
+        f"Where set: data.train at command line override 'data.train={train}'."
+    )
+    assert not (tmp_path / "ray_tmp").exists()
