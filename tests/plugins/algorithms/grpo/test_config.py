@@ -241,7 +241,11 @@ def test_yaml_error_says_where_the_keys_were_set(host, tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path, host=host)
     message = str(info.value)
-    assert "= 3 * 4 = 12 samples per step is not a multiple of policy.train_global_batch_size = 16" in message
-    assert f"Where set: grpo.num_prompts_per_step at {path}:5" in message
+    assert message == (  # core checks GRPO's batch-size rule (GRPOConfig.batch_size_rules) with its own
+        "policy.train_global_batch_size=16 does not divide 12 (the samples of a GRPO step: grpo.num_prompts_per_step "
+        "(3) x grpo.num_generations_per_prompt (4)). Use policy.train_global_batch_size=12. Where set: "
+        f"policy.train_global_batch_size at {path}:2; grpo.num_prompts_per_step at {path}:5; "
+        f"grpo.num_generations_per_prompt at {path}:6."
+    )
     with pytest.raises(ConfigError, match=r"grpo.loss.kl_estimator.*'k4'"):
         load_config(yaml_run(tmp_path, "grpo: {loss: {kl_estimator: k4}}\n"), host=host)
