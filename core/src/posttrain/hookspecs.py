@@ -117,6 +117,13 @@ def posttrain_environments() -> Mapping[str, EnvironmentFactory]:
     the plugin must be importable there (it is: the host loads entry points in every
     worker). Algorithms start environments with
     :meth:`posttrain.run.context.RunContext.build_environments`.
+
+    Declare a factory's options once with
+    :func:`posttrain.config.environments.environment_options` (an attrs class): core then
+    checks ``environments.<name>`` when the config is loaded, like a config section (types,
+    choices, unknown keys with a suggestion, file and line), and the factory receives the
+    instance. Core's own option ``call_timeout_s`` is accepted under every environment and
+    never passed on. An undeclared factory receives the raw mapping, unchecked.
     """
 
 
@@ -205,6 +212,11 @@ def posttrain_config_sections() -> Mapping[str, type]:
     pipeline and context parallel sizes). Core divides ``policy.num_workers`` by their
     product (:attr:`posttrain.config.schema.RunConfig.data_parallel_size`) and names those
     keys in its checks.
+
+    An algorithm's section (named like the algorithm) may define ``batch_size_rules(self) ->
+    posttrain.config.validate.BatchSizeRules``: what its batches need beyond core's rules
+    (GRPO: the global batch divides a step's samples; DPO: whole pairs per microbatch). Core
+    checks every rule together, and a suggested fix satisfies all of them at once.
     """
 
 

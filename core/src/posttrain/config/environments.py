@@ -28,9 +28,8 @@ from typing import Any, TypeVar
 
 import attrs
 
-from posttrain.config.structure import KeyPath, Sources, _Structurer, at, dotted, type_name
+from posttrain.config.structure import KeyPath, Sources, at, dotted, structure_value, type_name
 from posttrain.errors import ConfigError, did_you_mean
-from posttrain.plugins import Registry
 
 T = TypeVar("T")
 
@@ -165,8 +164,8 @@ def read_options(
         if key not in fields:
             raise _unknown_key((*path, str(key)), [*fields, *also_known], sources)
     hints = typing.get_type_hints(cls)
-    structurer = _Structurer(sources, Registry("config section", {}))
-    values = {key: structurer.value(item, hints.get(fields[key].name, Any), (*path, key)) for key, item in options.items()}
+    values = {key: structure_value(item, hints.get(fields[key].name, Any), (*path, key), sources)
+              for key, item in options.items()}
     for key, field in fields.items():
         if key not in values and field.default is attrs.NOTHING:
             raise ConfigError(
