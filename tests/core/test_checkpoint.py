@@ -17,6 +17,7 @@ from posttrain.config import config_from_dict, dump_config
 from posttrain.errors import CheckpointError
 from posttrain.run.checkpoint import CheckpointManager, TrainingState, check_checkpoint_fits
 from posttrain.run.context import RunContext, seed_everything
+from posttrain.run.finished import finished_run, finished_unchanged
 from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
 from posttrain.run.metrics import read_metrics
 from tests.stand_ins import Numbers
@@ -268,11 +269,11 @@ def _plan(run_dir, total_steps: int) -> LoopPlan:
                     val_at_start=True, val_at_end=True, export_dir=str(run_dir / "hf"), length_keys=("sft.max_num_steps",))
 
 
-def _context(run_dir, tensorboard: bool = False) -> RunContext:
+def _context(run_dir, tensorboard: bool = False, overrides: tuple[str, ...] = ()) -> RunContext:
     return RunContext(config_from_dict({
         "run_dir": str(run_dir), "logger": {"progress_bar": False, "tensorboard": tensorboard},
         "checkpointing": {"save_period": 2, "keep_top_k": None},
-    }))
+    }, list(overrides)))
 
 
 def _run_loop(run_dir, total_steps: int, stop_in: int | None = None, abort_in: int | None = None, tensorboard: bool = False):
@@ -370,15 +371,25 @@ def test_a_resume_at_the_last_step_validates_only_if_that_step_was_not(tmp_path)
 
 
 def test_a_finished_run_started_again_says_so_without_running(tmp_path, capsys):
-    from posttrain.run.loop import finished_run
-
     result, _, _ = _run_loop(tmp_path, total_steps=4)
     context = _context(tmp_path)
     try:
+        assert finished_unchanged(context) == result  # the same config: known before any data is read
         assert finished_run(context, _plan(tmp_path, total_steps=4)) == result
         assert finished_run(context, _plan(tmp_path, total_steps=6)) is None  # a longer plan goes on
     finally:
         context.close()
+    changed = _context(tmp_path, overrides=("logger.level=debug",))
+    try:
+        assert finished_unchanged(changed) is None  # another config: the plan decides, once read from the data
+        assert finished_run(changed, _plan(tmp_path, total_steps=4)) == result
+    finally:
+        changed.close()
+    fresh = _context(tmp_path, overrides=("checkpointing.resume=false",))
+    try:
+        assert finished_unchanged(fresh) is None and finished_run(fresh, _plan(tmp_path, total_steps=4)) is None
+    finally:
+        fresh.close()
     step_4 = tmp_path / "checkpoints" / "step_4"
     assert (
         f"the run already finished: it completed at step 4 (checkpoint {step_4}), so there is nothing to do. "
@@ -387,11 +398,9 @@ def test_a_finished_run_started_again_says_so_without_running(tmp_path, capsys):
 
 
 def test_a_run_stopped_at_its_last_step_is_not_finished(tmp_path):
-    from posttrain.run.loop import finished_run
-
     _run_loop(tmp_path, total_steps=4, stop_in=4)  # saved step 4, skipped the final validation and the export
     context = _context(tmp_path)
     try:
-        assert finished_run(context, _plan(tmp_path, total_steps=4)) is None
+        assert finished_unchanged(context) is None and finished_run(context, _plan(tmp_path, total_steps=4)) is None
     finally:
         context.close()

@@ -4,6 +4,7 @@ progress bar."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -14,12 +15,14 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from posttrain.config.schema import RunConfig
-from posttrain.errors import RunStopped
+from posttrain.errors import RunStopped, WorkerError
 from posttrain.log import configure_logging, get_logger
 from posttrain.models.folder import check_model_folders
 from posttrain.plugins import PluginHost, plugin_host
 from posttrain.run.checkpoint import CheckpointManager, check_checkpoint_fits
+from posttrain.run.finished import finished_unchanged
 from posttrain.run.metrics import MetricLogger, ProgressBar
+from posttrain.run.startup import Startup
 from posttrain.run.stop import StartupInterrupted, StoppedDuringStartup, StopRequest, stop_on_signals
 
 if TYPE_CHECKING:
@@ -33,16 +36,23 @@ if TYPE_CHECKING:
     from posttrain.interfaces import DataPlane, Environment, Generation, LossFunction, Policy
 
 
+#: Seconds :meth:`RunContext.close` waits, in all, for threads still starting parts of a run
+#: that ended during its start-up (their actors were just removed, so they end quickly).
+STARTUP_SETTLE_S = 1.0
+
+
 class RunContext:
     """One run's services. Backends and environments are built on request, each by the
     factory its registry holds under the name the config gives; the algorithm owns and shuts
     down what it builds. The Ray cluster starts on first use. ``config`` is the run's config
     as loaded; nothing here changes it.
 
-    ``stop`` is set by SIGINT / SIGTERM during :func:`run_algorithm`: a training loop calls
-    ``stop.begin_steps()`` as its first step begins (before, a signal ends the start-up at
-    once), checks :attr:`stop_requested` before each step and, once it is set, saves a
-    checkpoint of the last finished step and returns (:mod:`posttrain.run.stop`)."""
+    ``stop`` is set by SIGINT / SIGTERM during :func:`run_algorithm` (:mod:`posttrain.run.stop`).
+    Until the steps begin, the builders, the cluster's start and :meth:`startup`'s wait check
+    it and raise :class:`~posttrain.run.stop.StartupInterrupted`. A training loop calls
+    ``stop.begin_steps()`` before its first validation or step, then checks
+    :attr:`stop_requested` before each step and, once it is set, saves a checkpoint of the last
+    finished step and returns."""
 
     def __init__(self, config: RunConfig, host: PluginHost | None = None, stop: StopRequest | None = None):
         self.config = config
@@ -59,7 +69,16 @@ class RunContext:
         )
         self._cluster: VirtualCluster | None = None
         self._cluster_lock = threading.Lock()  # builders may run in threads (posttrain.run.startup)
+        self._closed = False
+        self._startups: list[Startup] = []
         self.stop = stop or StopRequest()
+
+    def resume_checkpoint(self) -> Path | None:
+        """The checkpoint the run resumes from: the latest in ``checkpointing.dir`` when
+        ``checkpointing.resume`` is on; None for a fresh run."""
+        if self.checkpoints is None or not self.config.checkpointing.resume:
+            return None
+        return self.checkpoints.latest()
 
     @property
     def stop_requested(self) -> bool:
@@ -73,14 +92,19 @@ class RunContext:
 
     def start_cluster(self) -> VirtualCluster:
         """Start Ray (unless this process is connected already) and the run's cluster, once,
-        whichever thread asks first; return the cluster."""
+        whichever thread asks first; return the cluster. Ray's start is not interrupted: a
+        stop requested meanwhile is raised once it is up."""
+        self.stop.check_startup()
         with self._cluster_lock:
+            if self._closed:
+                raise WorkerError(f"the run in {self.run_dir} has ended; its cluster does not start again")
             if self._cluster is None:
                 from posttrain.distributed.cluster import VirtualCluster
 
                 self._start_ray()
                 self._cluster = VirtualCluster(self.config.cluster)
-            return self._cluster
+        self.stop.check_startup()
+        return self._cluster
 
     def build_policy(self, *, schedule_steps: int | None = None) -> Policy:
         """The ``policy.backend`` policy, its workers started on :attr:`cluster`.
@@ -89,17 +113,20 @@ class RunContext:
         knows: when ``policy.scheduler.total_steps`` is unset (its documented default, the
         run's length), the backend is given the config with it set to ``schedule_steps``
         (:func:`with_schedule_horizon`); :attr:`config` stays as loaded."""
+        self.stop.check_startup()
         config = self.config if schedule_steps is None else with_schedule_horizon(self.config, schedule_steps)
         factory: PolicyBackendFactory = self.host.policy_backends[config.policy.backend]
         return factory(config, self.cluster)
 
     def build_generation(self) -> Generation:
         """The ``generation.backend`` generation backend, its engines started on :attr:`cluster`."""
+        self.stop.check_startup()
         factory: GenerationBackendFactory = self.host.generation_backends[self.config.generation.backend]
         return factory(self.config, self.cluster)
 
     def build_data_plane(self) -> DataPlane:
         """The ``data_plane.backend`` data plane."""
+        self.stop.check_startup()
         factory: DataPlaneFactory = self.host.data_planes[self.config.data_plane.backend]
         return factory(self.config)
 
@@ -118,8 +145,19 @@ class RunContext:
         installed as distributions. The caller shuts each environment down."""
         from posttrain.run.environments import start_environments
 
-        self.start_cluster()
+        self.start_cluster()  # checks for a stop too
         return start_environments(names, self.config.environments, plugins=plugins)
+
+    def startup(self, cleanup: contextlib.ExitStack) -> Startup:
+        """A :class:`~posttrain.run.startup.Startup` that builds the run's parts (the
+        builders above) at the same time, their shutdown on ``cleanup``. When the run ends
+        during start-up, :meth:`close` gives the threads still starting parts
+        :data:`STARTUP_SETTLE_S` to end after the cluster's actors were removed. Its wait
+        raises :class:`~posttrain.run.stop.StartupInterrupted` as soon as a stop is
+        requested."""
+        startup = Startup(cleanup, self.stop.check_startup)
+        self._startups.append(startup)
+        return startup
 
     def log_metrics(self, step: int, metrics: Mapping[str, float], phase: str = "train") -> None:
         """Write ``metrics`` to every sink, then tell the ``posttrain_step_end`` observers."""
@@ -130,10 +168,17 @@ class RunContext:
         return ProgressBar(total, description, enabled=self.config.logger.progress_bar, initial=initial)
 
     def close(self) -> None:
+        """Close the metric sinks and release the cluster's placement groups; after it no
+        cluster starts (a builder still running in a thread fails instead of starting Ray
+        again)."""
         self.metrics.close()
-        if self._cluster is not None:
-            self._cluster.shutdown()
-            self._cluster = None
+        with self._cluster_lock:
+            self._closed = True
+            if self._cluster is not None:
+                self._cluster.shutdown()
+        deadline = time.monotonic() + STARTUP_SETTLE_S
+        for startup in self._startups:
+            startup.settle(max(0.0, deadline - time.monotonic()))
 
     def _start_ray(self) -> None:
         import ray
@@ -177,8 +222,7 @@ def check_inputs(config: RunConfig, context: RunContext) -> None:
     """What the driver checks before any worker starts: the model folders, and that the
     checkpoint a run would resume from was written by a compatible config."""
     check_model_folders(config)
-    manager = context.checkpoints
-    latest = manager.latest() if manager is not None and config.checkpointing.resume else None
+    latest = context.resume_checkpoint()
     if latest is not None:
         check_checkpoint_fits(latest, config)
 
@@ -186,7 +230,9 @@ def check_inputs(config: RunConfig, context: RunContext) -> None:
 def run_algorithm(config: RunConfig, host: PluginHost | None = None) -> dict[str, Any]:
     """Run ``config.algorithm`` to completion and return its final metrics.
 
-    Inputs are checked first (:func:`check_inputs`). SIGINT and SIGTERM stop the run
+    A run that already finished with this config returns at once, starting nothing
+    (:func:`~posttrain.run.finished.finished_unchanged`; the run hooks are not called). Inputs
+    are checked first (:func:`check_inputs`). SIGINT and SIGTERM stop the run
     (:mod:`posttrain.run.stop`): during start-up at once, raising
     :class:`~posttrain.run.stop.StoppedDuringStartup`; once the steps began, at the next step
     boundary after a checkpoint, raising :class:`~posttrain.errors.RunStopped` once the
@@ -204,14 +250,19 @@ def run_algorithm(config: RunConfig, host: PluginHost | None = None) -> dict[str
             seed_everything(config.seed, config.deterministic)
             context = RunContext(config, host, stop)
             try:
+                finished = finished_unchanged(context)
+                if finished is not None:
+                    context.close()
+                    return finished
                 check_inputs(config, context)
+                stop.check_startup()
             except BaseException:
                 context.close()
                 raise
             return _run(algorithm, context)
         except StartupInterrupted as interrupted:
-            resumes = context is not None and config.checkpointing.resume
-            checkpoint = _latest_checkpoint(context) if resumes else None
+            resumes_from = None if context is None else context.resume_checkpoint()
+            checkpoint = None if resumes_from is None else str(resumes_from)
             raise StoppedDuringStartup(stop.signal_name, 128 + interrupted.signum, checkpoint) from None
 
 
@@ -236,6 +287,6 @@ def _run(algorithm: Any, context: RunContext) -> dict[str, Any]:
         context.close()
 
 
-def _latest_checkpoint(context: RunContext | None) -> str | None:
-    latest = context.checkpoints.latest() if context is not None and context.checkpoints is not None else None
+def _latest_checkpoint(context: RunContext) -> str | None:
+    latest = context.checkpoints.latest() if context.checkpoints is not None else None
     return None if latest is None else str(latest)

@@ -19,26 +19,25 @@ and states its :class:`LoopPlan`; :class:`TrainingLoop` runs them the same way f
 - checkpoints: every ``checkpointing.save_period`` steps and after the last step run,
   scored by the step's metrics and the last validation's (``validation/<name>``);
 - export: the policy's final weights as a Hugging Face folder (``export_dir``);
-- stop: until the first training step begins the run is starting up, and a stop signal
-  ends it at once (:mod:`posttrain.run.stop`); after SIGINT / SIGTERM
+- stop: until the first validation or training step the run is starting up, and a stop
+  signal ends it before any record or checkpoint is written (:mod:`posttrain.run.stop`);
+  after SIGINT / SIGTERM
   (``context.stop_requested``) no new step starts; the last finished step is checkpointed
   and the loop returns without the end-of-run validation and the export;
 - the end: once a run completed its plan (validation and export included) its last
-  checkpoint is marked finished, with the plan. Started again with the same plan, the run
-  is over before any worker starts: :func:`finished_run`, which an algorithm calls with its
-  plan before it builds its workers, says so and returns the run's final metrics.
+  checkpoint is marked finished, with the plan. Started again with the same config, or the
+  same plan, the run is over before any worker starts (:mod:`posttrain.run.finished`).
 """
 
 from __future__ import annotations
 
 import abc
-from pathlib import Path
 from typing import Any
 
 import attrs
 
 from posttrain.config import dump_config
-from posttrain.run.checkpoint import CheckpointManager, TrainingState
+from posttrain.run.checkpoint import TrainingState
 from posttrain.run.context import RunContext, with_schedule_horizon
 
 
@@ -102,12 +101,15 @@ class TrainingLoop:
         ``"step"`` and the last validation's as ``validation/<name>``."""
         context, plan = self.context, self.plan
         save_period = context.config.checkpointing.save_period
+        context.stop.check_startup()
         start = self.step = self.resume()
-        context.metrics.rewind(start if start else None)
+        context.stop.check_startup()
         self.steps.start(start)
+        context.stop.check_startup()
+        context.stop.begin_steps()
+        context.metrics.rewind(start if start else None)
         if plan.val_at_start and self.step == 0:
             self.validate()
-        context.stop.begin_steps()
         bar = context.progress(plan.total_steps, plan.label, initial=self.step)
         try:
             while self.step < plan.total_steps and not context.stop_requested:
@@ -131,7 +133,7 @@ class TrainingLoop:
             self.state.policy.export_hf(plan.export_dir)
             context.log.info("exported Hugging Face weights", path=plan.export_dir, step=self.step)
         if context.checkpoints is not None and self.saved_step == self.step and not context.stop_requested:
-            context.checkpoints.update_info(self.step, {"finished": True, "plan": plan.record()})
+            context.checkpoints.update_info(self.step, {"finished": True, "plan": plan.record(), "length_keys": list(plan.length_keys)})
         return {"step": self.step, **self.metrics, **self._scored_validation()}
 
     def validate(self) -> None:
@@ -155,7 +157,7 @@ class TrainingLoop:
 
     def resume(self) -> int:
         """Restore the latest checkpoint when resuming is on; return its step (0: a fresh run)."""
-        folder = resume_folder(self.context)
+        folder = self.context.resume_checkpoint()
         if folder is None:
             return 0
         manager = self.context.checkpoints
@@ -175,34 +177,3 @@ class TrainingLoop:
     def _scored_validation(self) -> dict[str, float]:
         return {f"validation/{name}": value for name, value in self.validation.items()}
 
-
-def resume_folder(context: RunContext) -> Path | None:
-    """The checkpoint the run resumes from: the latest in ``checkpointing.dir`` when resuming
-    is on; None for a fresh run."""
-    manager = context.checkpoints
-    if manager is None or not context.config.checkpointing.resume:
-        return None
-    return manager.latest()
-
-
-def finished_run(context: RunContext, plan: LoopPlan) -> dict[str, Any] | None:
-    """When the checkpoint the run would resume from is marked finished with this very plan
-    (same steps, end-of-run validation and export), the run has nothing left to do: log so,
-    naming the checkpoint and how to go on, and return what :meth:`TrainingLoop.run`
-    returned then (the step and the final metrics). Otherwise None. An algorithm calls this
-    with its plan before it builds any worker."""
-    folder = resume_folder(context)
-    if folder is None:
-        return None
-    manager: CheckpointManager = context.checkpoints  # type: ignore[assignment]
-    info = manager.info(folder)
-    if not info.get("finished") or info.get("plan") != plan.record():
-        return None
-    step = int(info["step"])
-    longer = f"raise {' or '.join(plan.length_keys)}" if plan.length_keys else "plan more steps"
-    context.log.info(
-        f"the run already finished: it completed at step {step} (checkpoint {folder}), so there is nothing to do. "
-        f"To train longer, {longer}; to start over, set checkpointing.resume=false or use another run_dir",
-        algorithm=plan.label,
-    )
-    return {"step": step, **info.get("metrics", {})}

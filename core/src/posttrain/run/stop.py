@@ -1,16 +1,20 @@
-"""Stopping a run on SIGINT / SIGTERM: at once during start-up, at a step boundary after.
+"""Stopping a run on SIGINT / SIGTERM: as soon as possible during start-up, at a step
+boundary after.
 
-:func:`stop_on_signals` installs handlers for the length of a run. What the first signal does
-depends on the run's phase (:class:`StopRequest`):
+:func:`stop_on_signals` installs handlers for the length of a run. The first signal only
+sets :class:`StopRequest`; nothing is raised from the handler (an exception raised at an
+arbitrary point can leave a lock held or be swallowed by library code). What follows
+depends on the run's phase:
 
-- during start-up (before :meth:`StopRequest.begin_steps`: data, Ray, workers, a checkpoint
-  being restored, the validation before the first step), nothing is trained and nothing can
-  be saved, so the handler raises :class:`StartupInterrupted` at once: what started is shut
-  down and no further worker starts;
-- once the steps began, it only sets :class:`StopRequest`; training loops poll
-  :attr:`StopRequest.requested` between steps, so the step in flight either completes and is
-  checkpointed, or (when the signal came before it started) never runs. A half-applied step
-  is never saved.
+- during start-up (before :meth:`StopRequest.begin_steps`: data, Ray, workers, restoring a
+  checkpoint), nothing is trained and nothing can be saved: the start-up checks the request
+  between its stages and while it waits for workers (:meth:`StopRequest.check_startup`) and
+  raises :class:`StartupInterrupted`; what started is shut down and no further worker starts.
+  A stage that cannot be interrupted (Ray's own start, a checkpoint being restored) is
+  finished first;
+- once the steps began, training loops poll :attr:`StopRequest.requested` between steps, so
+  the step (or validation) in flight completes and is checkpointed, or (when the signal came
+  before it started) never runs. A half-applied step is never saved.
 
 A second signal gives up on the clean stop and raises :class:`KeyboardInterrupt` at once (no
 checkpoint).
@@ -54,12 +58,18 @@ class StopRequest:
 
     def begin_steps(self) -> None:
         """Start-up is over: from now on a stop signal finishes the step in flight and saves
-        (a training loop calls this as its first step begins)."""
+        (a training loop calls this before its first validation or step)."""
         self.stepping = True
+
+    def check_startup(self) -> None:
+        """Raise :class:`StartupInterrupted` when a stop was requested during start-up; a
+        no-op otherwise (and once the steps began)."""
+        if self.signum is not None and not self.stepping:
+            raise StartupInterrupted(self.signum)
 
 
 class StartupInterrupted(KeyboardInterrupt):
-    """Raised by the stop handler when a stop signal arrives during start-up (a
+    """Raised by :meth:`StopRequest.check_startup` after a stop signal during start-up (a
     :class:`KeyboardInterrupt`, so no ``except Exception`` on the way swallows it)."""
 
     def __init__(self, signum: int):
@@ -96,8 +106,11 @@ def stop_on_signals(stop: StopRequest, signals: Sequence[signal.Signals] = STOP_
             raise KeyboardInterrupt(f"second stop signal ({name}): stopping without a checkpoint")
         stop.request(signum)
         if not stop.stepping:
-            get_logger().warning("stop requested during start-up: no step has run; stopping what has started", signal=name)
-            raise StartupInterrupted(signum)
+            get_logger().warning(
+                "stop requested during start-up: no step has run; stopping what has started, no further worker starts",
+                signal=name,
+            )
+            return
         get_logger().warning(
             "stop requested: finishing the current step, then saving a checkpoint; send the signal again to stop at once",
             signal=name,

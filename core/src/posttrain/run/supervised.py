@@ -32,7 +32,8 @@ from posttrain.interfaces.loss import LossFunction, LossType, combine_metrics
 from posttrain.interfaces.policy import Policy
 from posttrain.run.checkpoint import TrainingState
 from posttrain.run.context import RunContext
-from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop, finished_run
+from posttrain.run.finished import finished_run
+from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
 from posttrain.run.metrics import PASS_METRICS
 from posttrain.run.supervised_config import SupervisedConfig
 
@@ -106,7 +107,7 @@ class SupervisedRun(LoopSteps):
 
     def fit(self) -> dict[str, Any]:
         """Build the policy and the data plane, run the loop, shut both down; a run that
-        already finished this plan starts nothing (:func:`~posttrain.run.loop.finished_run`)."""
+        already finished this plan starts nothing (:func:`~posttrain.run.finished.finished_run`)."""
         finished = finished_run(self.context, self.plan)
         if finished is not None:
             return finished

@@ -32,7 +32,7 @@ naming the step and the metric; no checkpoint is written after it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from posttrain.batch import Batch
@@ -45,10 +45,11 @@ from posttrain.data import (
     require_dataset,
 )
 from posttrain.errors import ConfigError
-from posttrain.interfaces import Algorithm, PlaneSamples
+from posttrain.interfaces import Algorithm, DataPlane, Environment, Generation, PlaneSamples, Policy
 from posttrain.run.checkpoint import TrainingState
 from posttrain.run.context import RunContext
 from posttrain.run.environments import host_with
+from posttrain.run.finished import finished_run
 from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
 from posttrain.run.metrics import combine_train_passes
 from posttrain.run.refit import refit
@@ -93,17 +94,22 @@ class GRPO(Algorithm):
         self.environment_plugins = tuple(environment_plugins)
 
     def run(self, context: RunContext) -> dict[str, Any]:
+        run = GRPORun(context, self.environment_plugins)
+        finished = finished_run(context, run.plan)
+        if finished is not None:
+            return finished
         with contextlib.ExitStack() as cleanup:
-            run = GRPORun(context, self.environment_plugins, cleanup)
+            run.start_services(cleanup)
             return TrainingLoop(context, run.plan, run, TrainingState(run.policy, run.prompts.loader)).run()
 
 
 class GRPORun(LoopSteps):
-    """One run's services and the steps core's loop runs. The constructor starts everything
-    and registers its shutdown with ``cleanup``."""
+    """One run's data, plan and steps. The constructor reads the data and fixes the plan;
+    :meth:`start_services` starts the workers, engines, environments and data plane the steps use."""
 
-    def __init__(self, ctx: RunContext, environment_plugins: Sequence[str], cleanup: contextlib.ExitStack):
+    def __init__(self, ctx: RunContext, environment_plugins: Sequence[str]):
         self.ctx = ctx
+        self.environment_plugins = tuple(environment_plugins)
         self.config = config = ctx.config
         self.grpo: GRPOConfig = config.section("grpo")
         encoder = encoder_from_config(config)
@@ -111,6 +117,7 @@ class GRPORun(LoopSteps):
         train_set = require_dataset(config, "train", "prompt", encoder)
         val_set = dataset_from_config(config, "validation", "prompt", encoder)
         names, self.default_task = environment_names(config, [train_set, val_set], plugins=environment_plugins)
+        self.environment_names = names
         self.prompts = PromptStream(
             dataloader_from_config(config, train_set, self.grpo.num_prompts_per_step), self.grpo.max_num_epochs
         )
@@ -124,22 +131,29 @@ class GRPORun(LoopSteps):
             val_period=self.grpo.val_period,
             val_at_start=self.grpo.val_at_start,
             export_dir=self.grpo.export_dir,
+            length_keys=("grpo.max_num_steps", "grpo.max_num_epochs"),
         )
         self.loss_fn = ctx.build_loss("clipped_pg", self.grpo.loss)
         self.needs_reference = self.grpo.loss.kl_penalty > 0 or not self.grpo.skip_reference_logprobs_when_kl_off
         self.needs_prev = updates_per_step > 1 or not self.grpo.skip_prev_logprobs_when_on_policy
-
-        self.environments = ctx.build_environments(names, plugins=environment_plugins)
-        for env in self.environments.values():
-            cleanup.callback(env.shutdown)
-        self.policy = ctx.build_policy(schedule_steps=self.plan.schedule_steps)
-        cleanup.callback(self.policy.shutdown)
-        self.generation = ctx.build_generation()
-        cleanup.callback(self.generation.shutdown)
-        self.plane = ctx.build_data_plane()
-        cleanup.callback(self.plane.shutdown)
-
         self.colocated = config.generation.colocated
+
+    def start_services(self, cleanup: contextlib.ExitStack) -> None:
+        """Start the environments, the policy, the generation backend and the data plane, all
+        at once (:meth:`RunContext.startup`); ``cleanup`` shuts them down."""
+        ctx = self.ctx
+        ctx.start_cluster()
+        startup = ctx.startup(cleanup)
+        environments = startup.start(
+            "environments", lambda: ctx.build_environments(self.environment_names, plugins=self.environment_plugins),
+            _shutdown_environments,
+        )
+        policy = startup.start("policy", lambda: ctx.build_policy(schedule_steps=self.plan.schedule_steps), Policy.shutdown)
+        generation = startup.start("generation", ctx.build_generation, Generation.shutdown)
+        plane = startup.start("data_plane", ctx.build_data_plane, DataPlane.shutdown)
+        startup.wait()
+        self.environments, self.policy = environments.value, policy.value
+        self.generation, self.plane = generation.value, plane.value
 
     # ------------------------------------------------------------------ the loop's steps
 
@@ -352,6 +366,11 @@ def environment_names(
             "could go to; give every row a 'task', or configure exactly one environment under 'environments'"
         )
     return names, names[0]
+
+
+def _shutdown_environments(environments: Mapping[str, Environment]) -> None:
+    for env in environments.values():
+        env.shutdown()
 
 
 def _validation_prompts(dataset: TokenizedDataset, max_samples: int | None) -> Batch:
