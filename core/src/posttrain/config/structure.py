@@ -118,13 +118,13 @@ def structure_run_config(data: Mapping[Any, Any], sources: Sources, sections: Re
     )
 
 
-@functools.cache
 def structure_value(value: Any, tp: Any, path: KeyPath, sources: Sources) -> Any:
     """``value`` (plain YAML data) as type ``tp``, checked as the loader checks a config key at
     ``path`` (messages name the key and where it was set)."""
     return _Structurer(sources, Registry("config section", {})).value(value, tp, path)
 
 
+@functools.cache
 def _fields(cls: type) -> dict[str, tuple[Any, bool]]:
     """``{init name: (resolved annotation, has a default)}`` of an attrs class."""
     try:
