@@ -32,7 +32,9 @@ def init_ray(config: ClusterConfig) -> None:
 
     ``ray.init`` replaces the SIGTERM handler with one that exits at once; a handler the
     program installed before (a run's graceful stop, :mod:`posttrain.run.stop`) is put back.
-    Ray's auto-connect is turned off once connected (:func:`_no_auto_connect`).
+    Ray's auto-connect is turned off (:func:`_no_auto_connect`). Call it on the main thread:
+    Ray ties the processes of a cluster it starts to the thread that started it (they die
+    when that thread ends).
 
     Logging follows the configured ``logger.level`` (:mod:`posttrain.log`): Ray's own logger
     gets :func:`~posttrain.log.library_log_level`, this job's workers the environment of
@@ -41,6 +43,7 @@ def init_ray(config: ClusterConfig) -> None:
     """
     if ray.is_initialized():
         return
+    _no_auto_connect()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if on_main_thread else None
@@ -60,7 +63,6 @@ def init_ray(config: ClusterConfig) -> None:
             **logging_options,
         )
     _print_worker_lines_above_progress_bars()
-    _no_auto_connect()
     if callable(previous):
         signal.signal(signal.SIGTERM, previous)
 
@@ -92,10 +94,11 @@ def _print_worker_lines_above_progress_bars() -> None:
 
 def _no_auto_connect() -> None:
     """Turn off Ray's auto-connect in this process: a Ray call after ``ray.shutdown`` raises
-    instead of starting a new local cluster. posttrain starts and stops Ray itself; after a
-    run stopped during its start-up, the threads still starting its workers
-    (:mod:`posttrain.run.startup`) would otherwise start a second cluster from their
-    clean-up calls (Ray's ``auto_init_hook`` reads its switch once, at import)."""
+    instead of starting a new local cluster. posttrain starts and stops Ray itself, on the
+    main thread; after a run stopped during its start-up, a thread still starting its workers
+    (:mod:`posttrain.run.startup`) would otherwise start a second cluster from its clean-up
+    calls, one that dies with that thread (Ray's ``auto_init_hook`` reads its switch once, at
+    import)."""
     from ray._private import auto_init_hook
 
     auto_init_hook.enable_auto_connect = False

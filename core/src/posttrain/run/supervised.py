@@ -14,6 +14,7 @@ checkpoints, the export and stop requests. Options: a
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -106,20 +107,22 @@ class SupervisedRun(LoopSteps):
         return self._plane
 
     def fit(self) -> dict[str, Any]:
-        """Build the policy and the data plane, run the loop, shut both down; a run that
-        already finished this plan starts nothing (:func:`~posttrain.run.finished.finished_run`)."""
+        """Start the policy and the data plane (at once: :meth:`RunContext.startup`), run the
+        loop, shut both down; a run that already finished this plan starts nothing
+        (:func:`~posttrain.run.finished.finished_run`)."""
         finished = finished_run(self.context, self.plan)
         if finished is not None:
             return finished
-        self._policy = self.context.build_policy(schedule_steps=self.plan.schedule_steps)
-        try:
-            self._plane = self.context.build_data_plane()
+        context = self.context
+        with contextlib.ExitStack() as cleanup:
+            context.start_cluster()
+            startup = context.startup(cleanup)
+            policy = startup.start("policy", lambda: context.build_policy(schedule_steps=self.plan.schedule_steps), Policy.shutdown)
+            plane = startup.start("data_plane", context.build_data_plane, DataPlane.shutdown)
+            startup.wait()
+            self._policy, self._plane = policy.value, plane.value
             state = TrainingState(self._policy, self.train_loader)
-            return TrainingLoop(self.context, self.plan, self, state).run()
-        finally:
-            if self._plane is not None:
-                self._plane.shutdown()
-            self._policy.shutdown()
+            return TrainingLoop(context, self.plan, self, state).run()
 
     # ------------------------------------------------------------------ steps
 
