@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 import signal
@@ -13,7 +14,14 @@ from posttrain.run.startup import Startup
 from posttrain.run.stop import StartupInterrupted, StopRequest, stop_on_signals
 
 
-class Part:
+class Interface(abc.ABC):
+    """Like posttrain's interfaces: ``shutdown`` abstract, implemented by each part's class."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class Part(Interface):
     def __init__(self, name: str, shut: list[str]):
         self.name, self.shut = name, shut
 
@@ -22,6 +30,7 @@ class Part:
 
 
 def test_parts_build_at_the_same_time_and_cleanup_shuts_each_down_once():
+    """Each part is shut down by its own class's ``shutdown`` (not the interface's empty one)."""
     together = threading.Barrier(3, timeout=10)  # passes only if all three build at once
     shut: list[str] = []
 
@@ -34,7 +43,7 @@ def test_parts_build_at_the_same_time_and_cleanup_shuts_each_down_once():
 
     with contextlib.ExitStack() as cleanup:
         startup = Startup(cleanup)
-        started = [startup.start(name, build(name), Part.shutdown) for name in ("policy", "generation", "environments")]
+        started = [startup.start(name, build(name)) for name in ("policy", "generation", "environments")]
         seconds = startup.wait()
         assert [part.value.name for part in started] == ["policy", "generation", "environments"]
         assert set(seconds) == {"policy", "generation", "environments"} and shut == []
@@ -54,8 +63,8 @@ def test_a_failing_part_waits_for_the_others_shuts_them_down_and_raises_its_erro
 
     with pytest.raises(ValueError, match="policy.optimizer.lr must be positive"), contextlib.ExitStack() as cleanup:
         startup = Startup(cleanup)
-        startup.start("slow", slow, Part.shutdown)
-        startup.start("policy", failing, Part.shutdown)
+        startup.start("slow", slow)
+        startup.start("policy", failing)
         startup.wait()
     assert shut == ["slow"]
 
@@ -80,7 +89,7 @@ def test_a_stop_during_start_up_returns_at_once_and_a_part_still_starting_shuts_
     stop = StopRequest()
     with stop_on_signals(stop), pytest.raises(StartupInterrupted), contextlib.ExitStack() as cleanup:
         startup = Startup(cleanup, stop.check_startup)
-        quick_part = startup.start("quick", quick, Part.shutdown)
+        quick_part = startup.start("quick", quick)
         quick_part.done.wait(10)
         startup.start("stuck", stuck, shutdown_and_tell)
         startup.wait()

@@ -281,6 +281,15 @@ class RunConfig:
             ranks_per_replica *= size
         return self.policy.num_workers // ranks_per_replica
 
+    def with_schedule_horizon(self, optimizer_steps: int) -> RunConfig:
+        """This config with ``policy.scheduler.total_steps`` set to ``optimizer_steps`` when it
+        is unset (its documented default: the run's length, which only the algorithm knows)."""
+        scheduler = self.policy.scheduler
+        if scheduler.total_steps is not None:
+            return self
+        policy = attrs.evolve(self.policy, scheduler=attrs.evolve(scheduler, total_steps=max(1, optimizer_steps)))
+        return attrs.evolve(self, policy=policy)
+
     def section(self, path: str) -> Any:
         """A plugin's typed section, e.g. ``config.section("grpo")``."""
         try:

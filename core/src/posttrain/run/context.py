@@ -12,8 +12,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
 from posttrain.config.schema import RunConfig
 from posttrain.errors import RunStopped, WorkerError
 from posttrain.log import configure_logging, get_logger
@@ -112,9 +110,9 @@ class RunContext:
         ``schedule_steps`` is the run's number of optimizer steps, which only the algorithm
         knows: when ``policy.scheduler.total_steps`` is unset (its documented default, the
         run's length), the backend is given the config with it set to ``schedule_steps``
-        (:func:`with_schedule_horizon`); :attr:`config` stays as loaded."""
+        (:meth:`~posttrain.config.RunConfig.with_schedule_horizon`); :attr:`config` stays as loaded."""
         self.stop.check_startup()
-        config = self.config if schedule_steps is None else with_schedule_horizon(self.config, schedule_steps)
+        config = self.config if schedule_steps is None else self.config.with_schedule_horizon(schedule_steps)
         factory: PolicyBackendFactory = self.host.policy_backends[config.policy.backend]
         return factory(config, self.cluster)
 
@@ -206,16 +204,6 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         pass
     if deterministic:
         torch.use_deterministic_algorithms(True)
-
-
-def with_schedule_horizon(config: RunConfig, optimizer_steps: int) -> RunConfig:
-    """``config`` with ``policy.scheduler.total_steps`` set to ``optimizer_steps`` when it is
-    unset (its documented default: the run's length, which only the algorithm knows)."""
-    scheduler = config.policy.scheduler
-    if scheduler.total_steps is not None:
-        return config
-    policy = attrs.evolve(config.policy, scheduler=attrs.evolve(scheduler, total_steps=max(1, optimizer_steps)))
-    return attrs.evolve(config, policy=policy)
 
 
 def check_inputs(config: RunConfig, context: RunContext) -> None:

@@ -33,7 +33,6 @@ def finished_unchanged(context: RunContext) -> dict[str, Any] | None:
     and was written by this very config; None otherwise."""
     import yaml
 
-    from posttrain.run.context import with_schedule_horizon
 
     found = _finished_checkpoint(context)
     if found is None:
@@ -44,7 +43,7 @@ def finished_unchanged(context: RunContext) -> dict[str, Any] | None:
         return None
     saved = yaml.safe_load(saved_file.read_text()) or {}
     horizon = ((saved.get("policy") or {}).get("scheduler") or {}).get("total_steps")
-    current = context.config if not isinstance(horizon, int) else with_schedule_horizon(context.config, horizon)
+    current = context.config if not isinstance(horizon, int) else context.config.with_schedule_horizon(horizon)
     if yaml.safe_load(dump_config(current)) != saved:
         return None
     return _announce(context, folder, info)

@@ -38,7 +38,7 @@ import attrs
 
 from posttrain.config import dump_config
 from posttrain.run.checkpoint import TrainingState
-from posttrain.run.context import RunContext, with_schedule_horizon
+from posttrain.run.context import RunContext
 
 
 @attrs.frozen
@@ -150,7 +150,7 @@ class TrainingLoop:
         manager = self.context.checkpoints
         if manager is None:
             return
-        config = with_schedule_horizon(self.context.config, self.plan.schedule_steps)
+        config = self.context.config.with_schedule_horizon(self.plan.schedule_steps)
         info = {"validated_step": self.validated_step, "plan": self.plan.record()}
         manager.save(self.step, self.state.save, {**self.metrics, **self._scored_validation()}, dump_config(config), info)
         self.saved_step = self.step

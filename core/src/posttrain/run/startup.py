@@ -67,9 +67,10 @@ class Startup:
         self._lock = threading.Lock()
         self._began = time.perf_counter()
 
-    def start(self, name: str, build: Callable[[], T], shutdown: Callable[[T], None]) -> Started[T]:
-        """Begin ``build()`` in a thread of its own; ``shutdown(part)`` stops what it built."""
-        part: Started[T] = Started(name, build, shutdown)
+    def start(self, name: str, build: Callable[[], T], shutdown: Callable[[T], None] | None = None) -> Started[T]:
+        """Begin ``build()`` in a thread of its own; ``shutdown(part)`` stops what it built
+        (by default the part's own ``shutdown()`` method, whatever its class)."""
+        part: Started[T] = Started(name, build, shutdown or _own_shutdown)
         self._parts.append(part)
         self._cleanup.callback(self._stop, part)
         part._thread = threading.Thread(target=self._run, args=(part,), name=f"posttrain-start-{name}", daemon=True)
@@ -126,6 +127,10 @@ class Startup:
             part._abandoned = not part.done.is_set()
         if built:
             part._shutdown(part._value)
+
+
+def _own_shutdown(part: Any) -> None:
+    part.shutdown()
 
 
 #: The functions of Ray's driver API (``ray/_private/worker.py``) in which a thread blocks,

@@ -117,8 +117,8 @@ class SupervisedRun(LoopSteps):
         with contextlib.ExitStack() as cleanup:
             context.start_cluster()
             startup = context.startup(cleanup)
-            policy = startup.start("policy", lambda: context.build_policy(schedule_steps=self.plan.schedule_steps), Policy.shutdown)
-            plane = startup.start("data_plane", context.build_data_plane, DataPlane.shutdown)
+            policy = startup.start("policy", lambda: context.build_policy(schedule_steps=self.plan.schedule_steps))
+            plane = startup.start("data_plane", context.build_data_plane)
             startup.wait()
             self._policy, self._plane = policy.value, plane.value
             state = TrainingState(self._policy, self.train_loader)

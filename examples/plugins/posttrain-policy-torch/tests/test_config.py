@@ -34,11 +34,6 @@ def load(*overrides: str):
             "policy.dtype: the torch backend supports float32; found 'bfloat16'. Where set: policy.dtype at "
             "command line override 'policy.dtype=bfloat16'.",
         ),
-        (
-            ["policy.optimizer.name=lion"],
-            "policy.optimizer.name: the torch backend supports sgd, adam, adamw; found 'lion'. Where set: "
-            "policy.optimizer.name at command line override 'policy.optimizer.name=lion'.",
-        ),
     ],
 )
 def test_unsupported_settings_name_the_key(overrides, message):

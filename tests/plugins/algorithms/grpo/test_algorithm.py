@@ -299,11 +299,10 @@ def test_max_val_samples_must_be_positive():
 
 def test_an_unset_schedule_horizon_becomes_the_runs_optimizer_steps():
     from posttrain.config import SchedulerConfig
-    from posttrain.run.context import with_schedule_horizon
 
     config = RunConfig(policy=PolicyConfig(scheduler=SchedulerConfig(name="cosine")), sections={"grpo": GRPOConfig()})
-    filled = with_schedule_horizon(config, 40)
+    filled = config.with_schedule_horizon(40)
     assert filled.policy.scheduler.total_steps == 40 and filled.sections == config.sections
     assert config.policy.scheduler.total_steps is None  # the original is left alone
     chosen = RunConfig(policy=PolicyConfig(scheduler=SchedulerConfig(name="cosine", total_steps=7)))
-    assert with_schedule_horizon(chosen, 40).policy.scheduler.total_steps == 7
+    assert chosen.with_schedule_horizon(40).policy.scheduler.total_steps == 7

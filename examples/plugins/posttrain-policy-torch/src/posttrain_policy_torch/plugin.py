@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from posttrain.interfaces import Policy
 
 BACKEND = "torch"
-OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
 def build_torch_policy(config: RunConfig, cluster: VirtualCluster) -> Policy:
@@ -36,7 +35,6 @@ def posttrain_policy_backends() -> Mapping[str, Callable[..., Any]]:
 @hookimpl
 def posttrain_validate_config(config: RunConfig) -> None:
     """Refuse what one float32 process cannot do, before any worker starts."""
-    from posttrain.backend.lr_schedule import SCHEDULES
     from posttrain.config import where_set
 
     policy = config.policy
@@ -49,14 +47,7 @@ def posttrain_validate_config(config: RunConfig) -> None:
                 f"Set policy.{key}=1, or use a distributed backend (policy.backend=dtensor)."
                 f"{where_set(config, f'policy.{key}')}"
             )
-    checks = (
-        ("dtype", policy.dtype, ("float32",)),
-        ("optimizer.name", policy.optimizer.name, OPTIMIZERS),
-        ("scheduler.name", policy.scheduler.name, SCHEDULES),
-    )
-    for key, value, allowed in checks:
-        if value not in allowed:
-            raise ConfigError(
-                f"policy.{key}: the torch backend supports {', '.join(allowed)}; found '{value}'."
-                f"{where_set(config, f'policy.{key}')}"
-            )
+    if policy.dtype != "float32":
+        raise ConfigError(
+            f"policy.dtype: the torch backend supports float32; found '{policy.dtype}'.{where_set(config, 'policy.dtype')}"
+        )

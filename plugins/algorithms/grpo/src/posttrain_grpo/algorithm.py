@@ -148,9 +148,9 @@ class GRPORun(LoopSteps):
             "environments", lambda: ctx.build_environments(self.environment_names, plugins=self.environment_plugins),
             _shutdown_environments,
         )
-        policy = startup.start("policy", lambda: ctx.build_policy(schedule_steps=self.plan.schedule_steps), Policy.shutdown)
-        generation = startup.start("generation", ctx.build_generation, Generation.shutdown)
-        plane = startup.start("data_plane", ctx.build_data_plane, DataPlane.shutdown)
+        policy = startup.start("policy", lambda: ctx.build_policy(schedule_steps=self.plan.schedule_steps))
+        generation = startup.start("generation", ctx.build_generation)
+        plane = startup.start("data_plane", ctx.build_data_plane)
         startup.wait()
         self.environments, self.policy = environments.value, policy.value
         self.generation, self.plane = generation.value, plane.value
