@@ -120,7 +120,7 @@ def main() -> None:
         ),
     )
     loss_fn = plugin_host().losses["nll"](None)
-    ray.init(num_cpus=cores * 2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=cores * 2, include_dashboard=False, log_to_driver=False)
     policy = DTensorPolicy(config, VirtualCluster(config.cluster))
     try:
         params = policy.info()["parameters"]

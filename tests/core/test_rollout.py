@@ -229,6 +229,43 @@ def test_length_limits(tiny_model_path, tokenizer):
 
 @pytest.mark.ray
 @pytest.mark.slow
+class VersionedGeneration(TransformersGeneration):
+    """Reports weights of version n on the n-th call, as if a weight sync landed before each."""
+
+    def generate(self, batch: Batch, *, greedy: bool = False) -> Batch:
+        out = super().generate(batch, greedy=greedy)
+        out["weight_versions"] = torch.full((len(batch),), len(self.calls), dtype=torch.long)
+        return out
+
+
+def test_each_generated_token_keeps_the_version_of_the_weights_that_generated_it(tiny_model_path, tokenizer, math_env):
+    generation = VersionedGeneration(tiny_model_path, max_new_tokens=6, seed=1)
+    samples = Batch(
+        messages=[guess_number_prompt(1, 100), [{"role": "user", "content": "1+1?"}]],
+        task=["guess_number", "math"],
+        metadata=[{"target": 37, "low": 1, "high": 100}, {"answer": "2"}],
+    )
+    envs = {"guess_number": GuessNumberEnvironment(GuessNumberOptions(max_guesses=8)), "math": math_env}
+    batch, _ = run_rollout(samples, generation, envs, tokenizer, max_total_length=1024, max_turns=3)
+
+    assert batch["turns"].tolist() == [3, 1]
+    for i in range(2):
+        n = int(batch["input_lengths"][i])
+        mask, versions = batch["token_mask"][i, :n].bool(), batch["generation_versions"][i, :n]
+        assert (versions[~mask] == -1).all() and (batch["generation_versions"][i, n:] == -1).all()
+        # the generated tokens come in one run per turn, turn k from the k-th call's weights
+        runs = torch.cumsum(torch.diff(mask.int(), prepend=torch.tensor([0])) == 1, 0)
+        assert versions[mask].tolist() == runs[mask].tolist()
+    assert batch["generation_versions"].dtype == torch.long
+
+
+def test_without_reported_versions_the_batch_has_none(tiny_model_path, tokenizer, math_env):
+    generation = TransformersGeneration(tiny_model_path, max_new_tokens=4)
+    samples = Batch(messages=[[{"role": "user", "content": "1+1?"}]], task=["math"], metadata=[{"answer": "2"}])
+    batch, _ = run_rollout(samples, generation, {"math": math_env}, tokenizer, max_total_length=64)
+    assert "generation_versions" not in batch
+
+
 def test_rollout_through_the_hf_backend_and_environment_actors(ray_cluster, tiny_model_path, tokenizer):
     """The production path: the ``hf`` generation backend and environments in Ray actors."""
     from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig, WorkerResources
@@ -266,6 +303,9 @@ def test_rollout_through_the_hf_backend_and_environment_actors(ray_cluster, tiny
         assert batch["metadata"][i]["guesses"] == batch["turns"][i]
     expected = model_logprobs(tiny_model_path, batch)
     torch.testing.assert_close(batch["generation_logprobs"].double(), expected, atol=1e-4, rtol=0)
+    generated = batch["token_mask"].bool()
+    assert (batch["generation_versions"][generated] == 0).all()  # the weights loaded from the folder
+    assert (batch["generation_versions"][~generated] == -1).all()
     assert metrics["env/math/errors"] == 0.0 and metrics["env/guess_number/timeouts"] == 0.0
     assert metrics["env/guess_number/mean_guesses"] == float(batch["turns"][1:].float().mean())
 

@@ -5,10 +5,17 @@ through ``GRPO(environment_plugins=[__name__])``.
 the string ``"nan"``), whatever the model answered, and a sample whose metadata has an
 ``error`` is reported as failed (``EnvironmentReturn.errors``). It lets a test choose a
 step's rewards and failures through the data, e.g. poison the third step with NaN.
+
+``delayed``: single turn; reward 1 when the response contains the metadata's ``answer``, 0
+otherwise, given after a random wait of up to the metadata's ``max_delay_s`` seconds per
+call: an environment with latency (a remote reward, code execution, an agent), whose random
+delays shift when each step's rollout finishes.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +29,13 @@ class Scripted(Environment):
                                        errors=[meta.get("error") for meta in metadata])
 
 
+class Delayed(Environment):
+    def step(self, message_logs: Sequence[Sequence[Any]], metadata: Sequence[Any]) -> EnvironmentReturn:
+        time.sleep(random.uniform(0, max(float(meta.get("max_delay_s", 0)) for meta in metadata)))
+        rewards = [float(str(meta["answer"]) in log[-1]["content"]) for log, meta in zip(message_logs, metadata, strict=True)]
+        return EnvironmentReturn.final(rewards, metadata)
+
+
 @hookimpl
 def posttrain_environments() -> Mapping[str, Any]:
-    return {"scripted": lambda options: Scripted()}
+    return {"scripted": lambda options: Scripted(), "delayed": lambda options: Delayed()}

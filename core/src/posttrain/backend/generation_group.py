@@ -74,11 +74,21 @@ class Completion:
 
 
 class EngineWorker(Worker, abc.ABC):
-    """The methods :class:`WorkerGroupGeneration` calls on every engine actor."""
+    """The methods :class:`WorkerGroupGeneration` calls on every engine actor.
+
+    ``weight_version`` is the version of the weights the engine holds: 0 as loaded from the
+    model folder, then the ``version`` of each :meth:`receive_weights`."""
+
+    weight_version: int = 0
 
     @abc.abstractmethod
     def generate(self, request: GenerationRequest) -> list[Completion]:
         """Complete every row of ``request`` (possibly none), in order."""
+
+    def generate_with_version(self, request: GenerationRequest) -> tuple[int, list[Completion]]:
+        """:meth:`generate`, with the version of the weights that generated it (an engine
+        takes one call at a time, so a weight sync lands before or after it, never inside)."""
+        return self.weight_version, self.generate(request)
 
     @abc.abstractmethod
     def init_weight_transfer(self, init: TransferInit) -> None:
@@ -90,8 +100,8 @@ class EngineWorker(Worker, abc.ABC):
     def receive_weights(self, version: int) -> list[str]:
         """Receive one weight sync (the plan's buckets, broadcast by policy rank 0), load it
         in place of the current weights, drop every cache computed with the old ones and
-        record ``version``; return the names of the model's parameters the sync did not
-        cover (none, when the models match). Weights asleep are woken first."""
+        set :attr:`weight_version` to ``version``; return the names of the model's parameters
+        the sync did not cover (none, when the models match). Weights asleep are woken first."""
 
     def sleep(self) -> None:
         """Release device memory between generations (colocated mode); default: nothing."""
@@ -323,8 +333,12 @@ class WorkerGroupGeneration(Generation):
         self.num_calls += 1
         bounds = split_bounds(len(request), self._group.world_size)
         shards = [request.rows(start, stop) for start, stop in itertools.pairwise(bounds)]
-        completions = [c for shard in self._group.run_sharded(EngineWorker.generate, shards) for c in shard]
-        return assemble_output(request.prompts, completions, self.tokens.pad_token_id)
+        results = self._group.run_sharded(EngineWorker.generate_with_version, shards)
+        output = assemble_output(request.prompts, [c for _, shard in results for c in shard], self.tokens.pad_token_id)
+        output["weight_versions"] = torch.tensor(
+            [version for version, shard in results for _ in shard], dtype=torch.long
+        )
+        return output
 
     def set_sampling_seed(self, seed: int) -> None:
         """Row seeds of the n-th following call become ``sample_seeds(seed, n, rows)``."""

@@ -7,7 +7,11 @@ Output batch (same sample order):
 - ``output_ids`` int64 [B, S'], prompt followed by generated tokens, right-padded;
 - ``logprobs`` float32 [B, S'], the sampled tokens' logprobs (0 on prompt and padding);
 - ``generation_lengths`` int64 [B]; ``unpadded_sequence_lengths`` int64 [B] (prompt + generated);
-- ``truncated`` bool [B]: stopped by ``max_new_tokens`` (or the context limit), not by a stop.
+- ``truncated`` bool [B]: stopped by ``max_new_tokens`` (or the context limit), not by a stop;
+- ``weight_versions`` int64 [B] (optional): the version of the weights that generated each
+  row, the ``version`` of the last weight sync the engine loaded (0 before any). A backend
+  whose engines take new weights while generation runs must give it: asynchronous training
+  bounds how old a sample's weights may be by it.
 
 Logprobs are those of the distribution actually sampled from, i.e. of logits divided by the
 temperature, so that they are comparable with a trainer that scales logits the same way.

@@ -24,7 +24,7 @@ import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
@@ -32,7 +32,6 @@ from posttrain.errors import CheckpointError
 from posttrain.log import get_logger
 
 if TYPE_CHECKING:
-    from posttrain.data import StatefulDataLoader
     from posttrain.interfaces.policy import Policy
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -147,6 +146,15 @@ DATALOADER_FILE = "dataloader.pt"
 RNG_FILE = "rng.pt"
 
 
+class LoaderPosition(Protocol):
+    """What :class:`TrainingState` keeps of a data loader: its position (a
+    :class:`~posttrain.data.StatefulDataLoader`, or a stream that tracks its own)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 @attrs.frozen
 class TrainingState:
     """What an algorithm's run carries across a resume, written into a checkpoint folder
@@ -162,7 +170,7 @@ class TrainingState:
     """
 
     policy: Policy
-    loader: StatefulDataLoader
+    loader: LoaderPosition
 
     def save(self, folder: Path) -> None:
         """Fill ``folder`` (see the class docstring)."""

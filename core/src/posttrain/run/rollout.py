@@ -31,6 +31,10 @@ room. The environment scores a cut turn like any other, and a multi-turn convers
 goes on after a turn cut by ``max_new_tokens`` if the environment continues it.
 
 Rewards are the sum of the environment's rewards over a sample's turns.
+
+Weight versions. When the generation backend reports which weights generated each row
+(``weight_versions``), every generated token keeps that version (a conversation's turns may
+come from different versions when weights change between turns).
 """
 
 from __future__ import annotations
@@ -74,7 +78,9 @@ def run_rollout(
     generation backend's logprob of token t at position t, 0 elsewhere), ``rewards``
     float32 [B], ``truncated`` bool [B], ``sample_mask`` float32 [B] (ones), and the lists
     ``messages`` (final message logs; added messages carry ``token_ids``), ``metadata``
-    (the environments' final per-sample metadata) and ``task``.
+    (the environments' final per-sample metadata) and ``task``; when every ``generate`` call
+    reported ``weight_versions``, ``generation_versions`` int64 [B, S] (the version of the
+    weights that generated token t at position t, -1 on tokens not generated).
 
     Metrics: ``rollout/mean_turns``, ``rollout/mean_generated_tokens`` (per sample),
     ``rollout/generated_tokens`` (total), ``rollout/mean_generated_tokens_per_turn``,
@@ -89,12 +95,14 @@ def run_rollout(
     conversations = _start_conversations(samples, environments, chat, max_total_length)
     errors: dict[str, int] = defaultdict(int)
     timeouts: dict[str, int] = defaultdict(int)
+    versions_known = True
 
     for turn in range(1, max_turns + 1):
         active = [c for c in conversations if not c.done]
         if not active:
             break
         outputs = generation.generate(_generation_batch(active, chat.pad_token_id), greedy=greedy)
+        versions_known = versions_known and "weight_versions" in outputs
         for row, conversation in enumerate(active):
             conversation.add_assistant_turn(outputs, row, chat, max_total_length)
 
@@ -107,6 +115,8 @@ def run_rollout(
                 conversation.add_environment_step(step.result, k, chat, max_total_length, last_turn=turn == max_turns)
 
     batch = _training_batch(conversations, chat.pad_token_id)
+    if versions_known:
+        batch["generation_versions"] = _pad([c.versions for c in conversations], -1, torch.long)
     metrics = _rollout_metrics(batch)
     for task, indices in _by_task(conversations).items():
         final_metadata = [conversations[i].metadata for i in indices]
@@ -179,7 +189,8 @@ class ChatFormat:
 
 @attrs.define(eq=False)
 class _Conversation:
-    """One sample's rollout state; ``token_ids``, ``logprobs`` and ``mask`` run in parallel."""
+    """One sample's rollout state; ``token_ids``, ``logprobs``, ``mask`` and ``versions`` run
+    in parallel."""
 
     messages: list[Message]
     task: str
@@ -188,6 +199,7 @@ class _Conversation:
     prompt_length: int
     logprobs: list[float] = attrs.field(init=False)
     mask: list[float] = attrs.field(init=False)
+    versions: list[int] = attrs.field(init=False)
     stop_strings: list[str] | None = None
     reward: float = 0.0
     turns: int = 0
@@ -197,13 +209,16 @@ class _Conversation:
     def __attrs_post_init__(self) -> None:  # the prompt: no logprobs, no loss
         self.logprobs = [0.0] * len(self.token_ids)
         self.mask = [0.0] * len(self.token_ids)
+        self.versions = [-1] * len(self.token_ids)
 
-    def extend(self, token_ids: Sequence[int], logprobs: Sequence[float] | None = None) -> None:
-        """Append tokens: generated ones with their logprobs (mask 1), others without (mask 0)."""
+    def extend(self, token_ids: Sequence[int], logprobs: Sequence[float] | None = None, version: int = -1) -> None:
+        """Append tokens: generated ones with their logprobs (mask 1) and the version of the
+        weights that generated them, others without (mask 0, version -1)."""
         generated = logprobs is not None
         self.token_ids.extend(int(t) for t in token_ids)
         self.logprobs.extend([float(x) for x in logprobs] if generated else [0.0] * len(token_ids))
         self.mask.extend([float(generated)] * len(token_ids))
+        self.versions.extend([version if generated else -1] * len(token_ids))
 
     def add_assistant_turn(self, outputs: Batch, row: int, chat: ChatFormat, max_total_length: int) -> None:
         start = len(self.token_ids)
@@ -213,7 +228,8 @@ class _Conversation:
         room = max_total_length - start
         self.truncated = bool(outputs["truncated"][row]) or len(generated) > room
         generated, logprobs = generated[:room], logprobs[:room]
-        self.extend(generated, logprobs)
+        version = int(outputs["weight_versions"][row]) if "weight_versions" in outputs else -1
+        self.extend(generated, logprobs, version)
         self.messages.append({"role": "assistant", "content": chat.decode(generated), "token_ids": torch.tensor(generated, dtype=torch.long)})
         self.turns += 1
 

@@ -77,7 +77,8 @@ class GenerationContract:
     def check_refit(self, *, bucket_bytes: int, seed: int = 1, scale: float = 0.5) -> None:
         """After a refit to perturbed weights (streamed in buckets of ``bucket_bytes``), the
         sampled tokens' logprobs match a transformers forward of the new weights (mean of
-        exp(|difference|) <= 1.01) and not of the old ones; refit reports every byte. A
+        exp(|difference|) <= 1.01) and not of the old ones; refit reports every byte; a
+        backend that reports ``weight_versions`` gives the refit's version on every row. A
         refit back restores the original greedy output."""
         from transformers import AutoModelForCausalLM
 
@@ -86,13 +87,15 @@ class GenerationContract:
         changed.load_state_dict(new)
         batch = prompt_batch(self.prompts, pad_token_id=self.pad_token_id)
         self.generation.generate(batch)  # leaves caches computed with the old weights
-        stats = refit(ExportedWeights(new), self.generation, bucket_bytes)
+        stats = refit(ExportedWeights(new), self.generation, bucket_bytes, version=7)
         assert stats.bytes_moved == sum(t.numel() * t.element_size() for t in new.values())
         assert stats.num_tensors == len(new) and stats.num_buckets == len(list(weight_buckets(new, bucket_bytes)))
         assert stats.seconds > 0
 
         out = self.generation.generate(batch)
         check_output_layout(out, self.prompts, self.pad_token_id)
+        if "weight_versions" in out:
+            assert out["weight_versions"].tolist() == [7] * len(self.prompts), out["weight_versions"]
         mask = generated_mask(out, self.prompts)
         diff = (out["logprobs"] - reference_logprobs(changed, out, temperature=self.temperature))[mask]
         assert torch.exp(diff.abs()).mean() <= 1.01 and diff.abs().max() < 1e-3, f"max difference {diff.abs().max():.2e}"
@@ -238,6 +241,8 @@ def check_output_layout(output: Batch, prompts: Sequence[Sequence[int]], pad_tok
     ids, logprobs = output["output_ids"], output["logprobs"]
     assert ids.dtype == torch.long and logprobs.dtype == torch.float32 and ids.shape == logprobs.shape
     assert output["truncated"].dtype == torch.bool
+    if "weight_versions" in output:
+        assert output["weight_versions"].dtype == torch.long and output["weight_versions"].shape == (len(prompts),)
     total = output["unpadded_sequence_lengths"]
     assert int(total.max()) == ids.shape[1], "output is wider than its longest row"
     for row, prompt in enumerate(prompts):

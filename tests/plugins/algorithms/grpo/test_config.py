@@ -11,6 +11,7 @@ from posttrain.config import GenerationConfig, PolicyConfig, RunConfig, load_con
 from posttrain.errors import ConfigError
 from posttrain.plugins import new_plugin_host, set_plugin_host
 from posttrain_grpo.config import (
+    AsynchronousConfig,
     ClippedPGConfig,
     DynamicSamplingConfig,
     GRPOConfig,
@@ -182,6 +183,21 @@ INVALID = {
         grpo(overlong_reward_shaping=OverlongRewardShapingConfig(enabled=True, buffer_length=16, penalty=-1.0)),
         "grpo.overlong_reward_shaping.penalty: must be >= 0",
     ),
+    "async_negative_staleness": (
+        grpo(asynchronous=AsynchronousConfig(max_staleness_steps=-1)),
+        "grpo.asynchronous.max_staleness_steps: must be >= 0 (0: synchronous GRPO; k >= 1: samples up to k weight "
+        "versions old train), got -1.",
+    ),
+    "async_with_a_colocated_engine": (
+        grpo(asynchronous=AsynchronousConfig(max_staleness_steps=1)),
+        "grpo.asynchronous.max_staleness_steps=1 generates while the policy trains, which a colocated engine cannot "
+        "do: it shares the policy's devices and takes turns with it. Set generation.colocated=false (the engines then "
+        "run on resources of their own, generation.resources), or max_staleness_steps=0 for synchronous GRPO.",
+    ),
+    "groups_ahead_when_synchronous": (
+        grpo(asynchronous=AsynchronousConfig(max_groups_ahead=8)),
+        "grpo.asynchronous.max_groups_ahead is set but grpo.asynchronous.max_staleness_steps is 0",
+    ),
     "batch_arithmetic": (
         GRPOConfig(num_prompts_per_step=3, num_generations_per_prompt=4),
         "policy.train_global_batch_size: grpo.num_prompts_per_step * grpo.num_generations_per_prompt = 3 * 4 = 12 "
@@ -197,6 +213,32 @@ def test_invalid_combination_refused(host, name):
     with pytest.raises(ConfigError) as info:
         validate(host, run_config(config))
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("ahead", [2, 6])
+def test_generation_runs_ahead_by_whole_steps(host, ahead):
+    config = run_config(grpo(asynchronous=AsynchronousConfig(max_staleness_steps=2, max_groups_ahead=ahead)))
+    config = attrs.evolve(config, generation=attrs.evolve(config.generation, colocated=False))
+    with pytest.raises(ConfigError) as info:
+        validate(host, config)
+    assert str(info.value) == (
+        "grpo.asynchronous.max_groups_ahead: generation runs ahead by whole steps of grpo.num_prompts_per_step=4 "
+        f"groups, so it must be a multiple of 4 (at least one step), got {ahead}."
+    )
+
+
+def test_asynchronous_runs_ahead_within_both_bounds_and_corrects_by_default():
+    run_ahead = AsynchronousConfig(max_staleness_steps=3)
+    assert run_ahead.enabled and run_ahead.rounds_ahead(4) == 3
+    assert attrs.evolve(run_ahead, max_groups_ahead=8).rounds_ahead(4) == 2  # two steps of 4 groups
+    assert not AsynchronousConfig().enabled and AsynchronousConfig().rounds_ahead(4) == 0
+    effective = grpo(asynchronous=run_ahead).effective_loss()
+    assert (effective.importance_sampling_correction, effective.is_min, effective.is_max) == ("tis", None, 2.0)
+    own = grpo(asynchronous=run_ahead, loss=ClippedPGConfig(importance_sampling_correction="icepop", is_min=0.5, is_max=2))
+    assert own.effective_loss() == own.loss  # the loss's own correction wins
+    off = grpo(asynchronous=attrs.evolve(run_ahead, importance_sampling_correction=False))
+    assert off.effective_loss().importance_sampling_correction is None
+    assert grpo().effective_loss() == grpo().loss  # synchronous: the loss as configured
 
 
 def test_unknown_backends_refused_with_suggestion(host):
@@ -249,3 +291,19 @@ def test_yaml_error_says_where_the_keys_were_set(host, tmp_path):
     )
     with pytest.raises(ConfigError, match=r"grpo.loss.kl_estimator.*'k4'"):
         load_config(yaml_run(tmp_path, "grpo: {loss: {kl_estimator: k4}}\n"), host=host)
+
+
+def test_async_with_a_colocated_engine_names_where_both_keys_were_set(host, tmp_path):
+    path = yaml_run(
+        tmp_path,
+        "grpo:\n"
+        "  num_prompts_per_step: 2\n"
+        "  num_generations_per_prompt: 8\n"
+        "  asynchronous: {max_staleness_steps: 2}\n",
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path, host=host)
+    assert str(info.value).endswith(
+        "or max_staleness_steps=0 for synchronous GRPO. Where set: grpo.asynchronous.max_staleness_steps at "
+        f"{path}:7."
+    )  # generation.colocated is left at its default (true): nothing to point at

@@ -296,6 +296,7 @@ def test_metrics_match_loops(token_level):
             batch,
             lambda i, t: -math.exp(float(lp[i, t] - batch["generation_logprobs"][i, t])) * float(lp[i, t]),
         ),
+        "mismatch_kl": loop_reduce(cfg, batch, lambda i, t: raw_w(i, t) - 1 - math.log(raw_w(i, t))),
     }
     expected["kl_penalty"] = 0.1 * expected["kl"]
     for name, value in expected.items():

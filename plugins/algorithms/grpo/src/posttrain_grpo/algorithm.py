@@ -3,13 +3,16 @@ by core's :class:`~posttrain.run.loop.TrainingLoop`.
 
 One step, as data::
 
-    prompts (grpo.num_prompts_per_step, from the resumable data loader)
+    round s (see below): prompts (grpo.num_prompts_per_step, from the resumable data loader)
       -> x grpo.num_generations_per_prompt -> rollout: generation backend + environments,
          up to grpo.max_rollout_turns turns
       -> rewards scaled and length-shaped -> group advantages -> overlong filtering
-      -> data plane partition "train/<step>", each sample tagged with its signal reward
+      -> data plane partition "train/<step>", each sample tagged with its signal reward and
+         the oldest weight version that generated it
       -> dynamic sampling: more rollouts until the step holds enough informative groups,
          decided from the tags alone (dropped groups are never fetched)
+    step s: takes round s; groups older than grpo.asynchronous.max_staleness_steps are
+      dropped (sample_mask 0) and counted
       -> every pass below reads the kept samples' inputs from the partition
       -> previous logprobs (only with several optimizer steps per batch: on policy the
          training pass's own, detached) and reference logprobs when grpo.loss.kl_penalty > 0
@@ -18,12 +21,24 @@ One step, as data::
       -> metrics -> validation every grpo.val_period steps -> checkpoint every
          checkpointing.save_period steps and at the end
 
+Rounds and steps: a :class:`~posttrain.run.rounds.RoundProducer` produces the rounds in a
+driver thread, on the generation engines and the environment actors. Synchronous GRPO
+(``grpo.asynchronous.max_staleness_steps`` = 0, the default) starts round s when step s asks
+for it and waits; asynchronous GRPO (k >= 1, engines on their own workers) generates up to k
+rounds ahead while the steps train, and the engines take each step's weights between two
+requests (or, without in-flight updates, between two rounds). One loop for both: k = 0
+is the synchronous algorithm, not a separate path.
+
 Stop, resume, validation and checkpoint periods, the export: core's loop (see
-:mod:`posttrain.run.loop`). A resumed run restores the policy (weights, optimizer,
+:mod:`posttrain.run.loop`). Validation pauses the rounds (it uses the same engines). A resumed run restores the policy (weights, optimizer,
 scheduler), the data loader position and the driver's random states from the latest
-checkpoint, refits the generation backend, and continues with the next step. Sampling does not depend on the process: before each step the
-generation backend is reseeded from ``(seed, step)`` (:func:`~posttrain_grpo.step.step_seed`),
-so a resumed run samples exactly what an uninterrupted run would.
+checkpoint, refits the generation backend, and continues with the next step. Sampling does
+not depend on the process: before each round the generation backend is reseeded from
+``(seed, step)`` (:func:`~posttrain_grpo.step.step_seed`), so a resumed synchronous run
+samples exactly what an uninterrupted run would. A checkpoint keeps the data position after
+the prompts of its step: rounds generated ahead and not trained when a run stops are
+discarded (logged with their count) and rolled out again, from the same prompts, by the
+resumed run.
 
 A non-finite loss or gradient norm stops the run with :class:`~posttrain_grpo.step.TrainingDiverged`
 naming the step and the metric; no checkpoint is written after it.
@@ -32,8 +47,12 @@ naming the step and the metric; no checkpoint is written after it.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import attrs
+import torch
 
 from posttrain.batch import Batch
 from posttrain.config import where_set
@@ -44,7 +63,7 @@ from posttrain.data import (
     encoder_from_config,
     require_dataset,
 )
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, WorkerError
 from posttrain.interfaces import Algorithm, DataPlane, Environment, Generation, PlaneSamples, Policy
 from posttrain.run.checkpoint import TrainingState
 from posttrain.run.context import RunContext
@@ -54,6 +73,7 @@ from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
 from posttrain.run.metrics import combine_train_passes
 from posttrain.run.refit import refit
 from posttrain.run.rollout import run_rollout
+from posttrain.run.rounds import RoundProducer, SharedPlane
 from posttrain_grpo.config import GRPOConfig
 from posttrain_grpo.dynamic_sampling import DynamicSampler
 from posttrain_grpo.prompts import PromptStream
@@ -63,6 +83,7 @@ from posttrain_grpo.step import (
     ROLLOUT_FIELDS,
     SIGNAL_TAG,
     TRAIN_FIELDS,
+    VERSION_TAG,
     StageTimer,
     TrainingDiverged,
     batch_metrics,
@@ -70,13 +91,30 @@ from posttrain_grpo.step import (
     nonfinite_fields,
     rollout_summary,
     sample_keys,
+    sample_versions,
     score,
+    staleness_metrics,
     step_seed,
     throughput,
 )
 
 #: Per-sample fields of a prompt batch that the rollout reads.
 PROMPT_FIELDS = ("messages", "task", "metadata", "answer")
+
+
+@attrs.frozen
+class Rollouts:
+    """What round ``step`` produced for step ``step``: the samples to train on (``keys`` of
+    ``partition``), the rollout metrics, the data position after its prompts, its wall
+    seconds and the prompt groups it generated (dynamic sampling's dropped ones included)."""
+
+    step: int
+    partition: str
+    keys: list[str]
+    metrics: dict[str, float]
+    position: dict[str, Any]
+    seconds: float
+    groups_generated: int
 
 
 class GRPO(Algorithm):
@@ -100,7 +138,8 @@ class GRPO(Algorithm):
             return finished
         with contextlib.ExitStack() as cleanup:
             run.start_services(cleanup)
-            return TrainingLoop(context, run.plan, run, TrainingState(run.policy, run.prompts.loader)).run()
+            cleanup.callback(run.close_rounds)  # before the services shut down
+            return TrainingLoop(context, run.plan, run, TrainingState(run.policy, run.prompts)).run()
 
 
 class GRPORun(LoopSteps):
@@ -133,10 +172,14 @@ class GRPORun(LoopSteps):
             export_dir=self.grpo.export_dir,
             length_keys=("grpo.max_num_steps", "grpo.max_num_epochs"),
         )
-        self.loss_fn = ctx.build_loss("clipped_pg", self.grpo.loss)
+        self.loss_fn = ctx.build_loss("clipped_pg", self.grpo.effective_loss())
         self.needs_reference = self.grpo.loss.kl_penalty > 0 or not self.grpo.skip_reference_logprobs_when_kl_off
+        # On policy or not, the one optimizer step of a step starts from the weights the step's
+        # logprobs would be computed with: prev_logprobs are the training pass's own.
         self.needs_prev = updates_per_step > 1 or not self.grpo.skip_prev_logprobs_when_on_policy
         self.colocated = config.generation.colocated
+        self.rounds: RoundProducer[Rollouts] | None = None
+        self.weights_version = 0  # of the weights the engines hold: the refit after step s carries s
 
     def start_services(self, cleanup: contextlib.ExitStack) -> None:
         """Start the environments, the policy, the generation backend and the data plane, all
@@ -150,7 +193,7 @@ class GRPORun(LoopSteps):
         )
         policy = startup.start("policy", lambda: ctx.build_policy(schedule_steps=self.plan.schedule_steps))
         generation = startup.start("generation", ctx.build_generation)
-        plane = startup.start("data_plane", ctx.build_data_plane)
+        plane = startup.start("data_plane", lambda: SharedPlane(ctx.build_data_plane()))
         startup.wait()
         self.environments, self.policy = environments.value, policy.value
         self.generation, self.plane = generation.value, plane.value
@@ -159,24 +202,50 @@ class GRPORun(LoopSteps):
 
     def start(self, step: int) -> None:
         """A resumed run refits the generation backend to the restored weights; a colocated
-        policy gives its devices to generation until the first training pass."""
+        policy gives its devices to generation until the first training pass. The rounds
+        start from the step after ``step``."""
         if step:
             refit(self.policy, self.generation, self.config.generation.refit_bucket_bytes, version=step)
+        self.weights_version = step
         if self.colocated:
             self.policy.offload()
+        run_ahead = self.grpo.asynchronous
+        self.rounds = RoundProducer(
+            self.produce_round,
+            ahead=run_ahead.rounds_ahead(self.grpo.num_prompts_per_step),
+            first_round=step + 1,
+            last_round=self.plan.total_steps,
+            in_flight_weight_updates=run_ahead.in_flight_weight_updates,
+        )
+
+    def close_rounds(self) -> None:
+        """Stop the rounds; rounds generated ahead and never trained on are discarded and
+        logged with their count (a resumed run rolls their prompts out again)."""
+        if self.rounds is None:
+            return
+        untaken = self.rounds.close()
+        for rollouts in untaken.values():
+            self.plane.clear(rollouts.partition)
+        if untaken:
+            self.ctx.log.info(
+                "rollouts generated ahead were discarded",
+                steps=sorted(untaken),
+                groups=sum(r.groups_generated for r in untaken.values()),
+            )
 
     def train_step(self, step: int) -> dict[str, float] | None:
-        """One GRPO step; None when the data ran out before the step's batch was full."""
+        """One GRPO step on round ``step``; None when the data ran out before the round was full."""
+        assert self.rounds is not None, "start() runs before the first step"
         timer = StageTimer()
         with timer("step"):
-            self.generation.set_sampling_seed(step_seed(self.config.seed, "train", step))
-            partition = f"train/{step}"
+            with timer("rollout_wait"):
+                rollouts = self.rounds.take(step)
+            if rollouts is None:
+                return None
+            partition, keys = rollouts.partition, rollouts.keys
+            self.prompts.trained(rollouts.position)
             try:
-                with timer("rollout"):
-                    collected = self.collect_batch(partition)
-                if collected is None:
-                    return None
-                keys, rollout_metrics = collected
+                staleness = self.drop_stale(step, partition, keys)
                 with timer("data_plane"):
                     trained = self.plane.get(partition, keys, METRIC_FIELDS)
                 with timer("logprobs"):
@@ -188,32 +257,69 @@ class GRPORun(LoopSteps):
                               *(["reference_logprobs"] if self.needs_reference else [])]
                     train_metrics = self.optimize(step, PlaneSamples(self.plane, partition, keys, fields))
                 with timer("refit"):
-                    stats = refit(self.policy, self.generation, self.config.generation.refit_bucket_bytes, version=step)
+                    with self.rounds.refit_window():
+                        stats = refit(self.policy, self.generation, self.config.generation.refit_bucket_bytes, version=step)
+                    self.weights_version = step
                     if self.colocated:
                         self.policy.offload()
             finally:
                 self.plane.clear(partition)
 
-        timings = timer.metrics()
+        timings = {**timer.metrics(), "timing/rollout": rollouts.seconds}
+        if not self.grpo.asynchronous.enabled:  # the step waited for the whole rollout: one number
+            timings.pop("timing/rollout_wait")
         return {
-            **rollout_metrics,
+            **rollouts.metrics,
             **batch_metrics(trained),
             **train_metrics,
+            **({**staleness, "async/groups_generated": float(rollouts.groups_generated)}
+               if self.grpo.asynchronous.enabled else {}),
             "refit/seconds": stats.seconds,
             "refit/bytes": float(stats.bytes_moved),
             **timings,
-            **throughput(float(trained["input_lengths"].sum()), rollout_metrics["rollout/generated_tokens"], timings),
+            **throughput(float(trained["input_lengths"].sum()), rollouts.metrics["rollout/generated_tokens"], timings),
         }
+
+    def drop_stale(self, step: int, partition: str, keys: list[str]) -> dict[str, float]:
+        """Drop (``sample_mask`` 0) the groups of the step's samples with a sample older than
+        ``grpo.asynchronous.max_staleness_steps`` versions; return the staleness metrics."""
+        group = self.grpo.num_generations_per_prompt
+        versions = self.plane.tags(partition, keys)[VERSION_TAG]
+        stale_groups = ((step - 1) - versions > self.grpo.asynchronous.max_staleness_steps).view(-1, group).any(dim=1)
+        if stale_groups.any():
+            stale = [key for key, drop in zip(keys, stale_groups.repeat_interleave(group).tolist(), strict=True) if drop]
+            self.plane.put(partition, stale, {"sample_mask": torch.zeros(len(stale))})
+        return staleness_metrics(step, versions, stale_groups)
+
+    # ------------------------------------------------------------------ rounds
+
+    def produce_round(self, step: int) -> Rollouts | None:
+        """Round ``step`` (run by :attr:`rounds`, in its thread): the step's rollouts, written
+        into partition ``train/<step>``; None (the partition cleared) when the data ran out."""
+        began = time.perf_counter()
+        partition = f"train/{step}"
+        self.generation.set_sampling_seed(step_seed(self.config.seed, "train", step))
+        try:
+            collected = self.collect_batch(partition)
+        except BaseException:
+            self.plane.clear(partition)
+            raise
+        if collected is None:
+            self.plane.clear(partition)
+            return None
+        keys, metrics, groups_generated = collected
+        position = self.prompts.position()
+        return Rollouts(step, partition, keys, metrics, position, time.perf_counter() - began, groups_generated)
 
     # ------------------------------------------------------------------ stages
 
-    def collect_batch(self, partition: str) -> tuple[list[str], dict[str, float]] | None:
+    def collect_batch(self, partition: str) -> tuple[list[str], dict[str, float], int] | None:
         """Roll out prompt batches, score them and write them into ``partition`` until the
         step's batch is full: one rollout, or with dynamic sampling as many as it takes to
         collect ``num_prompts_per_step`` groups whose rewards differ. Dynamic sampling reads
         only the rollouts' ``signal_reward`` tags, so dropped groups are never fetched.
-        Returns the keys of the samples to train on and the rollout metrics; None when the
-        data runs out."""
+        Returns the keys of the samples to train on, the rollout metrics and the number of
+        prompt groups rolled out; None when the data runs out."""
         grpo = self.grpo
         group_size = grpo.num_generations_per_prompt
         sampler = (
@@ -223,6 +329,7 @@ class GRPORun(LoopSteps):
         )
         rollouts: list[tuple[Batch, dict[str, float]]] = []
         prompts_rolled_out = 0
+        version = self.weights_version
         self.generation.prepare_for_generation()
         try:
             while True:
@@ -234,14 +341,29 @@ class GRPORun(LoopSteps):
                 signal = score(batch, grpo, self.config.generation.max_new_tokens)
                 keys = sample_keys(len(prompts), group_size, first_prompt=prompts_rolled_out)
                 prompts_rolled_out += len(prompts)
-                self.plane.put(partition, keys, batch.fields(ROLLOUT_FIELDS), tags={SIGNAL_TAG: signal})
+                tags = {SIGNAL_TAG: signal, VERSION_TAG: self.sample_versions(batch, version)}
+                fields = (*ROLLOUT_FIELDS, "generation_versions") if "generation_versions" in batch else ROLLOUT_FIELDS
+                self.plane.put(partition, keys, batch.fields(fields), tags=tags)
                 if sampler is None:
-                    return keys, rollout_summary(rollouts)
+                    return keys, rollout_summary(rollouts), prompts_rolled_out
                 sampler.add(keys, self.plane.tags(partition, keys)[SIGNAL_TAG])
                 if sampler.done:
-                    return sampler.take(), {**rollout_summary(rollouts), **sampler.metrics()}
+                    return sampler.take(), {**rollout_summary(rollouts), **sampler.metrics()}, prompts_rolled_out
         finally:
             self.generation.finish_generation()
+
+    def sample_versions(self, batch: Batch, round_version: int) -> torch.Tensor:
+        """The oldest weight version behind each sample of a rollout batch (see
+        :func:`~posttrain_grpo.step.sample_versions`). A backend that does not report
+        versions is taken at ``round_version`` (the engines' weights when the round began),
+        which only synchronous GRPO may do: no weights change during its rounds."""
+        if "generation_versions" not in batch and self.grpo.asynchronous.enabled:
+            raise WorkerError(
+                f"generation.backend '{self.config.generation.backend}' does not report which weights generated each "
+                "sample (the output field weight_versions), which asynchronous GRPO needs to bound how old a sample "
+                "may be. Use a backend that reports it (vllm, hf), or set grpo.asynchronous.max_staleness_steps=0."
+            )
+        return sample_versions(batch, round_version)
 
     def rollout(self, prompts: Batch, *, greedy: bool, repeats: int) -> tuple[Batch, dict[str, float]]:
         """Each prompt ``repeats`` times in a row, rolled out through the environments."""
@@ -302,7 +424,8 @@ class GRPORun(LoopSteps):
             return None
         timer = StageTimer()
         partition = f"validation/{step}"
-        with timer("validation"):
+        assert self.rounds is not None, "start() runs before the first validation"
+        with timer("validation"), self.rounds.paused():
             self.generation.set_sampling_seed(step_seed(self.config.seed, "validation", step))
             self.generation.prepare_for_generation()
             try:

@@ -13,6 +13,9 @@ the gradient of ``logp``):
 - IS correction: ``l *= w`` with ``w = exp(prev_logprobs - generation_logprobs)`` (GSPO: the
   sequence's geometric mean, matching its length-normalised ratio), truncated per
   ``importance_sampling_correction``; ``w`` carries no gradient.
+- metrics with ``generation_logprobs``: ``token_mult_prob_error`` (mean of
+  ``exp(|prev - gen|)``) and ``mismatch_kl`` (``e^d - 1 - d`` with ``d = prev - gen``: the
+  k3 estimate of KL(generation policy || trainer) on the sampled tokens).
 - KL: ``beta * k(lr)`` with ``lr = clamp(reference_logprobs - logp, ±kl_input_clamp)``,
   ``k1 = -lr``, ``k2 = lr^2 / 2``, ``k3 = e^lr - 1 - lr``, clamped to ``±kl_output_clamp``,
   times ``exp(logp - sg(logp))``: 1 in value, it adds the score-function term so the
@@ -131,6 +134,10 @@ class ClippedPGLoss(LossFunction):
         if "generation_logprobs" in batch:
             gen = torch.where(reduce.valid, batch["generation_logprobs"].to(logp.dtype), 0.0)
             metrics["token_mult_prob_error"] = reduce(torch.exp((prev - gen).abs()))
+            # KL(generation policy || trainer) at the sampled tokens, k3 estimator: >= 0, 0 when
+            # the two agree (on policy up to numerics; off policy it grows with staleness).
+            log_ratio = (prev - gen).detach()
+            metrics["mismatch_kl"] = reduce(torch.exp(log_ratio) - 1 - log_ratio)
             # Monte Carlo estimate of the current policy's per-token entropy at the visited
             # states: tokens were drawn from the generation policy, so -log p(x_t) is weighted
             # by p(x_t) / p_gen(x_t).

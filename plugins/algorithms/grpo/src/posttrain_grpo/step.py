@@ -34,6 +34,8 @@ METRIC_FIELDS = ("sample_mask", "advantages", "input_lengths", "shaped_rewards",
 ROLLOUT_FIELDS = tuple(dict.fromkeys((*TRAIN_FIELDS, *METRIC_FIELDS)))
 #: The tag dynamic sampling decides on: the scaled reward before length shaping.
 SIGNAL_TAG = "signal_reward"
+#: The tag staleness is decided on: the oldest weight version that generated the sample.
+VERSION_TAG = "weight_version"
 #: Rollout metrics that are counts: summed over a step's rollouts; every other one is averaged.
 _COUNT_SUFFIXES = ("/errors", "/timeouts", "/generated_tokens")
 
@@ -68,6 +70,34 @@ def score(batch: Batch, grpo: GRPOConfig, max_new_tokens: int) -> torch.Tensor:
     if grpo.overlong_filtering:
         batch["sample_mask"] = mask_truncated(batch["sample_mask"], batch["truncated"])
     return scaled
+
+
+def sample_versions(batch: Batch, default: int) -> torch.Tensor:
+    """int64 [B]: the oldest weight version among each sample's generated tokens
+    (``generation_versions``); ``default`` for a sample without generated tokens, and for
+    every sample of a batch without ``generation_versions``."""
+    if "generation_versions" not in batch:
+        return torch.full((len(batch),), default, dtype=torch.long)
+    versions = batch["generation_versions"]
+    generated = versions >= 0
+    oldest = torch.where(generated, versions, torch.iinfo(torch.long).max).amin(dim=1)
+    return torch.where(generated.any(dim=1), oldest, default)
+
+
+def staleness_metrics(step: int, versions: torch.Tensor, stale_groups: torch.Tensor) -> dict[str, float]:
+    """Metrics of step ``step`` (which trains weights of version ``step - 1``) on samples
+    whose oldest versions are ``versions`` [B], of which the groups ``stale_groups`` (bool
+    [groups]) were dropped: ``async/staleness_mean`` and ``async/staleness_max`` over the
+    trained samples (versions behind), ``async/dropped_groups`` and ``async/groups_trained``."""
+    staleness = ((step - 1) - versions).float()
+    kept = ~stale_groups.repeat_interleave(versions.numel() // stale_groups.numel())
+    trained = staleness[kept]
+    return {
+        "async/staleness_mean": float(trained.mean()) if trained.numel() else 0.0,
+        "async/staleness_max": float(trained.max()) if trained.numel() else 0.0,
+        "async/dropped_groups": float(stale_groups.sum()),
+        "async/groups_trained": float((~stale_groups).sum()),
+    }
 
 
 def sample_keys(num_prompts: int, group_size: int, first_prompt: int = 0) -> list[str]:

@@ -166,6 +166,7 @@ def check_grpo_config(grpo: GRPOConfig, config: RunConfig) -> None:
         )
     _check_dynamic_sampling(grpo, config)
     _check_overlong_shaping(grpo, config)
+    _check_asynchronous(grpo, config)
     gbs = config.policy.train_global_batch_size
     if gbs < 1 or grpo.samples_per_step % gbs:
         raise _error(
@@ -223,6 +224,46 @@ def _check_overlong_shaping(grpo: GRPOConfig, config: RunConfig) -> None:
             f"{key}.buffer_length",
             f"{key}.max_response_length",
             "generation.max_new_tokens",
+        )
+
+
+def _check_asynchronous(grpo: GRPOConfig, config: RunConfig) -> None:
+    run_ahead, key = grpo.asynchronous, "grpo.asynchronous"
+    k = run_ahead.max_staleness_steps
+    if k < 0:
+        raise _error(
+            config,
+            f"{key}.max_staleness_steps: must be >= 0 (0: synchronous GRPO; k >= 1: samples up to k weight versions "
+            f"old train), got {k}.",
+            f"{key}.max_staleness_steps",
+        )
+    if k >= 1 and config.generation.colocated:
+        raise _error(
+            config,
+            f"{key}.max_staleness_steps={k} generates while the policy trains, which a colocated engine cannot do: it "
+            "shares the policy's devices and takes turns with it. Set generation.colocated=false (the engines then "
+            "run on resources of their own, generation.resources), or max_staleness_steps=0 for synchronous GRPO.",
+            f"{key}.max_staleness_steps",
+            "generation.colocated",
+        )
+    ahead = run_ahead.max_groups_ahead
+    if ahead is None:
+        return
+    prompts = grpo.num_prompts_per_step
+    if k == 0:
+        raise _error(
+            config,
+            f"{key}.max_groups_ahead is set but {key}.max_staleness_steps is 0 (synchronous GRPO generates nothing "
+            f"ahead), so it would be ignored; set max_staleness_steps >= 1 or remove max_groups_ahead.",
+            f"{key}.max_groups_ahead",
+        )
+    if ahead < prompts or ahead % prompts:
+        raise _error(
+            config,
+            f"{key}.max_groups_ahead: generation runs ahead by whole steps of grpo.num_prompts_per_step={prompts} "
+            f"groups, so it must be a multiple of {prompts} (at least one step), got {ahead}.",
+            f"{key}.max_groups_ahead",
+            "grpo.num_prompts_per_step",
         )
 
 

@@ -37,7 +37,6 @@ class HFEngineWorker(EngineWorker):
         self._stop_matcher: StopStringMatcher | None = None
         self._targets = self.model.state_dict(keep_vars=True)  # HF name -> parameter (tied names share one)
         self._receiver: BroadcastReceiver | None = None
-        self.weight_version = 0
 
     # ------------------------------------------------------------------ generation
 

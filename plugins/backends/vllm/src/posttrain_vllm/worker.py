@@ -62,7 +62,6 @@ class VllmEngineWorker(EngineWorker):
         from posttrain_vllm.transfer import ENGINE_NAME, register
 
         register()  # the weight-transfer engine, for an engine in this process
-        self.weight_version = 0
 
         on_cuda = torch.cuda.is_available()
         if not on_cuda:
