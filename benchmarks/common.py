@@ -520,7 +520,8 @@ def summarize(workload: Workload, spec: dict[str, Any], runs: dict[str, list[dic
             "threads": reps[0]["threads"],
             **(workload.side_extras(reps, spec, hf_config, rate) if workload.side_extras else {}),
         }
-    base_row = rows.get(workload.baseline) or next(iter(rows.values()))
+    baseline = workload.baseline if workload.baseline in rows else next(iter(rows))  # the first side run, without it
+    base_row = rows[baseline]
     tokens, flops, floor_s = base_row["real_tokens_per_step"], base_row["step_gflop"] * 1e9, base_row["floor_s"]
     first = next(iter(runs.values()))[0]
     base = base_row["step_s_median"]
@@ -530,7 +531,7 @@ def summarize(workload: Workload, spec: dict[str, Any], runs: dict[str, list[dic
         "workload": workload.name, "model": spec["model"], "parameters": _parameters(hf_config),
         "rows_per_step": spec["rows_per_step"], "real_tokens_per_step": tokens, "step_gflop": flops / 1e9,
         "flops_rule": workload.flops_rule, "matmul_gflops": rate / 1e9, "matmul_gflops_samples": [r / 1e9 for r in rates],
-        "floor_s": floor_s, "baseline": workload.baseline, "steps": spec["steps"], "warmup": spec["warmup"],
+        "floor_s": floor_s, "baseline": baseline, "steps": spec["steps"], "warmup": spec["warmup"],
         "max_len": spec["max_len"], "load_avg_1m": [x[0] for x in load], "machine": _machine(), "sides": rows,
         "settings": first["settings"], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }

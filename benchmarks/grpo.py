@@ -12,9 +12,19 @@ Sides (alternating, each in its own process):
 - ``posttrain-hf``: the same run with the ``hf`` generation backend (posttrain's own batched
   decode, all 128 rows in one batch) instead of vLLM, which on CPU pays a fixed cost per
   decoding step.
+- ``posttrain-apart``: ``posttrain`` with the engine on its own worker
+  (``generation.colocated: false``), synchronous: generation and training take turns.
+- ``posttrain-async``: ``posttrain-apart`` made asynchronous
+  (``grpo.asynchronous.max_staleness_steps: 1``): the next step's rollout runs while a step
+  trains. Compare it with ``posttrain-apart`` (same placement, same processes).
 - ``trl-default``: ``trl.GRPOTrainer`` with TRL 1.16's defaults for everything that is not a
   must-match setting (transformers ``generate``, gradient checkpointing, ``adamw_torch_fused``).
 - ``trl-best``: TRL with the CPU options that do not change the math (see :data:`TRL_BEST`).
+
+``--latency S`` and ``--turns N`` make rollouts wait rather than compute, as agentic, code and
+remote-reward environments do: every environment call waits ``S`` seconds and an episode lasts
+``N`` assistant turns (:mod:`grpo_reward`); TRL's side does not take them. E.g. the
+asynchronous comparison: ``--sides posttrain-apart,posttrain-async --latency 1.5 --turns 3``.
 
 ``--form skewed``: completions stop at EOS; the benchmark's model gets a context-independent
 EOS rate of :data:`EOS_RATE` per token (:func:`common.set_eos_rate`: mean length about 19,
@@ -133,11 +143,13 @@ def common_settings(form: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------- posttrain
 
 
-def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm") -> dict[str, Any]:
+def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, colocated: bool = True,
+                   max_staleness_steps: int = 0) -> dict[str, Any]:
     """Run ``warmup + steps`` GRPO steps with ``run_algorithm`` (rollouts from the
-    ``generation_backend``: ``vllm``, or ``hf`` decoding all 128 rows as one batch); read
-    back the step ends, losses and stage timings from ``metrics.jsonl`` and what every step
-    generated from the reward environment's record."""
+    ``generation_backend``: ``vllm``, or ``hf`` decoding all 128 rows as one batch; the engine
+    ``colocated`` with the policy or on its own worker; asynchronous with
+    ``max_staleness_steps`` >= 1); read back the step ends, losses and stage timings from
+    ``metrics.jsonl`` and what every step generated from the reward environment's record."""
     from posttrain.config import config_from_dict
     from posttrain.data import encoder_from_config
     from posttrain.run.context import run_algorithm
@@ -161,13 +173,14 @@ def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm") -> di
         },
         "generation": {
             "backend": generation_backend, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0,
-            "top_k": None, "ignore_eos": dense, "colocated": True, "resources": {"cpus": threads},
+            "top_k": None, "ignore_eos": dense, "colocated": colocated, "resources": {"cpus": threads},
             **({"hf": {"max_batch_size": SAMPLES}} if generation_backend == "hf" else {}),
         },
         "data": {"train": spec["data"], "shuffle": False},
-        "environments": {"bench_reward": {"record": str(record)}},
+        "environments": {"bench_reward": {"record": str(record), "latency_s": spec["latency"], "turns": spec["turns"]}},
         "grpo": {
-            "num_prompts_per_step": PROMPTS, "num_generations_per_prompt": GENERATIONS,
+            "num_prompts_per_step": PROMPTS, "num_generations_per_prompt": GENERATIONS, "max_rollout_turns": spec["turns"],
+            "asynchronous": {"max_staleness_steps": max_staleness_steps},
             "max_num_steps": spec["warmup"] + spec["steps"], "val_period": 0, "baseline": "mean", "normalize_rewards": True,
             "loss": {"ratio_clip_low": 0.2, "ratio_clip_high": 0.2, "token_level_loss": True, "kl_penalty": 0.0},
         },
@@ -233,6 +246,8 @@ def trl_grpo(spec: dict[str, Any], best: bool) -> dict[str, Any]:
     from grpo_reward import BenchRewardEnvironment
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
+    if spec["latency"] or spec["turns"] != 1:
+        raise ValueError("--latency and --turns apply to posttrain's sides only; run TRL's sides without them")
     dense = spec["form"] == "dense"
     options = dict(TRL_BEST[spec["trl_best"]]) if best else {}
     if dense:  # EOS suppressed until the budget: exactly MAX_NEW_TOKENS tokens
@@ -355,6 +370,8 @@ WORKLOAD = Workload(
         "trl-default": lambda spec: trl_grpo(spec, best=False),
         "posttrain-hf": lambda spec: posttrain_grpo(spec, "hf"),
         "trl-best": lambda spec: trl_grpo(spec, best=True),
+        "posttrain-apart": lambda spec: posttrain_grpo(spec, colocated=False),
+        "posttrain-async": lambda spec: posttrain_grpo(spec, colocated=False, max_staleness_steps=1),
     },
     baseline="posttrain",
     write_data=write_prompts,
@@ -364,7 +381,9 @@ WORKLOAD = Workload(
                "(on policy: no previous-policy pass)",
     options={"form": {"choices": ("skewed", "dense"), "default": "skewed",
                       "help": f"skewed: completions stop at EOS (rate {EOS_RATE} per token); dense: all 64 tokens"},
-             "trl_best": {"choices": tuple(TRL_BEST), "default": "cpu", "help": "trl-best's options (grpo.TRL_BEST)"}},
+             "trl_best": {"choices": tuple(TRL_BEST), "default": "cpu", "help": "trl-best's options (grpo.TRL_BEST)"},
+             "latency": {"type": float, "default": 0.0, "help": "seconds every environment call waits (posttrain sides)"},
+             "turns": {"type": int, "default": 1, "help": "assistant turns per episode (posttrain sides)"}},
     step_fields=("prompt_digest", "prompt_tokens", "samples"),
     loss_rtol=None,
     prepare_model=prepare_model,

@@ -13,14 +13,23 @@ file path) every ``step`` call appends one JSON line: the prompts (user messages
 completion lengths in generated tokens (from the assistant message's ``token_ids``) and the
 rewards of the batch it scored. TRL's side calls :func:`vowel_share` through
 :class:`BenchRewardEnvironment` as well.
+
+For workloads whose rollouts wait rather than compute (agents, code execution, remote
+rewards), ``latency_s`` makes every ``step`` call wait that many seconds first, and
+``turns`` makes an episode last that many assistant turns: the environment answers "Go on."
+until the last, which is scored on its own text and recorded with the generated tokens of
+every turn.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from posttrain import hookimpl
 from posttrain.interfaces import Environment, EnvironmentReturn
@@ -38,15 +47,25 @@ def vowel_share(text: str) -> float:
 class BenchRewardEnvironment(Environment):
     """Single turn; reward = :func:`vowel_share` of the last assistant message; every episode ends."""
 
-    def __init__(self, record: str | None = None):
+    def __init__(self, record: str | None = None, latency_s: float = 0.0, turns: int = 1):
         self.record = Path(record) if record else None
+        self.latency_s = float(latency_s)
+        self.turns = int(turns)
 
     def step(self, message_logs: Sequence[Sequence[Any]], metadata: Sequence[Any]) -> EnvironmentReturn:
+        time.sleep(self.latency_s)
+        if len(_all(message_logs[0], "assistant")) < self.turns:  # every log of a call is at the same turn
+            n = len(message_logs)
+            return EnvironmentReturn(
+                observations=[{"role": "user", "content": "Go on."}] * n, metadata=list(metadata),
+                next_stop_strings=[None] * n, rewards=torch.zeros(n), terminateds=torch.zeros(n, dtype=torch.bool),
+            )
         answers = [_last(log, "assistant") for log in message_logs]
         rewards = [vowel_share(a["content"] if a else "") for a in answers]
         if self.record is not None:
-            prompts = [(_last(log, "user") or {}).get("content", "") for log in message_logs]
-            lengths = [len(a["token_ids"]) if a and "token_ids" in a else -1 for a in answers]
+            prompts = [_all(log, "user")[0].get("content", "") for log in message_logs]
+            lengths = [sum(len(a["token_ids"]) if "token_ids" in a else -1 for a in _all(log, "assistant"))
+                       for log in message_logs]
             with self.record.open("a") as f:
                 f.write(json.dumps({"prompts": prompts, "completion_lengths": lengths, "rewards": rewards}) + "\n")
         return EnvironmentReturn.final(rewards, metadata)
@@ -54,6 +73,10 @@ class BenchRewardEnvironment(Environment):
 
 def _last(log: Sequence[Any], role: str) -> Any:
     return next((m for m in reversed(log) if m.get("role") == role), None)
+
+
+def _all(log: Sequence[Any], role: str) -> list[Any]:
+    return [m for m in log if m.get("role") == role]
 
 
 @hookimpl
