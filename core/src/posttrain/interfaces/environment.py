@@ -69,5 +69,12 @@ class Environment(abc.ABC):
         """Environment-specific metrics over a finished batch (e.g. accuracy)."""
         return {}
 
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The tools the model may call in this environment's episodes, as JSON schemas in
+        the OpenAI function format (``{"type": "function", "function": {"name", "description",
+        "parameters"}}``). The rollout renders them into each prompt with the chat template's
+        own tool support (``apply_chat_template(..., tools=...)``). Default: none."""
+        return []
+
     def shutdown(self) -> None:
         """Free resources (worker pools, sandboxes)."""

@@ -156,6 +156,10 @@ class EnvironmentActor:
         assert self.env is not None, "ready() failed; the actor has no environment"
         return self.env.metrics(rewards, metadata)
 
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        assert self.env is not None, "ready() failed; the actor has no environment"
+        return self.env.tool_schemas()
+
     def shutdown(self) -> None:
         if self.env is not None:
             self.env.shutdown()
@@ -187,6 +191,7 @@ class RemoteEnvironment(Environment):
         self._actor_options = {"num_cpus": 0, **(actor_options or {})}
         self._start_timeout_s = start_timeout_s
         self._actor: Any = None
+        self._tools: list[dict[str, Any]] | None = None
         self._start()
 
     def step(self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Any]) -> EnvironmentReturn:
@@ -195,6 +200,12 @@ class RemoteEnvironment(Environment):
 
     def metrics(self, rewards: torch.Tensor, metadata: Sequence[Any]) -> dict[str, float]:
         return self._call("metrics", rewards, list(metadata))
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The environment's tools, asked once (they do not change during a run)."""
+        if self._tools is None:
+            self._tools = self._call("tool_schemas")
+        return self._tools
 
     def shutdown(self) -> None:
         """Let the environment free its resources, then stop the actor. Safe to call twice."""

@@ -1,7 +1,10 @@
 """The rollout loop: conversations between a generation backend and environments.
 
 One function, :func:`run_rollout`, for single- and multi-turn tasks. Each sample starts
-from its prompt messages, rendered with the chat template and the generation prompt. Then,
+from its prompt messages, rendered with the chat template and the generation prompt (and
+with its environment's tools, :meth:`~posttrain.interfaces.Environment.tool_schemas`,
+rendered by the template's own tool support: every render of the sample's conversation
+gets them, so tool calls and ``tool`` observations extend the sequence like any turn). Then,
 for at most ``max_turns`` turns, for the samples still active:
 
 1. generate one assistant turn each (with the stop strings their environment asked for);
@@ -147,10 +150,11 @@ class ChatFormat:
         #: What the template writes after an assistant message's content (e.g. ``<|im_end|>\n``).
         self.end_of_turn = self.encode(probe[probe.rindex(_PROBE) + len(_PROBE):])
 
-    def render(self, messages: Sequence[Message], *, generation_prompt: bool) -> str:
+    def render(self, messages: Sequence[Message], *, generation_prompt: bool, tools: Sequence[Any] | None = None) -> str:
         plain = [{"role": m["role"], "content": m["content"]} for m in messages]
         return self.tokenizer.apply_chat_template(
-            plain, chat_template=self.chat_template, tokenize=False, add_generation_prompt=generation_prompt
+            plain, chat_template=self.chat_template, tokenize=False, add_generation_prompt=generation_prompt,
+            tools=list(tools) if tools else None,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -159,15 +163,18 @@ class ChatFormat:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
-        return self.encode(self.render(messages, generation_prompt=True))
+    def prompt_ids(self, messages: Sequence[Message], tools: Sequence[Any] | None = None) -> list[int]:
+        return self.encode(self.render(messages, generation_prompt=True, tools=tools))
 
-    def bridge_ids(self, messages: Sequence[Message], generated: Sequence[int], observation: Message | None) -> list[int]:
+    def bridge_ids(
+        self, messages: Sequence[Message], generated: Sequence[int], observation: Message | None,
+        tools: Sequence[Any] | None = None,
+    ) -> list[int]:
         """The tokens between an assistant turn's generated tokens (``messages`` ends with
         that turn) and the next generation: the end-of-turn tokens the model did not
         generate, then ``observation`` as the template formats it, then the generation prompt."""
-        before = self.render(messages, generation_prompt=False)
-        after = self.render([*messages, observation] if observation else messages, generation_prompt=True)
+        before = self.render(messages, generation_prompt=False, tools=tools)
+        after = self.render([*messages, observation] if observation else messages, generation_prompt=True, tools=tools)
         if not after.startswith(before):
             raise ConfigError(
                 "the chat template renders a conversation differently once a message is added to it "
@@ -197,6 +204,7 @@ class _Conversation:
     metadata: Any
     token_ids: list[int]
     prompt_length: int
+    tools: list[Any] = attrs.field(factory=list)
     logprobs: list[float] = attrs.field(init=False)
     mask: list[float] = attrs.field(init=False)
     versions: list[int] = attrs.field(init=False)
@@ -242,7 +250,7 @@ class _Conversation:
             return
         observation = result.observations[k]
         observation = {"role": observation["role"], "content": observation["content"]} if observation.get("content") else None
-        bridge = chat.bridge_ids(self.messages, self.messages[-1]["token_ids"].tolist(), observation)
+        bridge = chat.bridge_ids(self.messages, self.messages[-1]["token_ids"].tolist(), observation, self.tools)
         if len(self.token_ids) + len(bridge) >= max_total_length:  # no room left to answer it
             self.done = self.truncated = True
             return
@@ -258,6 +266,7 @@ def _start_conversations(
     metadata = samples["metadata"] if "metadata" in samples else [{} for _ in messages]
     answers = samples["answer"] if "answer" in samples else [None] * len(messages)
     conversations = []
+    tools_of: dict[str, list[Any]] = {}
     for i, (prompt, task, meta, answer) in enumerate(zip(messages, tasks, metadata, answers, strict=True)):
         if task not in environments:
             raise ConfigError(
@@ -266,8 +275,11 @@ def _start_conversations(
             )
         if answer is not None and isinstance(meta, Mapping) and "answer" not in meta:
             meta = {**meta, "answer": answer}
-        token_ids = chat.prompt_ids(prompt)
-        conversation = _Conversation([dict(m) for m in prompt], task, meta, token_ids, prompt_length=len(token_ids))
+        if task not in tools_of:
+            tools_of[task] = list(environments[task].tool_schemas())
+        token_ids = chat.prompt_ids(prompt, tools_of[task])
+        conversation = _Conversation([dict(m) for m in prompt], task, meta, token_ids, prompt_length=len(token_ids),
+                                     tools=tools_of[task])
         if len(token_ids) >= max_total_length:  # no room to generate anything
             conversation.done = conversation.truncated = True
         conversations.append(conversation)

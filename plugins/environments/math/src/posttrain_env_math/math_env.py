@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from posttrain.interfaces import Environment, EnvironmentReturn, Message
-from posttrain_env_math.deadline_pool import DeadlinePool
+from posttrain.distributed.deadline_pool import DeadlinePool
 from posttrain_env_math.options import MathOptions
 
 

@@ -1,12 +1,11 @@
-"""A small process pool whose every job has a deadline.
+"""A small process pool whose every job has a deadline, for environments that run code they
+do not control: a verifier (math-verify can run for minutes on ``\\boxed{99999999!}``, and
+its own time limits use ``signal.alarm``, which only works on a process's main thread), a
+tool the model calls. This pool runs jobs in separate worker processes: a job still running
+``timeout_s`` seconds after it was handed to a worker is given up, that worker is killed and
+a fresh one started. It works from any thread (Ray actors, thread pools).
 
-math-verify can run for minutes on a pathological answer (``\\boxed{99999999!}``) and its
-own time limits use ``signal.alarm``, which only works on a process's main thread. This
-pool runs jobs in separate worker processes instead: a job still running ``timeout_s``
-seconds after it was handed to a worker is given up, that worker is killed and a fresh one
-started. It works from any thread (Ray actors, thread pools).
-
-Workers are fresh interpreters (``python -m posttrain_env_math.deadline_pool``) that import
+Workers are fresh interpreters (``python -m posttrain.distributed.deadline_pool``) that import
 only the job function's module, never the parent's ``__main__`` (unlike multiprocessing's
 ``spawn``), and talk to the parent over a socket pair. A worker exits when the parent
 closes its end or disappears; one stuck inside a long C call when the parent is killed
