@@ -29,6 +29,40 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
+#: The same chat format with tool support, in two tool-call formats (for tests and examples
+#: of tool-calling rollouts). Tools (``apply_chat_template(..., tools=...)``) are listed in a
+#: system turn before the conversation (after a system message's own text); ``tool`` messages
+#: are the tools' replies.
+#:
+#: - ``hermes`` (Hermes / Qwen style): the model calls a tool by answering
+#:   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; replies are wrapped in
+#:   ``<tool_response>...</tool_response>``.
+#: - ``llama3_json`` (Llama 3.1 style): the model calls a tool by answering a bare JSON object
+#:   ``{"name": ..., "parameters": {...}}``; replies are plain.
+_TOOL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set offset = 0 %}"
+    "{% if tools %}{{ '<|system|>' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n' }}{% set offset = 1 %}{% endif %}"
+    "{{ 'Tools:\\n' }}{% for tool in tools %}{{ tool['function'] | tojson }}{{ '\\n' }}{% endfor %}"
+    "{{ '__CALL__<|end|>' }}{% endif %}"
+    "{% for message in messages[offset:] %}"
+    "{% if message['role'] == 'assistant' %}{{ '<|assistant|>' }}"
+    "{% generation %}{{ message['content'] + '<|end|>' }}{% endgeneration %}"
+    "{% elif message['role'] == 'tool' %}{{ '<|tool|>__REPLY__<|end|>' }}"
+    "{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+TOOL_CHAT_TEMPLATES = {
+    "hermes": _TOOL_TEMPLATE.replace(
+        "__CALL__", 'Call one with <tool_call>{\\"name\\": name, \\"arguments\\": {...}}</tool_call>.'
+    ).replace("__REPLY__", "<tool_response>' + message['content'] + '</tool_response>"),
+    "llama3_json": _TOOL_TEMPLATE.replace(
+        "__CALL__", 'Call one by answering only {\\"name\\": name, \\"parameters\\": {...}}.'
+    ).replace("__REPLY__", "' + message['content'] + '"),
+}
+
 
 def build_tokenizer():
     """A character-level fast tokenizer with chat roles; identical on every machine."""
