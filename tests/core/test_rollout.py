@@ -375,9 +375,9 @@ def test_end_of_turn_tokens_the_model_did_not_generate(tokenizer):
     header = tokenizer.convert_tokens_to_ids(["<|user|>"])
     obs = {"role": "user", "content": "a"}
     tail = [*header, a, end, tokenizer.convert_tokens_to_ids("<|assistant|>")]
-    assert chat.bridge_ids(log, [a, end], obs) == tail  # the model wrote <|end|> itself
-    assert chat.bridge_ids(log, [a], obs) == [end, *tail]  # cut or stopped: the template's <|end|> is added
-    assert chat.bridge_ids(log, [a, end], None) == [tail[-1]]  # no observation: a new assistant turn
+    assert chat.bridge_ids(log, [a, end], [obs]) == tail  # the model wrote <|end|> itself
+    assert chat.bridge_ids(log, [a], [obs]) == [end, *tail]  # cut or stopped: the template's <|end|> is added
+    assert chat.bridge_ids(log, [a, end], []) == [tail[-1]]  # no observation: a new assistant turn
 
 
 def test_multi_token_end_of_turn_is_completed(tokenizer):
@@ -396,4 +396,4 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer):
     chat = ChatFormat(tokenizer, template)
     log = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     with pytest.raises(ConfigError, match="renders a conversation differently once a message is added"):
-        chat.bridge_ids(log, [5], {"role": "user", "content": "more"})
+        chat.bridge_ids(log, [5], [{"role": "user", "content": "more"}])

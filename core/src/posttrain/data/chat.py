@@ -58,12 +58,12 @@ def load_tokenizer(path: str) -> Any:
 
 
 def read_chat_template(value: str) -> str:
-    """``data.chat_template``: a path to a Jinja file, or the template text itself."""
+    """``data.chat_template``: the template text itself, or a path to a Jinja file."""
+    if "{{" in value or "{%" in value:  # a template, however long (no path holds these)
+        return value
     path = Path(value)
     if path.is_file():
         return path.read_text(encoding="utf-8")
-    if "{{" in value or "{%" in value:
-        return value
     raise ConfigError(f"data.chat_template: no file '{value}'; give a Jinja template file or the template text")
 
 

@@ -104,7 +104,7 @@ def run_rollout(
         active = [c for c in conversations if not c.done]
         if not active:
             break
-        outputs = generation.generate(_generation_batch(active, chat.pad_token_id), greedy=greedy)
+        outputs = generation.generate(generation_batch(active, chat.pad_token_id), greedy=greedy)
         versions_known = versions_known and "weight_versions" in outputs
         for row, conversation in enumerate(active):
             conversation.add_assistant_turn(outputs, row, chat, max_total_length)
@@ -117,10 +117,8 @@ def run_rollout(
             for k, conversation in enumerate(group):
                 conversation.add_environment_step(step.result, k, chat, max_total_length, last_turn=turn == max_turns)
 
-    batch = _training_batch(conversations, chat.pad_token_id)
-    if versions_known:
-        batch["generation_versions"] = _pad([c.versions for c in conversations], -1, torch.long)
-    metrics = _rollout_metrics(batch)
+    batch = training_batch(conversations, chat.pad_token_id, with_versions=versions_known)
+    metrics = rollout_metrics(batch)
     for task, indices in _by_task(conversations).items():
         final_metadata = [conversations[i].metadata for i in indices]
         env_metrics = metrics_contained(task, environments[task], batch["rewards"][indices], final_metadata)
@@ -167,14 +165,15 @@ class ChatFormat:
         return self.encode(self.render(messages, generation_prompt=True, tools=tools))
 
     def bridge_ids(
-        self, messages: Sequence[Message], generated: Sequence[int], observation: Message | None,
+        self, messages: Sequence[Message], generated: Sequence[int], observations: Sequence[Message],
         tools: Sequence[Any] | None = None,
     ) -> list[int]:
         """The tokens between an assistant turn's generated tokens (``messages`` ends with
         that turn) and the next generation: the end-of-turn tokens the model did not
-        generate, then ``observation`` as the template formats it, then the generation prompt."""
+        generate, then the ``observations`` (none, one, or several such as tool replies) as
+        the template formats them, then the generation prompt."""
         before = self.render(messages, generation_prompt=False, tools=tools)
-        after = self.render([*messages, observation] if observation else messages, generation_prompt=True, tools=tools)
+        after = self.render([*messages, *observations], generation_prompt=True, tools=tools)
         if not after.startswith(before):
             raise ConfigError(
                 "the chat template renders a conversation differently once a message is added to it "
@@ -195,7 +194,7 @@ class ChatFormat:
 
 
 @attrs.define(eq=False)
-class _Conversation:
+class Conversation:
     """One sample's rollout state; ``token_ids``, ``logprobs``, ``mask`` and ``versions`` run
     in parallel."""
 
@@ -249,19 +248,28 @@ class _Conversation:
             self.done = True
             return
         observation = result.observations[k]
-        observation = {"role": observation["role"], "content": observation["content"]} if observation.get("content") else None
-        bridge = chat.bridge_ids(self.messages, self.messages[-1]["token_ids"].tolist(), observation, self.tools)
-        if len(self.token_ids) + len(bridge) >= max_total_length:  # no room left to answer it
+        new = [{"role": observation["role"], "content": observation["content"]}] if observation.get("content") else []
+        if not self.add_messages(new, chat, max_total_length):
             self.done = self.truncated = True
-            return
+
+    def add_messages(self, messages: Sequence[Message], chat: ChatFormat, max_total_length: int) -> bool:
+        """After an assistant turn, append ``messages`` (none: the model starts a new
+        assistant turn) and the tokens that lead to the next generation (the last message
+        keeps them as its ``token_ids``). False, changing nothing, when no room would be
+        left under ``max_total_length`` to generate a token."""
+        bridge = chat.bridge_ids(self.messages, self.messages[-1]["token_ids"].tolist(), messages, self.tools)
+        if len(self.token_ids) + len(bridge) >= max_total_length:
+            return False
         self.extend(bridge)
-        if observation is not None:
-            self.messages.append({**observation, "token_ids": torch.tensor(bridge, dtype=torch.long)})
+        for i, message in enumerate(messages):
+            last = i == len(messages) - 1
+            self.messages.append({**message, "token_ids": torch.tensor(bridge if last else [], dtype=torch.long)})
+        return True
 
 
 def _start_conversations(
     samples: Mapping[str, Sequence[Any]], environments: Mapping[str, Environment], chat: ChatFormat, max_total_length: int
-) -> list[_Conversation]:
+) -> list[Conversation]:
     messages, tasks = samples["messages"], samples["task"]
     metadata = samples["metadata"] if "metadata" in samples else [{} for _ in messages]
     answers = samples["answer"] if "answer" in samples else [None] * len(messages)
@@ -278,7 +286,7 @@ def _start_conversations(
         if task not in tools_of:
             tools_of[task] = list(environments[task].tool_schemas())
         token_ids = chat.prompt_ids(prompt, tools_of[task])
-        conversation = _Conversation([dict(m) for m in prompt], task, meta, token_ids, prompt_length=len(token_ids),
+        conversation = Conversation([dict(m) for m in prompt], task, meta, token_ids, prompt_length=len(token_ids),
                                      tools=tools_of[task])
         if len(token_ids) >= max_total_length:  # no room to generate anything
             conversation.done = conversation.truncated = True
@@ -286,7 +294,7 @@ def _start_conversations(
     return conversations
 
 
-def _by_task(conversations: Sequence[_Conversation]) -> dict[str, list[int]]:
+def _by_task(conversations: Sequence[Conversation]) -> dict[str, list[int]]:
     """Indices into ``conversations`` by task, in order."""
     groups: dict[str, list[int]] = defaultdict(list)
     for i, conversation in enumerate(conversations):
@@ -301,7 +309,8 @@ def _pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> t
     return out
 
 
-def _generation_batch(active: Sequence[_Conversation], pad_token_id: int) -> Batch:
+def generation_batch(active: Sequence[Conversation], pad_token_id: int) -> Batch:
+    """The input of one ``generate`` call: each conversation's tokens so far, its stop strings."""
     batch = Batch(
         input_ids=_pad([c.token_ids for c in active], pad_token_id, torch.long),
         input_lengths=torch.tensor([len(c.token_ids) for c in active], dtype=torch.long),
@@ -311,9 +320,11 @@ def _generation_batch(active: Sequence[_Conversation], pad_token_id: int) -> Bat
     return batch
 
 
-def _training_batch(conversations: Sequence[_Conversation], pad_token_id: int) -> Batch:
+def training_batch(conversations: Sequence[Conversation], pad_token_id: int, *, with_versions: bool) -> Batch:
+    """The batch of :func:`run_rollout`'s docstring; ``generation_versions`` only
+    ``with_versions`` (every generation reported the versions of its weights)."""
     lengths = [len(c.token_ids) for c in conversations]
-    return Batch(
+    batch = Batch(
         input_ids=_pad([c.token_ids for c in conversations], pad_token_id, torch.long),
         input_lengths=torch.tensor(lengths, dtype=torch.long),
         prompt_lengths=torch.tensor([c.prompt_length for c in conversations], dtype=torch.long),
@@ -328,9 +339,13 @@ def _training_batch(conversations: Sequence[_Conversation], pad_token_id: int) -
         metadata=[c.metadata for c in conversations],
         task=[c.task for c in conversations],
     )
+    if with_versions:
+        batch["generation_versions"] = _pad([c.versions for c in conversations], -1, torch.long)
+    return batch
 
 
-def _rollout_metrics(batch: Batch) -> dict[str, float]:
+def rollout_metrics(batch: Batch) -> dict[str, float]:
+    """The ``rollout/*`` metrics of a training batch (see :func:`run_rollout`)."""
     generated = batch["response_lengths"].float()
     return {
         "rollout/mean_turns": float(batch["turns"].float().mean()),

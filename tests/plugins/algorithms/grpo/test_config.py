@@ -11,6 +11,7 @@ from posttrain.config import GenerationConfig, PolicyConfig, RunConfig, load_con
 from posttrain.errors import ConfigError
 from posttrain.plugins import new_plugin_host, set_plugin_host
 from posttrain_grpo.config import (
+    AgentConfig,
     AsynchronousConfig,
     ClippedPGConfig,
     DynamicSamplingConfig,
@@ -197,6 +198,14 @@ INVALID = {
     "groups_ahead_when_synchronous": (
         grpo(asynchronous=AsynchronousConfig(max_groups_ahead=8)),
         "grpo.asynchronous.max_groups_ahead is set but grpo.asynchronous.max_staleness_steps is 0",
+    ),
+    "agent_without_time": (
+        grpo(agent=AgentConfig(entry="tests.e2e.openai_agent:solve", timeout_s=0)),
+        "grpo.agent.timeout_s: must be > 0, got 0.",
+    ),
+    "agent_port": (
+        grpo(agent=AgentConfig(entry="tests.e2e.openai_agent:solve", port=70000)),
+        "grpo.agent.port: must be 0 (any free port) to 65535, got 70000.",
     ),
     "batch_arithmetic": (
         GRPOConfig(num_prompts_per_step=3, num_generations_per_prompt=4),

@@ -65,8 +65,10 @@ from posttrain.data import (
 )
 from posttrain.errors import ConfigError, WorkerError
 from posttrain.interfaces import Algorithm, DataPlane, Environment, Generation, PlaneSamples, Policy
+from posttrain.run.agents import load_agent, run_agent_rollout
 from posttrain.run.checkpoint import TrainingState
 from posttrain.run.context import RunContext
+from posttrain.run.endpoint import ChatEndpoint
 from posttrain.run.environments import host_with
 from posttrain.run.finished import finished_run
 from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
@@ -155,7 +157,12 @@ class GRPORun(LoopSteps):
         self.tokenizer, self.chat_template = encoder.tokenizer, encoder.template
         train_set = require_dataset(config, "train", "prompt", encoder)
         val_set = dataset_from_config(config, "validation", "prompt", encoder)
-        names, self.default_task = environment_names(config, [train_set, val_set], plugins=environment_plugins)
+        agent = self.grpo.agent
+        self.agent = load_agent(agent.entry, "grpo.agent.entry") if agent.entry else None
+        self.endpoint: ChatEndpoint | None = None
+        names, self.default_task = (
+            ([], None) if self.agent else environment_names(config, [train_set, val_set], plugins=environment_plugins)
+        )
         self.environment_names = names
         self.prompts = PromptStream(
             dataloader_from_config(config, train_set, self.grpo.num_prompts_per_step), self.grpo.max_num_epochs
@@ -197,6 +204,15 @@ class GRPORun(LoopSteps):
         startup.wait()
         self.environments, self.policy = environments.value, policy.value
         self.generation, self.plane = generation.value, plane.value
+        if self.agent is not None:
+            agent = self.grpo.agent
+            self.endpoint = ChatEndpoint(
+                self.generation, self.tokenizer, chat_template=self.chat_template,
+                max_total_length=self.config.policy.max_total_sequence_length,
+                tool_call_format=agent.tool_call_format, host=agent.host, port=agent.port,
+            )
+            cleanup.callback(self.endpoint.shutdown)  # before the engines it serves from
+            ctx.log.info("agents roll out through the chat endpoint", address=self.endpoint.address, agent=agent.entry)
 
     # ------------------------------------------------------------------ the loop's steps
 
@@ -366,8 +382,14 @@ class GRPORun(LoopSteps):
         return sample_versions(batch, round_version)
 
     def rollout(self, prompts: Batch, *, greedy: bool, repeats: int) -> tuple[Batch, dict[str, float]]:
-        """Each prompt ``repeats`` times in a row, rolled out through the environments."""
+        """Each prompt ``repeats`` times in a row, rolled out through the environments, or by
+        the agent (``grpo.agent``) through the chat endpoint."""
         samples = prompts.fields(PROMPT_FIELDS)
+        if self.agent is not None:
+            assert self.endpoint is not None, "start_services() starts the endpoint"
+            agent = self.grpo.agent
+            return run_agent_rollout(samples.repeat_interleave(repeats), self.endpoint, self.agent,
+                                     max_concurrency=agent.max_concurrency, timeout_s=agent.timeout_s, greedy=greedy)
         samples["task"] = [task or self.default_task for task in samples["task"]]
         return run_rollout(
             samples.repeat_interleave(repeats),

@@ -79,6 +79,22 @@ class OverlongRewardShapingConfig:
     max_response_length: int | None = None  # tokens; None: generation.max_new_tokens
 
 
+@attrs.define
+class AgentConfig:
+    """Rollouts by an agent written outside posttrain, through an OpenAI-compatible endpoint
+    on the generation engines (``posttrain.run.agents``, ``posttrain.run.endpoint``)."""
+
+    # "package.module:function" of the agent, called as agent(task, base_url) -> reward for each sample;
+    # None: the environments roll out
+    entry: str | None = None
+    timeout_s: float = 600.0  # seconds one episode may take; past it the sample scores 0 (agent/timeouts)
+    max_concurrency: int = 16  # episodes at once (threads of the driver)
+    # how the model writes tool calls, parsed into the responses' tool_calls: hermes | llama3_json; None: never
+    tool_call_format: Literal["hermes", "llama3_json"] | None = "hermes"
+    host: str = "127.0.0.1"  # where the endpoint listens; 0.0.0.0 serves agents on other machines
+    port: int = 0  # the endpoint's port; 0: any free one
+
+
 #: The TIS bound asynchronous GRPO corrects with when ``grpo.loss`` names no correction.
 ASYNC_IS_MAX = 2.0
 
@@ -152,6 +168,7 @@ class GRPOConfig:
     loss: ClippedPGConfig = attrs.field(factory=ClippedPGConfig)  # the clipped policy-gradient loss
     # asynchronous GRPO: generation ahead of training, within a staleness bound (off: synchronous)
     asynchronous: AsynchronousConfig = attrs.field(factory=AsynchronousConfig)
+    agent: AgentConfig = attrs.field(factory=AgentConfig)  # rollouts by an outside agent instead of environments
     export_dir: str | None = None  # write a Hugging Face folder of the final weights here
 
     @property

@@ -167,6 +167,7 @@ def check_grpo_config(grpo: GRPOConfig, config: RunConfig) -> None:
     _check_dynamic_sampling(grpo, config)
     _check_overlong_shaping(grpo, config)
     _check_asynchronous(grpo, config)
+    _check_agent(grpo, config)
     gbs = config.policy.train_global_batch_size
     if gbs < 1 or grpo.samples_per_step % gbs:
         raise _error(
@@ -265,6 +266,17 @@ def _check_asynchronous(grpo: GRPOConfig, config: RunConfig) -> None:
             f"{key}.max_groups_ahead",
             "grpo.num_prompts_per_step",
         )
+
+
+def _check_agent(grpo: GRPOConfig, config: RunConfig) -> None:
+    agent = grpo.agent
+    if agent.entry is None:
+        return
+    for name in ("timeout_s", "max_concurrency"):
+        if getattr(agent, name) <= 0:
+            raise _error(config, f"grpo.agent.{name}: must be > 0, got {getattr(agent, name)}.", f"grpo.agent.{name}")
+    if not 0 <= agent.port < 65536:
+        raise _error(config, f"grpo.agent.port: must be 0 (any free port) to 65535, got {agent.port}.", "grpo.agent.port")
 
 
 def _require_choice(value: object, choices: object, key: str, config: RunConfig | None) -> None:

@@ -1,4 +1,5 @@
-"""Tool calls in the model's text, in two formats.
+"""Tool calls in the model's text, in two formats (read by the ``tools`` environment and by
+the chat-completions endpoint that outside agents call).
 
 - ``hermes`` (Hermes, Qwen): each call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
   a message may hold several. Text around the calls is allowed.
@@ -53,6 +54,12 @@ def parse_llama3_json(text: str) -> list[ToolCall]:
 
 #: The formats by name, as ``environments.tools.format`` names them.
 FORMATS: dict[str, Callable[[str], list[ToolCall]]] = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
+
+
+def text_around_calls(text: str, fmt: str) -> str:
+    """What a message that calls tools (in ``fmt``) says besides its calls: the text around
+    hermes' ``<tool_call>`` blocks; nothing for llama3_json, whose calls are the whole message."""
+    return _HERMES.sub("", text).strip() if fmt == "hermes" else ""
 
 
 def _call(body: str, arguments_key: str) -> ToolCall:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain_env_tools.calls import MalformedToolCall, ToolCall, parse_hermes, parse_llama3_json
+from posttrain.data.tool_calls import MalformedToolCall, ToolCall, parse_hermes, parse_llama3_json
 
 
 def test_hermes_calls_in_order_with_text_around_them():
