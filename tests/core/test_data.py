@@ -105,6 +105,30 @@ def test_messages_rows(tmp_path, encoder, suffix):
     assert batch["sample_mask"].tolist() == [1.0, 1.0]
 
 
+@pytest.mark.parametrize("template", ["hermes", "llama3_json"])
+def test_tool_use_demonstrations_render_their_tools_and_train_the_assistant_turns(tmp_path, template):
+    from posttrain.models.tiny import TOOL_CHAT_TEMPLATES
+
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "Arithmetic.",
+                                                "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+    demo = [{"role": "user", "content": "12+30="}, {"role": "assistant", "content": '{"name": "calculator"}'},
+            {"role": "tool", "content": "42"}, {"role": "assistant", "content": "42"}]
+    encoder = ChatEncoder(TOKENIZER, TOOL_CHAT_TEMPLATES[template])
+    ds = build_dataset(write_rows(tmp_path / "d.jsonl", [{"messages": demo, "tools": tools}]), "sft", encoder)
+    ids, mask = row_of(ds.collate([0]), 0)
+    rendered = TOKENIZER.apply_chat_template(demo, tools=tools, chat_template=TOOL_CHAT_TEMPLATES[template],
+                                             return_dict=True, return_assistant_tokens_mask=True)
+    assert ids == rendered["input_ids"] and mask == rendered["assistant_masks"]
+    assert TOKENIZER.decode(masked_ids(ids, mask)) == '{"name": "calculator"}<|end|>42<|end|>'
+    assert "calculator" in TOKENIZER.decode(ids[: ids.index(TOKENIZER.convert_tokens_to_ids("<|user|>"))])
+
+
+def test_tools_must_be_a_list_of_schemas(tmp_path, encoder):
+    rows = [{"messages": msgs(("user", "hi"), ("assistant", "yo")), "tools": "calculator"}]
+    with pytest.raises(DataError, match="'tools' must be a list of JSON schemas \\(objects\\), found"):
+        build_dataset(write_rows(tmp_path / "d.jsonl", rows), "sft", encoder)
+
+
 @pytest.mark.parametrize("suffix", SUFFIXES)
 def test_prompt_response_rows(tmp_path, encoder, suffix):
     rows = [{"prompt": "hi", "response": "yo", "system": "sys"}, {"prompt": "a", "response": "b", "system": None}]

@@ -84,16 +84,20 @@ class ChatEncoder:
             raise ConfigError("the tokenizer has neither a pad token nor an EOS token to pad batches with")
         self.pad_token_id: int = int(pad)
 
-    def encode(self, messages: Sequence[Message], *, loss_from: int = 0, max_length: int | None = None) -> Encoded:
-        """Tokenise a whole conversation; mask the assistant turns at index ``loss_from`` and after.
+    def encode(
+        self, messages: Sequence[Message], *, loss_from: int = 0, max_length: int | None = None,
+        tools: Sequence[Any] | None = None,
+    ) -> Encoded:
+        """Tokenise a whole conversation (with ``tools`` rendered by the template); mask the
+        assistant turns at index ``loss_from`` and after.
 
         ``loss_from`` > 0 leaves earlier assistant turns (part of a preference prompt) unmasked.
         """
         if self.marks_generation:
-            ids, mask = self._render(messages, assistant_mask=True)
+            ids, mask = self._render(messages, assistant_mask=True, tools=tools)
         else:
-            ids = self._render(messages)[0]
-            mask = self._prefix_mask(messages, ids)
+            ids = self._render(messages, tools=tools)[0]
+            mask = self._prefix_mask(messages, ids, tools)
         if loss_from > 0:
             prompt_ids = self._render(messages[:loss_from], add_generation_prompt=True)[0]
             boundary = _common_prefix_length(prompt_ids, ids)
@@ -105,7 +109,7 @@ class ChatEncoder:
         ids = self._render(messages, add_generation_prompt=True)[0]
         return _truncate(ids, [0] * len(ids), max_length)
 
-    def _prefix_mask(self, messages: Sequence[Message], ids: list[int]) -> list[int]:
+    def _prefix_mask(self, messages: Sequence[Message], ids: list[int], tools: Sequence[Any] | None = None) -> list[int]:
         """Assistant turn ``i`` spans from the end of ``messages[:i]`` rendered with the
         generation prompt to the end of ``messages[:i + 1]``. That holds only if ``messages[:i]``
         and ``messages[:i + 1]`` render as prefixes of the whole conversation's tokens and the
@@ -114,9 +118,9 @@ class ChatEncoder:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self._render(messages[:i])[0] if i else []
-            through = self._render(messages[: i + 1])[0]
-            start = _common_prefix_length(self._render(messages[:i], add_generation_prompt=True)[0], through)
+            before = self._render(messages[:i], tools=tools)[0] if i else []
+            through = self._render(messages[: i + 1], tools=tools)[0]
+            start = _common_prefix_length(self._render(messages[:i], add_generation_prompt=True, tools=tools)[0], through)
             if ids[: len(before)] != before or ids[: len(through)] != through or start < len(before):
                 raise ConfigError(
                     f"the chat template renders the conversation before or through assistant turn {i} "
@@ -128,7 +132,8 @@ class ChatEncoder:
         return mask
 
     def _render(
-        self, messages: Sequence[Message], *, add_generation_prompt: bool = False, assistant_mask: bool = False
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = False, assistant_mask: bool = False,
+        tools: Sequence[Any] | None = None,
     ) -> tuple[list[int], list[int]]:
         from jinja2 import TemplateError
 
@@ -140,6 +145,7 @@ class ChatEncoder:
                 return_dict=True,
                 add_generation_prompt=add_generation_prompt,
                 return_assistant_tokens_mask=assistant_mask,
+                tools=list(tools) if tools else None,
             )
         except TemplateError as exc:  # a syntax error, or the template's own raise_exception()
             raise RowError(f"the chat template failed on this conversation: {type(exc).__name__}: {exc}") from None

@@ -201,7 +201,7 @@ def _detect(label: str, kind: str, number: int, row: Any) -> str:
 def _encode(example: Any, encoder: ChatEncoder, max_length: int | None) -> tuple[dict[str, Any], bool]:
     """The stored columns of one example, and whether truncation cut it."""
     if isinstance(example, SFTExample):
-        enc = encoder.encode(example.messages, max_length=max_length)
+        enc = encoder.encode(example.messages, max_length=max_length, tools=example.tools)
         return {"input_ids": enc.input_ids, "token_mask": enc.token_mask,
                 "sample_mask": int(enc.num_loss_tokens > 0)}, enc.truncated
     if isinstance(example, PreferenceExample):

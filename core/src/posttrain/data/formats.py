@@ -3,7 +3,8 @@
 Formats (``data.format``):
 
 - ``messages``: ``{"messages": [{"role": ..., "content": ...}, ...]}``, an OpenAI-style
-  conversation with at least one assistant turn (SFT).
+  conversation with at least one assistant turn (SFT), with optional ``tools`` (JSON
+  schemas the chat template renders, for tool-use demonstrations).
 - ``prompt_response``: ``{"prompt": str | messages, "response": str, "system"?: str}`` (SFT).
 - ``preference``: ``{"prompt": str | messages, "chosen": ..., "rejected": ...}`` where chosen
   and rejected are both strings (one assistant reply each) or both message lists (the
@@ -28,7 +29,7 @@ import attrs
 FORMATS = ("messages", "prompt_response", "preference", "prompt")
 
 #: Every key a format reads; ``data.columns`` renames dataset columns to these.
-ROW_KEYS = ("messages", "prompt", "response", "system", "chosen", "rejected", "answer", "task", "metadata")
+ROW_KEYS = ("messages", "prompt", "response", "system", "chosen", "rejected", "answer", "task", "metadata", "tools")
 
 #: What each kind of dataset (what an algorithm consumes) accepts.
 KIND_FORMATS: dict[str, tuple[str, ...]] = {
@@ -48,6 +49,7 @@ class RowError(ValueError):
 @attrs.frozen
 class SFTExample:
     messages: list[Message]
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template (apply_chat_template tools=)
 
 
 @attrs.frozen
@@ -106,7 +108,10 @@ def _parse_messages(row: Mapping[str, Any]) -> SFTExample:
     messages = _messages(_require(row, "messages", need), "messages")
     if not any(m["role"] == "assistant" for m in messages):
         raise RowError("'messages' has no assistant turn to train on")
-    return SFTExample(messages)
+    tools = row.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)):
+        raise RowError(f"'tools' must be a list of JSON schemas (objects), found {_describe(tools)}")
+    return SFTExample(messages, [dict(t) for t in tools] if tools else None)
 
 
 def _parse_prompt_response(row: Mapping[str, Any]) -> SFTExample:
