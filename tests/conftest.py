@@ -30,6 +30,6 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True, configure_logging=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True, configure_logging=False)
     yield ray
     ray.shutdown()

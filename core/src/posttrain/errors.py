@@ -30,6 +30,11 @@ class CheckpointError(PosttrainError):
     """A checkpoint is missing, incomplete or does not fit the config."""
 
 
+class ClusterError(PosttrainError):
+    """The Ray cluster lacks what a run needs: nodes that did not join, a node that cannot
+    reach the run's storage, resources no node has."""
+
+
 class WorkerError(PosttrainError):
     """A Ray worker died or failed; the message names its group and rank."""
 
