@@ -93,6 +93,7 @@ def wait_for_nodes(
     count: int = 0,
     names: Sequence[str] = (),
     timeout_s: float,
+    deadline: float | None = None,
     count_key: str = "",
     timeout_key: str = "",
     check: Callable[[], None] | None = None,
@@ -101,11 +102,12 @@ def wait_for_nodes(
     an address, :meth:`Node.answers_to`) is one of them; return the alive nodes.
 
     ``check`` is called between looks (e.g. to raise when the run is asked to stop). Past
-    ``timeout_s`` seconds it raises :class:`ClusterError` naming the nodes that are missing
+    ``timeout_s`` seconds (or the ``time.monotonic()`` ``deadline`` when given, for a wait
+    that began earlier) it raises :class:`ClusterError` naming the nodes that are missing
     and those that joined; ``count_key`` and ``timeout_key`` are the settings that asked for
     the count and the time (a config key or a command-line option), quoted in the message.
     """
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s if deadline is None else deadline
     while True:
         nodes = alive_nodes()
         missing = [name for name in names if not any(node.answers_to(name) for node in nodes)]
@@ -123,12 +125,13 @@ def _missing_message(
 ) -> str:
     address = cluster_address()
     if missing:
-        wanted = f"node(s) {', '.join(missing)} did not join the Ray cluster at {address}"
+        what = f"node(s) {', '.join(missing)} did not join the Ray cluster at {address}"
+    elif count_key:
+        what = f"{count_key}={count}, but the Ray cluster at {address} has {len(nodes)} alive node(s)"
     else:
-        asked = f"{count_key}={count}" if count_key else f"{count} nodes"
-        wanted = f"{asked}, but the Ray cluster at {address} has {len(nodes)} alive node(s)"
+        what = f"{count - len(nodes)} of {count} node(s) did not join the Ray cluster at {address}"
     after = f"after {timeout_s:g} s" + (f" ({timeout_key})" if timeout_key else "")
     fix = f"Start Ray on the missing nodes (ray start --address={address}) and check their Ray logs"
     if count_key and not missing:
         fix += f", or lower {count_key}"
-    return f"{wanted} {after}. Alive: {per_node(nodes)}. {fix}."
+    return f"{what} {after}. Alive: {per_node(nodes)}. {fix}."

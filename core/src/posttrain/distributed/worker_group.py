@@ -7,7 +7,8 @@ by node; ``ranks_per_bundle`` consecutive ranks share one bundle, hence one node
 ``torch.distributed.init_process_group(backend)`` with the default env init forms the
 group. ``MASTER_ADDR`` is 127.0.0.1 when every rank is on one node, else rank 0's node
 address; ``MASTER_PORT`` is a port that was free on rank 0's node when the group started.
-Errors about a rank name its node (:attr:`~posttrain.distributed.nodes.Node.label`).
+Errors about a rank name its node (:attr:`~posttrain.distributed.nodes.Node.label`); on a
+cluster of several nodes, a ``workers placed`` event lists each rank's node.
 
 Calls go to every rank (:meth:`WorkerGroup.run_all`), to each rank with its own shard
 (:meth:`WorkerGroup.run_sharded`) or to rank 0 only (:meth:`WorkerGroup.run_rank0`). A call
@@ -34,9 +35,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.config.schema import WorkerResources
 from posttrain.distributed.cluster import VirtualCluster
-from posttrain.distributed.nodes import node_label
+from posttrain.distributed.nodes import all_nodes, node_label
 from posttrain.distributed.placement import Placement
 from posttrain.errors import WorkerError
+from posttrain.log import get_logger
 from posttrain.plugins import plugin_host
 
 #: How long a failed call waits for the group's other pending calls before raising, so that
@@ -129,6 +131,9 @@ class WorkerGroup(Generic[W]):
         except BaseException:
             self.shutdown()
             raise
+        if len(cluster.nodes) > 1:
+            labels = {node.node_id: node.label for node in all_nodes()}
+            get_logger().info("workers placed", group=name, nodes=[labels[node] for node in self.node_ids])
 
     # ------------------------------------------------------------------ calls
 
