@@ -30,6 +30,7 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
+        # address="local": a cluster of its own, never one a developer started with `ray start`
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True, configure_logging=False)
     yield ray
     ray.shutdown()
