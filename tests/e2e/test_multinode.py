@@ -204,6 +204,7 @@ PLACEMENT = """
 import json, os
 from posttrain.config.schema import ClusterConfig, WorkerResources
 from posttrain.distributed import VirtualCluster, Worker, WorkerGroup
+from posttrain.errors import ConfigError
 
 class Where(Worker):
     def where(self):
@@ -214,13 +215,21 @@ cluster = VirtualCluster(ClusterConfig(num_nodes=2), colocate={"engines": "ranks
 one = WorkerResources(cpus=1)
 ranks = WorkerGroup(cluster, Where, name="ranks", num_workers=4, resources=one, ranks_per_bundle=2)
 engines = WorkerGroup(cluster, Where, name="engines", num_workers=2, resources=one)
-print(json.dumps({"ranks": ranks.run_all(Where.where), "engines": engines.run_all(Where.where)}))
+refused = []
+for name, workers, cpus in (("huge", 3, 3), ("wide", 1, 4)):
+    try:
+        cluster.reserve(name, workers, WorkerResources(cpus=cpus))
+    except ConfigError as error:
+        refused.append(str(error))
+print(json.dumps({"ranks": ranks.run_all(Where.where), "engines": engines.run_all(Where.where), "refused": refused}))
 """
 
 
 def test_tensor_parallel_pairs_share_a_node_and_colocated_workers_follow_them(cluster):
     """4 ranks in pairs (tensor parallel 2) on 3-CPU nodes: one pair per node, ranks ordered by
-    node, local ranks 0 and 1 on each; 2 colocated workers on the nodes of ranks 0 and 2."""
+    node, local ranks 0 and 1 on each; 2 colocated workers on the nodes of ranks 0 and 2. A
+    request the joined cluster cannot hold, in all or on any one node, names what each node
+    has."""
     done = subprocess.run([sys.executable, "-c", PLACEMENT], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "RAY_ADDRESS": cluster.address})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -232,6 +241,17 @@ def test_tensor_parallel_pairs_share_a_node_and_colocated_workers_follow_them(cl
     assert [local for _, local, _ in ranks] == ["0", "1", "0", "1"]
     assert {master for _, _, master in ranks} == {cluster.address.split(":")[0]}  # rank 0's node, across nodes
     assert [node for node, _, _ in placed["engines"]] == [nodes[0], nodes[2]]
+    per_node = "; ".join(f"{node_ip()} (host {os.uname().nodename}, id {node.node_id()[:12]}): 3 CPU, 0 GPU"
+                         for node in (cluster.head, cluster.worker))
+    huge, wide = placed["refused"]
+    assert huge.startswith("worker group 'huge' asked for 3 x {'CPU': 3.0} = 9 CPU in all, but the whole Ray "
+                           f"cluster has 6 CPU. The Ray cluster at {cluster.address} has, per node: ")
+    assert wide.startswith("worker group 'wide' asked for 1 x {'CPU': 4.0}, 4 CPU on one node, but the largest "
+                           f"node has 3 CPU. The Ray cluster at {cluster.address} has, per node: ")
+    for message in (huge, wide):
+        assert set(message.split("per node: ")[1].split(". Lower")[0].split("; ")) == set(per_node.split("; "))
+        assert message.endswith("or add nodes with more CPU to the cluster (cluster.num_cpus only sizes a cluster "
+                                "the run starts itself).")
 
 
 def test_a_lost_node_stops_the_run_naming_it_and_the_rerun_resumes(cluster, workspace, uninterrupted):
@@ -249,6 +269,7 @@ def test_a_lost_node_stops_the_run_naming_it_and_the_rerun_resumes(cluster, work
     stopped_after = time.monotonic() - killed_at
     assert code == 2, stderr[-3000:]
     assert stopped_after < 30, f"the run took {stopped_after:.1f} s to stop after its node was lost"
+    print(f"the run stopped {stopped_after:.1f} s after its node was lost")  # shown by pytest -rP
     (error,) = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert " died on node " in error and f"id {lost[:12]})" in error, error
     saved = sorted(int(folder.name.split("_")[1]) for folder in (run_dir / "checkpoints").glob("step_*"))

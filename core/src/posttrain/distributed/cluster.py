@@ -109,11 +109,13 @@ def check_node_count(config: ClusterConfig) -> None:
 
 def enter_driver_directory() -> None:
     """Ray's worker-process setup hook of posttrain's jobs: change into the driver's working
-    directory (``$POSTTRAIN_DRIVER_CWD``) when this node has it. Without it a worker runs in
-    the directory where Ray was started on its node, and a relative path means something
-    else there than in the driver."""
+    directory (``$POSTTRAIN_DRIVER_CWD``) when this node has it, unless the worker's runtime
+    environment has a ``working_dir`` of its own. Without it a worker runs in the directory
+    where Ray was started on its node, and a relative path means something else there than
+    in the driver."""
     folder = os.environ.get(DRIVER_CWD_VAR)
-    if folder and Path(folder).is_dir():
+    in_working_dir = "runtime_resources" in Path.cwd().parts  # where Ray unpacks a runtime_env working_dir
+    if folder and Path(folder).is_dir() and not in_working_dir:
         os.chdir(folder)
 
 

@@ -8,6 +8,7 @@ address, and the id tells them apart.
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,13 +51,25 @@ class Node:
         return f"{self.address} (host {self.hostname}, id {self.node_id[:ID_CHARS]})"
 
     def answers_to(self, name: str) -> bool:
-        """Whether ``name`` is this node's host name (full, or both cut at the first dot) or
-        its address."""
-        return name in (self.hostname, self.address) or name.split(".")[0] == self.hostname.split(".")[0]
+        """Whether ``name`` is this node's address or host name (full, or both cut at their
+        first dot: ``gpu-01`` answers to ``gpu-01.cluster.local``)."""
+        if name in (self.hostname, self.address):
+            return True
+        return not _is_address(name) and not _is_address(self.hostname) and (
+            name.split(".")[0] == self.hostname.split(".")[0]
+        )
 
     def amounts(self, keys: Sequence[str] = ("CPU", "GPU")) -> str:
         """``2 CPU, 0 GPU``: the node's totals of ``keys``."""
         return ", ".join(f"{self.resources.get(key, 0.0):g} {key}" for key in keys)
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def all_nodes() -> list[Node]:

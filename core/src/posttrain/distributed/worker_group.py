@@ -212,10 +212,10 @@ class WorkerGroup(Generic[W]):
         The first call to fail raises :class:`WorkerError`: ``worker group 'NAME' rank R
         died on node NODE: ...`` when the actor process died (or its node was lost), or
         ``worker group 'NAME' rank R: METHOD() raised ...`` with the last line of the remote
-        traceback. When a call raised while
-        others are pending, a rank among them that died within :data:`PEER_DEATH_GRACE_S`
-        is reported instead (its death is what broke the others' collectives). Past
-        ``timeout_s`` seconds it raises :class:`WorkerError` naming the unfinished ranks.
+        traceback. When a call raised while others are pending, a rank among them that died
+        within :data:`PEER_DEATH_GRACE_S` is reported instead (its death is what broke the
+        others' collectives). Past ``timeout_s`` seconds it raises :class:`WorkerError`
+        naming the unfinished ranks.
         """
         single = isinstance(refs, ray.ObjectRef)
         ref_list: list[ray.ObjectRef] = [refs] if single else list(refs)  # type: ignore[list-item]
