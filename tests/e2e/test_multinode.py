@@ -92,8 +92,7 @@ class TwoNodes:
 
     def launch(self) -> None:
         """Start the head, then the other node; return once both joined."""
-        self.head = self.start(self.head_args, "head", head=True, env=FAST_HEALTH_CHECK)
-        self.wait_for(1)
+        self.head = self.join(self.head_args, "head", 1, head=True, env=FAST_HEALTH_CHECK)
         self.worker = self.start_worker()
 
     def here(self, words: list[str]) -> list[str]:
@@ -107,14 +106,28 @@ class TwoNodes:
 
     def start_worker(self) -> LocalNode:
         """Start the other node (again) and wait until the cluster has 2 alive nodes."""
-        node = self.start(self.worker_args, "worker")
-        self.wait_for(2)
-        return node
+        return self.join(self.worker_args, "worker", 2)
 
-    def wait_for(self, count: int) -> None:
+    def join(self, words: list[str], name: str, count: int, *, attempts: int = 3, **options) -> LocalNode:
+        """Start a node and return once the cluster has ``count`` alive nodes. A node whose
+        ``ray start`` gave up is started again: Ray gives a raylet 30 s to register, which a
+        loaded machine can exceed."""
+        logs = []
+        for attempt in range(attempts):
+            node = self.start(words, f"{name}-{attempt}", **options)
+            logs.append(self.root / f"{name}-{attempt}.log")
+            deadline = time.monotonic() + 300
+            while node.process.poll() is None and time.monotonic() < deadline:
+                if self.joined(count):
+                    return node
+            node.kill()
+        raise AssertionError(f"node {name} did not join in {attempts} tries:\n{logs[-1].read_text()[-3000:]}")
+
+    def joined(self, count: int, timeout_s: float = 10) -> bool:
+        """Whether the cluster has ``count`` alive nodes within ``timeout_s`` (posttrain launch wait)."""
         done = subprocess.run([POSTTRAIN, "launch", "wait", "--address", self.address, "--num-nodes", str(count),
-                               "--timeout-s", "180"], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
+                               "--timeout-s", str(timeout_s)], capture_output=True, text=True, timeout=120)
+        return done.returncode == 0
 
     def run(self, cwd: Path, run_dir: str, *extra: str) -> RunProcess:
         """The docs' run command (its RAY_ADDRESS pointing here), with the test's sizes."""
@@ -287,11 +300,10 @@ def test_a_node_without_the_run_directory_stops_the_run_before_any_step(cluster,
     if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
         pytest.skip("unshare -rm (a user and mount namespace) is not allowed here: no node can have its own mounts")
     runs = workspace / "runs"
-    blind = cluster.start(cluster.worker_args, "blind", cpus=1,
-                          wrapper=["unshare", "-rm", "sh", "-c", f'mount -t tmpfs none {runs} && exec "$0" "$@"'])
+    blind = cluster.join(cluster.worker_args, "blind", 3, cpus=1,
+                         wrapper=["unshare", "-rm", "sh", "-c", f'mount -t tmpfs none {runs} && exec "$0" "$@"'])
     blind_id = blind.node_id()
     try:
-        cluster.wait_for(3)
         code, stderr = cluster.run(workspace, "runs/hidden", "cluster.num_nodes=3").finish()
     finally:
         blind.kill()

@@ -39,6 +39,12 @@ class WorkerError(PosttrainError):
     """A Ray worker died or failed; the message names its group and rank."""
 
 
+class NodeLost(WorkerError):
+    """A worker of the run died with its node (the Ray cluster marked the node dead). Never
+    contained: the run stops, naming the node, and resumes from its checkpoint when started
+    again on a whole cluster."""
+
+
 class RunStopped(Exception):
     """A run stopped early on a signal, after saving what it could (not an error: the run
     resumes from ``checkpoint`` when started again with the same config)."""

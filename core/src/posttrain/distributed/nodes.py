@@ -82,6 +82,12 @@ def alive_nodes() -> list[Node]:
     return [node for node in all_nodes() if node.alive]
 
 
+def node_dead(node_id: str) -> bool:
+    """Whether the cluster has marked the node ``node_id`` dead (False while it is alive or
+    unknown)."""
+    return any(node.node_id == node_id and not node.alive for node in all_nodes())
+
+
 def node_label(node_id: str) -> str:
     """:attr:`Node.label` of the node ``node_id`` (alive or not); the id alone if Ray does
     not know it."""

@@ -35,9 +35,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.config.schema import WorkerResources
 from posttrain.distributed.cluster import VirtualCluster
-from posttrain.distributed.nodes import all_nodes, node_label
+from posttrain.distributed.nodes import all_nodes, node_dead, node_label
 from posttrain.distributed.placement import Placement
-from posttrain.errors import WorkerError
+from posttrain.errors import NodeLost, WorkerError
 from posttrain.log import get_logger
 from posttrain.plugins import plugin_host
 
@@ -210,7 +210,8 @@ class WorkerGroup(Generic[W]):
         (a list for a list, one value for one ref).
 
         The first call to fail raises :class:`WorkerError`: ``worker group 'NAME' rank R
-        died on node NODE: ...`` when the actor process died (or its node was lost), or
+        died on node NODE: ...`` when the actor process died (:class:`NodeLost` when the
+        cluster marked that node dead), or
         ``worker group 'NAME' rank R: METHOD() raised ...`` with the last line of the remote
         traceback. When a call raised while others are pending, a rank among them that died
         within :data:`PEER_DEATH_GRACE_S` is reported instead (its death is what broke the
@@ -345,7 +346,8 @@ class WorkerGroup(Generic[W]):
                 raise WorkerError(
                     f"worker group '{self.name}' rank {rank}: __init__() raised {_last_line(str(err))}"
                 ) from err
-            raise WorkerError(
+            lost = isinstance(rank, int) and rank < len(self.node_ids) and node_dead(self.node_ids[rank])
+            raise (NodeLost if lost else WorkerError)(
                 f"worker group '{self.name}' rank {rank} died on node {self._node_of(rank)}: {_one_line(str(err))}"
             ) from err
         except ray.exceptions.RayTaskError as err:
