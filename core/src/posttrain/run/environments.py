@@ -194,12 +194,12 @@ class RemoteEnvironment(Environment):
     ):
         core, self._options = read_core_options(name, options)
         self.name = name
+        self._node: str | None = None  # the Ray node of the actor, once started
         self.call_timeout_s = core.call_timeout_s
         self._plugins = tuple(plugins)
         self._actor_options = {"num_cpus": 0, **(actor_options or {})}
         self._start_timeout_s = start_timeout_s
         self._actor: Any = None
-        self._node: str | None = None  # the Ray node of the actor
         self._start()
 
     def step(self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Any]) -> EnvironmentReturn:
