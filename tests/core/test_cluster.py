@@ -102,3 +102,44 @@ def test_env_vars_merge_into_the_runtime_env():
     }
     assert resources.runtime_env["env_vars"] == {"B": "old", "C": "3"}  # the config is not modified
     assert merged_runtime_env(WorkerResources()) is None
+
+
+@pytest.mark.ray
+def test_the_run_waits_for_cluster_num_nodes_then_names_the_nodes_alive(ray_cluster):
+    import time
+
+    from posttrain.distributed import VirtualCluster
+    from posttrain.errors import ClusterError
+
+    address = ray_cluster.get_runtime_context().gcs_address
+    start = time.monotonic()
+    with pytest.raises(ClusterError) as waited:
+        VirtualCluster(ClusterConfig(num_nodes=2, node_wait_s=1))
+    assert 1 <= time.monotonic() - start < 10
+    message = str(waited.value)
+    assert message.startswith(
+        f"cluster.num_nodes=2, but the Ray cluster at {address} has 1 alive node(s) after 1 s (cluster.node_wait_s). "
+        "Alive: "
+    )
+    assert message.endswith(f"Start Ray on the missing nodes (ray start --address={address}) and check their Ray "
+                            "logs, or lower cluster.num_nodes.")
+    assert VirtualCluster(ClusterConfig(num_nodes=1)).nodes[0].alive
+
+
+def test_more_than_one_node_needs_a_cluster_to_join_and_is_refused_before_ray_starts():
+    code = (
+        "import ray\n"
+        "from posttrain.config.schema import ClusterConfig\n"
+        "from posttrain.distributed.cluster import check_node_count\n"
+        "try:\n"
+        "    check_node_count(ClusterConfig(num_nodes=2))\n"
+        "except Exception as error:\n"
+        "    print(type(error).__name__, error, ray.is_initialized())\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=120)
+    assert done.stdout == (
+        "ConfigError cluster.num_nodes=2, but neither cluster.ray_address nor RAY_ADDRESS names a Ray cluster to "
+        "join, and the local cluster a run starts has one node. Start Ray on every node, then set RAY_ADDRESS (or "
+        "cluster.ray_address) to the head's address (see docs/clusters.md), or set cluster.num_nodes=1. False\n"
+    ), done.stderr

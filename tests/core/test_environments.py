@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from posttrain.errors import ConfigError, PluginError
+from posttrain.errors import ConfigError, NodeLost, PluginError
 from posttrain.run.environments import (
     EnvironmentActor,
     RemoteEnvironment,
@@ -81,6 +81,20 @@ def test_a_per_sample_error_costs_only_that_sample():
     assert (step.errors, step.timeouts) == (1, 0)
     assert step.result.rewards.tolist() == [1.0, 0.0, 1.0]
     assert step.result.terminateds.tolist() == [False, True, False]
+
+
+def test_a_lost_node_is_never_contained():
+    class OnLostNode(Flaky):
+        def step(self, message_logs, metadata):
+            raise NodeLost("environment 'flaky' died on node 10.0.0.2 (host gpu-02, id 6c91964e0a22) during step()")
+
+        def metrics(self, rewards, metadata):
+            raise NodeLost("environment 'flaky' died on node 10.0.0.2 (host gpu-02, id 6c91964e0a22) during metrics()")
+
+    with pytest.raises(NodeLost, match=r"died on node 10\.0\.0\.2 .* during step\(\)"):
+        step_contained("flaky", OnLostNode(), logs("a"), [{}])
+    with pytest.raises(NodeLost, match=r"during metrics\(\)"):
+        metrics_contained("flaky", OnLostNode(), torch.tensor([1.0]), [{}])
 
 
 def test_failing_metrics_are_dropped():

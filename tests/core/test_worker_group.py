@@ -166,7 +166,7 @@ def test_dead_ranks_surface_as_worker_errors_without_hanging(cluster):
         group.run_all(RankedWorker.init_gloo)
         start = time.monotonic()
         # rank 0 blocks in all_reduce waiting for rank 1, which calls os._exit: no hang
-        with pytest.raises(WorkerError, match=r"^worker group 'dies' rank 1 died: "):
+        with pytest.raises(WorkerError, match=r"^worker group 'dies' rank 1 died on node [\d.]+ \(host .+, id [0-9a-f]{12}\): "):
             group.run_all(RankedWorker.exit_or_reduce, 1)
         assert time.monotonic() - start < 30
         # rank 0 may still be stuck in the collective or may have seen it fail: either way a
@@ -174,7 +174,7 @@ def test_dead_ranks_surface_as_worker_errors_without_hanging(cluster):
         pending = group.run_rank0_async(RankedWorker.block, 300)
         ray.kill(group.actors[0])
         start = time.monotonic()
-        with pytest.raises(WorkerError, match=r"^worker group 'dies' rank 0 died: "):
+        with pytest.raises(WorkerError, match=r"^worker group 'dies' rank 0 died on node [\d.]+ \(host .+, id [0-9a-f]{12}\): "):
             group.get(pending)
         assert time.monotonic() - start < 30
     assert "dies" not in cluster.placement_groups()

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from packaging.requirements import Requirement
 
 from posttrain.config import RunConfig
+from posttrain.launch.command import run_command
 
 _ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 COMMAND_TIMEOUT_S = 240
@@ -99,6 +100,10 @@ def _posttrain(args: list[str], session: Session) -> None:
     if parsed.command == "run":
         config = session.load(parsed.config, [*parsed.overrides, f"algorithm={parsed.algorithm}"])
         check_run_inputs(config)
+    elif parsed.command == "launch" and parsed.launcher in ("slurm", "kuberay"):
+        # the run it launches: parsed, its config loaded and checked (its inputs are on the cluster)
+        inner = parse_posttrain(run_command(parsed.run_words, parsed.nodes)[1:])
+        session.load(inner.config, [*inner.overrides, f"algorithm={inner.algorithm}"])
 
 
 @functools.cache
@@ -295,6 +300,26 @@ def _ray(args: list[str], session: Session) -> None:
     cli.commands["start"].make_context("start", list(rest))
 
 
+def _sbatch(args: list[str], session: Session) -> None:
+    """``sbatch SCRIPT``: the script exists and ``bash -n`` accepts it (not submitted)."""
+    (script,) = args
+    path = session.root / script
+    assert path.is_file(), f"sbatch {script}: no such file"
+    checked = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert checked.returncode == 0, f"sbatch {script}: bash -n says {checked.stderr}"
+
+
+def _kubectl(args: list[str], session: Session) -> None:
+    """``kubectl apply -f MANIFEST``: the manifest exists and is a KubeRay RayJob (not applied)."""
+    import yaml
+
+    assert args[:2] == ["apply", "-f"] and len(args) == 3, f"kubectl {shlex.join(args)}: only 'kubectl apply -f FILE' is checked"
+    path = session.root / args[2]
+    assert path.is_file(), f"kubectl apply -f {args[2]}: no such file"
+    manifest = yaml.safe_load(path.read_text())
+    assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayJob"), f"{args[2]} is not a ray.io/v1 RayJob"
+
+
 _HANDLERS = {
     "posttrain": _posttrain,
     "python-c": _python_c,
@@ -303,6 +328,8 @@ _HANDLERS = {
     "nox": _nox,
     "pytest": _pytest,
     "ray": _ray,
+    "sbatch": _sbatch,
+    "kubectl": _kubectl,
 }
 
 

@@ -178,7 +178,7 @@ def test_a_killed_worker_stops_the_run_naming_it_and_resume_matches(tiny_model_p
         run_algorithm(config, with_plugin(killer))
     stopped_after = time.monotonic() - killer.fired_at
     assert stopped_after < 30, f"the run took {stopped_after:.1f} s to notice the dead worker"
-    assert str(failure.value).startswith("worker group 'policy' rank 0 died: ")
+    assert str(failure.value).startswith("worker group 'policy' rank 0 died on node ")
     assert checkpoint_steps(tmp_path) == ["step_2"]
     assert not policy_workers()  # the run shut its worker group down
 
@@ -357,7 +357,7 @@ def test_cli_killed_worker_exits_within_30_s_and_the_same_command_resumes(tiny_m
     took = time.monotonic() - killed
 
     assert proc.returncode == 2 and took < 30, (proc.returncode, took, stderr[-3000:])
-    assert "error: worker group 'policy' rank 0 died: " in stderr
+    assert "error: worker group 'policy' rank 0 died on node " in stderr
     resumed = start_cli(command)
     _, stderr = resumed.communicate(timeout=400)
     assert resumed.returncode == 0, stderr[-3000:]

@@ -4,6 +4,9 @@
     posttrain config show ALGORITHM [--config FILE] [key=value ...]
                               the resolved config of that run, every key with its value,
                               its documentation and where it was set
+    posttrain launch slurm|kuberay|wait ...
+                              start a Ray cluster on Slurm or Kubernetes and run on it
+                              (posttrain.launch.command)
     posttrain plugins         installed plugins and what they register (a broken one with
                               its error); every other command refuses to start while an
                               installed plugin cannot be loaded, naming its distribution
@@ -30,7 +33,7 @@ import attrs
 from posttrain.errors import PluginError, PosttrainError, RunStopped
 
 #: Commands core defines itself; a plugin cannot register these names.
-CORE_COMMANDS = ("run", "config", "plugins")
+CORE_COMMANDS = ("run", "config", "launch", "plugins")
 
 
 @attrs.frozen
@@ -115,6 +118,10 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--config", "-c", help="YAML config file (default: every key at its default)")
     show.add_argument("overrides", nargs="*", help="config overrides, e.g. policy.optimizer.lr=1e-5")
     show.set_defaults(func=_cmd_config_show)
+
+    from posttrain.launch.command import add_arguments as add_launch_arguments
+
+    add_launch_arguments(sub.add_parser("launch", help="start a Ray cluster on Slurm or Kubernetes and run on it"))
 
     plugins = sub.add_parser("plugins", help="list installed plugins and what they register")
     plugins.set_defaults(func=_cmd_plugins)

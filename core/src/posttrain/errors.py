@@ -30,8 +30,19 @@ class CheckpointError(PosttrainError):
     """A checkpoint is missing, incomplete or does not fit the config."""
 
 
+class ClusterError(PosttrainError):
+    """The Ray cluster lacks what a run needs: nodes that did not join, a node that cannot
+    reach the run's storage, resources no node has."""
+
+
 class WorkerError(PosttrainError):
     """A Ray worker died or failed; the message names its group and rank."""
+
+
+class NodeLost(WorkerError):
+    """A worker of the run died with its node (the Ray cluster marked the node dead). Never
+    contained: the run stops, naming the node, and resumes from its checkpoint when started
+    again on a whole cluster."""
 
 
 class RunStopped(Exception):

@@ -17,11 +17,15 @@ import attrs
 class ClusterConfig:
     """Where workers run. ``ray_address`` (or the ``RAY_ADDRESS`` variable) joins a running
     cluster; otherwise a local one is started with ``num_cpus`` logical CPUs (detected when
-    None; may exceed the physical cores)."""
+    None; may exceed the physical cores). A joined cluster's own resources count; the run
+    waits until ``num_nodes`` of its nodes are alive."""
 
     # a running cluster to join, e.g. 10.0.0.1:6379; None: $RAY_ADDRESS, else start a local one
     ray_address: str | None = None
-    num_nodes: int = 1  # accepted but not read yet; workers go where Ray places them
+    # Ray nodes the run needs alive before any worker starts (a joined cluster; a local one has 1); workers
+    # are spread over the nodes by Ray, ranks ordered by node
+    num_nodes: int = 1
+    node_wait_s: float = 300.0  # seconds to wait for num_nodes nodes to join; then the run stops, naming those alive
     num_cpus: int | None = None  # logical CPUs of a local cluster; None: os.cpu_count(); ignored when joining
     num_gpus: int | None = None  # GPUs of a local cluster; None: those Ray detects; ignored when joining
     # dtensor policy workers compute on CUDA (NCCL between ranks) when it is available; the other

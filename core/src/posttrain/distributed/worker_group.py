@@ -1,11 +1,14 @@
 """Worker groups: N Ray actors of one class that act as the ranks of one job.
 
-Each actor runs in its own process, on one bundle of the group's placement group, with
+Each actor runs in its own process, on a bundle of the group's placement group (ranks ordered
+by node; ``ranks_per_bundle`` consecutive ranks share one bundle, hence one node), with
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` in ``os.environ`` before the worker's ``__init__`` body runs, so
 ``torch.distributed.init_process_group(backend)`` with the default env init forms the
 group. ``MASTER_ADDR`` is 127.0.0.1 when every rank is on one node, else rank 0's node
 address; ``MASTER_PORT`` is a port that was free on rank 0's node when the group started.
+Errors about a rank name its node (:attr:`~posttrain.distributed.nodes.Node.label`); on a
+cluster of several nodes, a ``workers placed`` event lists each rank's node.
 
 Calls go to every rank (:meth:`WorkerGroup.run_all`), to each rank with its own shard
 (:meth:`WorkerGroup.run_sharded`) or to rank 0 only (:meth:`WorkerGroup.run_rank0`). A call
@@ -28,12 +31,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.config.schema import WorkerResources
 from posttrain.distributed.cluster import VirtualCluster
-from posttrain.errors import WorkerError
+from posttrain.distributed.nodes import all_nodes, node_dead, node_label
+from posttrain.distributed.placement import Placement
+from posttrain.errors import NodeLost, WorkerError
+from posttrain.log import get_logger
 from posttrain.plugins import plugin_host
 
 #: How long a failed call waits for the group's other pending calls before raising, so that
@@ -84,8 +89,9 @@ def bound_method(worker: Worker, method: Callable[..., Any]) -> Callable[..., An
 
 
 class WorkerGroup(Generic[W]):
-    """``num_workers`` actors of ``worker_cls``, rank r on bundle r of a placement group
-    reserved from ``cluster`` under ``name``.
+    """``num_workers`` actors of ``worker_cls`` on a placement group reserved from
+    ``cluster`` under ``name`` (:meth:`VirtualCluster.reserve`), ``ranks_per_bundle``
+    consecutive ranks on one node (e.g. ``policy.tensor_parallel_size``).
 
     ``resources.env_vars`` and ``resources.runtime_env`` become the actors' Ray
     ``runtime_env`` (``env_vars`` merged into ``runtime_env["env_vars"]``), so a worker
@@ -103,6 +109,7 @@ class WorkerGroup(Generic[W]):
         name: str,
         num_workers: int,
         resources: WorkerResources,
+        ranks_per_bundle: int = 1,
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ):
@@ -114,16 +121,19 @@ class WorkerGroup(Generic[W]):
         self.node_ids: list[str] = []
         self._calls: dict[str, tuple[int, str]] = {}  # ObjectRef hex -> (rank, method)
         self._closed = False
-        group = cluster.reserve(name, num_workers, resources)
+        placement = cluster.reserve(name, num_workers, resources, ranks_per_bundle=ranks_per_bundle)
         try:
-            self.node_ids = bundle_nodes(group)  # the Ray node of each rank
-            self.actors = self._start_actors(group, resources, tuple(args), dict(kwargs or {}))
+            self.node_ids = list(placement.nodes)  # the Ray node of each rank
+            self.actors = self._start_actors(placement, resources, tuple(args), dict(kwargs or {}))
             self.get(
                 [self._track(actor.__ray_ready__.remote(), rank, "__init__") for rank, actor in enumerate(self.actors)]
             )
         except BaseException:
             self.shutdown()
             raise
+        if len(cluster.nodes) > 1:
+            labels = {node.node_id: node.label for node in all_nodes()}
+            get_logger().info("workers placed", group=name, nodes=[labels[node] for node in self.node_ids])
 
     # ------------------------------------------------------------------ calls
 
@@ -200,11 +210,13 @@ class WorkerGroup(Generic[W]):
         (a list for a list, one value for one ref).
 
         The first call to fail raises :class:`WorkerError`: ``worker group 'NAME' rank R
-        died: ...`` when the actor process died, or ``worker group 'NAME' rank R: METHOD()
-        raised ...`` with the last line of the remote traceback. When a call raised while
-        others are pending, a rank among them that died within :data:`PEER_DEATH_GRACE_S`
-        is reported instead (its death is what broke the others' collectives). Past
-        ``timeout_s`` seconds it raises :class:`WorkerError` naming the unfinished ranks.
+        died on node NODE: ...`` when the actor process died (:class:`NodeLost` when the
+        cluster marked that node dead), or
+        ``worker group 'NAME' rank R: METHOD() raised ...`` with the last line of the remote
+        traceback. When a call raised while others are pending, a rank among them that died
+        within :data:`PEER_DEATH_GRACE_S` is reported instead (its death is what broke the
+        others' collectives). Past ``timeout_s`` seconds it raises :class:`WorkerError`
+        naming the unfinished ranks.
         """
         single = isinstance(refs, ray.ObjectRef)
         ref_list: list[ray.ObjectRef] = [refs] if single else list(refs)  # type: ignore[list-item]
@@ -254,7 +266,7 @@ class WorkerGroup(Generic[W]):
     # ------------------------------------------------------------------ internals
 
     def _start_actors(
-        self, group: PlacementGroup, resources: WorkerResources, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, placement: Placement, resources: WorkerResources, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> list[ray.actor.ActorHandle]:
         actor_cls = ray.remote(_actor_class(self.worker_cls))
         runtime_env = merged_runtime_env(resources)
@@ -264,11 +276,13 @@ class WorkerGroup(Generic[W]):
                 name=f"{self.name}-rank{rank}-{token}",
                 num_cpus=resources.cpus,
                 num_gpus=resources.gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement.group, placement_group_bundle_index=placement.bundles[rank]
+                ),
                 runtime_env=runtime_env,
                 max_restarts=0,
             ).remote(env, args, kwargs)
-            for rank, env in enumerate(rank_environments(group))
+            for rank, env in enumerate(rank_environments(placement))
         ]
 
     def _method_name(self, method: Callable[..., Any]) -> str:
@@ -301,6 +315,10 @@ class WorkerGroup(Generic[W]):
         self._calls[ref.hex()] = (rank, method)
         return ref
 
+    def _node_of(self, rank: int | str) -> str:
+        """The node rank ``rank`` was placed on, as messages name it."""
+        return node_label(self.node_ids[rank]) if isinstance(rank, int) and rank < len(self.node_ids) else "unknown"
+
     def _owner(self, ref: ray.ObjectRef) -> tuple[int | str, str]:
         return self._calls.get(ref.hex(), ("?", "?"))
 
@@ -328,7 +346,10 @@ class WorkerGroup(Generic[W]):
                 raise WorkerError(
                     f"worker group '{self.name}' rank {rank}: __init__() raised {_last_line(str(err))}"
                 ) from err
-            raise WorkerError(f"worker group '{self.name}' rank {rank} died: {_one_line(str(err))}") from err
+            lost = isinstance(rank, int) and rank < len(self.node_ids) and node_dead(self.node_ids[rank])
+            raise (NodeLost if lost else WorkerError)(
+                f"worker group '{self.name}' rank {rank} died on node {self._node_of(rank)}: {_one_line(str(err))}"
+            ) from err
         except ray.exceptions.RayTaskError as err:
             rank, method = self._owner(ref)
             raise WorkerError(
@@ -336,20 +357,14 @@ class WorkerGroup(Generic[W]):
             ) from err
 
 
-def bundle_nodes(group: PlacementGroup) -> list[str]:
-    """The Ray node id of each bundle of ``group``, in bundle order."""
-    node_of = placement_group_table(group)["bundles_to_node_id"]
-    return [node_of[rank] for rank in range(group.bundle_count)]
-
-
-def rank_environments(group: PlacementGroup) -> list[dict[str, str]]:
-    """The torch.distributed variables of each rank, rank r on bundle r of ``group``."""
-    nodes = bundle_nodes(group)
+def rank_environments(placement: Placement) -> list[dict[str, str]]:
+    """The torch.distributed variables of each rank of ``placement``."""
+    nodes = list(placement.nodes)
     master = nodes[0]
     if master == ray.get_runtime_context().get_node_id():
         port = free_port()
     else:
-        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+        strategy = PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=placement.bundles[0])
         port = ray.get(ray.remote(free_port).options(num_cpus=0, scheduling_strategy=strategy).remote())
     if len(set(nodes)) == 1:
         address = "127.0.0.1"

@@ -91,18 +91,35 @@ class RunContext:
     def start_cluster(self) -> VirtualCluster:
         """Start Ray (unless this process is connected already) and the run's cluster, once,
         whichever thread asks first; return the cluster. Ray's start is not interrupted: a
-        stop requested meanwhile is raised once it is up."""
+        stop requested meanwhile is raised once it is up. The cluster waits for
+        ``cluster.num_nodes`` nodes (a stop ends the wait), then every other node must see the
+        run's folders (:meth:`check_storage`). With ``generation.colocated``, the generation
+        group goes to the policy's nodes."""
         self.stop.check_startup()
         with self._cluster_lock:
             if self._closed:
                 raise WorkerError(f"the run in {self.run_dir} has ended; its cluster does not start again")
             if self._cluster is None:
-                from posttrain.distributed.cluster import VirtualCluster
+                from posttrain.distributed.cluster import VirtualCluster, check_node_count
 
+                check_node_count(self.config.cluster)
                 self._start_ray()
-                self._cluster = VirtualCluster(self.config.cluster)
+                colocate = {"generation": "policy"} if self.config.generation.colocated else {}
+                self._cluster = VirtualCluster(self.config.cluster, colocate=colocate, check=self.stop.check_startup)
+                self.check_storage()
         self.stop.check_startup()
         return self._cluster
+
+    def check_storage(self) -> None:
+        """Every node of the cluster, other than the driver's, can write into and read from
+        ``run_dir`` and the checkpoint folder
+        (:func:`~posttrain.distributed.storage.check_shared_storage`)."""
+        from posttrain.distributed.storage import check_shared_storage
+
+        folders = {"run_dir": self.run_dir}
+        if self.checkpoints is not None and self.config.checkpointing.dir is not None:
+            folders["checkpointing.dir"] = Path(self.config.checkpointing.dir)
+        check_shared_storage(folders)
 
     def build_policy(self, *, schedule_steps: int | None = None) -> Policy:
         """The ``policy.backend`` policy, its workers started on :attr:`cluster`.

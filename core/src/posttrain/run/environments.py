@@ -12,7 +12,9 @@ returns results of the wrong length, or passes its deadline gives every sample o
 reward 0 and ends those samples; a sample the environment itself reports in
 ``EnvironmentReturn.errors`` is the only one lost. The run goes on; the counts become the
 rollout metrics ``env/<name>/errors`` and ``env/<name>/timeouts`` (in samples). After a
-timeout the actor is killed and a fresh one is started on the next call.
+timeout the actor is killed and a fresh one is started on the next call. An actor that died
+with its node (:class:`~posttrain.errors.NodeLost`) is not contained: the run stops, naming
+the node.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import attrs
 import torch
 
 from posttrain.config.environments import read_core_options, read_environment_options
-from posttrain.errors import PluginError, PosttrainError, WorkerError
+from posttrain.errors import NodeLost, PluginError, PosttrainError, WorkerError
 from posttrain.interfaces import Environment, EnvironmentReturn, Message
 from posttrain.log import get_logger
 from posttrain.plugins import PluginHost, new_plugin_host, plugin_host
@@ -59,6 +61,8 @@ def step_contained(name: str, env: Environment, message_logs: Sequence[Sequence[
     except EnvironmentTimeout as exc:
         _log.warning("environment call timed out", environment=name, samples=n, error=str(exc))
         return ContainedStep(failed_return(metadata, str(exc)), errors=0, timeouts=n)
+    except NodeLost:
+        raise
     except Exception as exc:  # contained: the run goes on with these samples scored 0
         message = f"{type(exc).__name__}: {exc}"
         _log.warning("environment call failed", environment=name, samples=n, error=message)
@@ -110,6 +114,8 @@ def metrics_contained(name: str, env: Environment, rewards: torch.Tensor, metada
     """``env.metrics``, or ``{}`` (with a warning) when it fails."""
     try:
         return {str(k): float(v) for k, v in env.metrics(rewards, metadata).items()}
+    except NodeLost:
+        raise
     except Exception as exc:  # metrics are informative; losing them must not stop the run
         _log.warning("environment metrics failed", environment=name, error=f"{type(exc).__name__}: {exc}")
         return {}
@@ -147,6 +153,12 @@ class EnvironmentActor:
     def ready(self) -> None:
         if self._error is not None:
             raise self._error
+
+    def node_id(self) -> str:
+        """The id of the Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def step(self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Any]) -> EnvironmentReturn:
         assert self.env is not None, "ready() failed; the actor has no environment"
@@ -186,6 +198,7 @@ class RemoteEnvironment(Environment):
     ):
         core, self._options = read_core_options(name, options)
         self.name = name
+        self._node: str | None = None  # the Ray node of the actor, once started
         self.call_timeout_s = core.call_timeout_s
         self._plugins = tuple(plugins)
         self._actor_options = {"num_cpus": 0, **(actor_options or {})}
@@ -227,6 +240,7 @@ class RemoteEnvironment(Environment):
         self._actor = actor_cls.options(**self._actor_options).remote(self.name, self._options, self._plugins)
         try:
             ray.get(self._actor.ready.remote(), timeout=self._start_timeout_s)
+            self._node = ray.get(self._actor.node_id.remote(), timeout=self._start_timeout_s)
         except ray.exceptions.RayTaskError as exc:  # building the environment raised
             self._kill()
             cause = exc.cause
@@ -255,6 +269,13 @@ class RemoteEnvironment(Environment):
             ) from None
         except ray.exceptions.RayActorError as exc:
             self._actor = None
+            from posttrain.distributed.nodes import node_dead, node_label
+
+            if self._node is not None and node_dead(self._node):
+                raise NodeLost(
+                    f"environment '{self.name}' died on node {node_label(self._node)} during {method}(): "
+                    f"{' '.join(str(exc).split())}"
+                ) from None
             raise WorkerError(f"environment '{self.name}' actor died during {method}(): {exc}") from None
 
     def _kill(self) -> None:

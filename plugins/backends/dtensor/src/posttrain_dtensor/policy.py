@@ -26,6 +26,7 @@ class DTensorPolicy(ShardedPolicy):
         tp = p.tensor_parallel_size
         group = WorkerGroup(
             cluster, DTensorPolicyWorker, name=name, num_workers=p.num_workers, resources=p.resources,
+            ranks_per_bundle=tp,  # a tensor-parallel group (consecutive ranks) on one node
             args=(config, options),
         )
         super().__init__(config, group, dp_rank_of=[r // tp for r in range(p.num_workers)],

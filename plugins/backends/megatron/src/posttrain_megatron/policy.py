@@ -26,6 +26,7 @@ class MegatronPolicy(ShardedPolicy):
         p = config.policy
         group = WorkerGroup(
             cluster, MegatronPolicyWorker, name=name, num_workers=p.num_workers, resources=p.resources,
+            ranks_per_bundle=p.tensor_parallel_size,  # a tensor-parallel group (consecutive ranks) on one node
             args=(config, options_of(config)),
         )
         try:

@@ -1,0 +1,106 @@
+"""Ray nodes on this machine, started with ``ray start --block`` as a user would on each node
+of a cluster, and stopped by their own process group.
+
+Each node gets a private Ray temp folder: ``ray start`` records the cluster's address in
+``<temp>/ray_current_cluster``, which ``ray.init()`` without an address (in any process of
+this machine, other test sessions included) would otherwise join. Every port the head opens
+by default (client server, dashboard agent) is a free one instead, so nodes of parallel test
+sessions do not collide. A node's processes are those ``ray start`` started: the raylet
+gives the node's id, and stopping the node kills them all.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+
+RAY = str(Path(sys.executable).parent / "ray")
+#: Ray's health check at test speed: a node whose raylet is gone is marked dead within ~2 s
+#: (Ray's default takes ~15 s). Set in the head's environment (Ray reads RAY_<setting>).
+FAST_HEALTH_CHECK = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def node_ip() -> str:
+    """The address Ray registers this machine's nodes under."""
+    from ray._private.services import get_node_ip_address
+
+    return str(get_node_ip_address())
+
+
+class LocalNode:
+    """One ``ray start ... --block`` process (and the node's processes) started in ``cwd``
+    with ``args`` after ``ray start``, logging to ``log``. ``wrapper`` runs before ``ray``
+    (e.g. ``unshare`` for a node with a mount namespace of its own)."""
+
+    def __init__(self, args: Sequence[str], *, temp_dir: Path, cwd: Path, log: Path, head: bool,
+                 wrapper: Sequence[str] = (), env: dict[str, str] | None = None):
+        self.temp_dir = temp_dir
+        options = [f"--temp-dir={temp_dir}", f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats",
+                   "--block"]
+        if head:
+            options += ["--include-dashboard=false", f"--ray-client-server-port={free_port()}"]
+        environ = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
+        environ.pop("RAY_ADDRESS", None)
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen([*wrapper, RAY, "start", *args, *options], cwd=cwd, env=environ,
+                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self._node_id: str | None = None
+
+    def node_id(self, timeout_s: float = 120.0) -> str:
+        """The node's Ray id, read from its raylet's command line (waits for the raylet)."""
+        deadline = time.monotonic() + timeout_s
+        while self._node_id is None:
+            for proc in self.processes():
+                try:
+                    words = proc.cmdline()
+                except psutil.Error:
+                    continue
+                if words and Path(words[0]).name == "raylet":
+                    self._node_id = next(w.split("=", 1)[1] for w in words if w.startswith("--node_id="))
+            assert self.process.poll() is None, f"ray start exited with {self.process.returncode}"
+            assert time.monotonic() < deadline, "the node's raylet did not start"
+            time.sleep(0.2)
+        return self._node_id
+
+    def processes(self) -> list[psutil.Process]:
+        """This node's live processes: ``ray start`` and all it started (the raylet's
+        workers included, which Ray starts in sessions of their own)."""
+        try:
+            root = psutil.Process(self.process.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def kill(self) -> None:
+        """SIGKILL every process of the node at once (as a machine that lost power) and wait
+        until they are gone."""
+        doomed = self.processes()
+        for proc in doomed:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        self.process.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_alive(proc) for proc in doomed) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
