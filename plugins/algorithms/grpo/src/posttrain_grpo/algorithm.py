@@ -64,7 +64,7 @@ from posttrain.data import (
     require_dataset,
 )
 from posttrain.errors import ConfigError, WorkerError
-from posttrain.interfaces import Algorithm, DataPlane, Environment, Generation, PlaneSamples, Policy
+from posttrain.interfaces import Algorithm, Environment, PlaneSamples
 from posttrain.run.agents import load_agent, run_agent_rollout
 from posttrain.run.checkpoint import TrainingState
 from posttrain.run.context import RunContext

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from posttrain.interfaces import Environment, EnvironmentReturn, Message
 from posttrain.distributed.deadline_pool import DeadlinePool
+from posttrain.interfaces import Environment, EnvironmentReturn, Message
 from posttrain_env_math.options import MathOptions
 
 

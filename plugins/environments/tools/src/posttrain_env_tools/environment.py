@@ -22,13 +22,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import torch
 
+from posttrain.data.tool_calls import FORMATS, MalformedToolCall, ToolCall
 from posttrain.distributed.deadline_pool import DeadlinePool
 from posttrain.interfaces import Environment, EnvironmentReturn, Message
 from posttrain.plugins import plugin_host
-from posttrain.data.tool_calls import FORMATS, MalformedToolCall, ToolCall
 from posttrain_env_tools.invoke import invoke
 from posttrain_env_tools.options import ToolsOptions
 from posttrain_env_tools.tool import Tool, resolve_tool
