@@ -83,7 +83,8 @@ class LoraConfig:
     (rank x in) random and ``B`` (out x rank) zero at the start, so step 0 is the base model.
     Only ``A`` and ``B`` reach the optimizer, its state and checkpoints; the reference policy is
     the base model with the adapters off. Policy backends that implement it say so (the
-    ``supports_lora`` attribute of their config section); others refuse it."""
+    ``supports_lora`` attribute of their config section); others refuse it. An adapter refit
+    (``refit: adapter``) needs a generation backend whose section sets ``supports_lora_adapters``."""
 
     enabled: bool = False  # train adapters instead of every weight (needs a policy backend that supports LoRA)
     rank: int = 8  # the adapters' inner dimension r (>= 1)
@@ -93,6 +94,9 @@ class LoraConfig:
     # ending in .name, e.g. [q_proj, v_proj]), a string: a regular expression over full module paths, or
     # all-linear: every linear layer but the output head
     target_modules: list[str] | str = "all-linear"
+    # how a refit gives the generation engines the weights: merged (W + alpha/rank B A under the base
+    # names; every engine) or adapter (A and B only, loaded as a LoRA adapter; engines that support it)
+    refit: Literal["merged", "adapter"] = "merged"
     export_merged: bool = False  # an algorithm's export_dir also gets the merged model, in its merged/ folder
 
 

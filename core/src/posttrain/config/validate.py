@@ -117,16 +117,17 @@ def _finite(value: float) -> bool:
 # --------------------------------------------------------------------------- LoRA
 
 
-def backend_supports_lora(host: PluginHost, backend: str) -> bool:
-    """Whether the policy backend ``backend`` implements ``policy.lora``: its config section's
-    class (``policy.<backend>``) says so with a class attribute ``supports_lora = True``."""
-    section = f"policy.{backend}"
-    return section in host.config_sections and bool(getattr(host.config_sections[section], "supports_lora", False))
+def section_declares(host: PluginHost, section: str, capability: str) -> bool:
+    """Whether the class of the registered config section ``section`` sets the class
+    attribute ``capability`` true (e.g. ``policy.dtensor``'s ``supports_lora``)."""
+    return section in host.config_sections and bool(getattr(host.config_sections[section], capability, False))
 
 
 def check_lora(config: RunConfig, host: PluginHost) -> None:
     """``policy.lora``'s values and, when it is enabled, a policy backend that implements it
-    (the backend checks what only it can, e.g. that ``target_modules`` matches its model)."""
+    (its section's ``supports_lora``) and, for ``refit: adapter``, a generation backend that
+    loads adapters (its section's ``supports_lora_adapters``). The policy backend checks what
+    only it can, e.g. that ``target_modules`` matches its model."""
     lora = config.policy.lora
     if not lora.enabled:
         return
@@ -142,13 +143,24 @@ def check_lora(config: RunConfig, host: PluginHost) -> None:
         if not ok:
             raise ConfigError(f"{key}: expected {expected}, found {value!r}.{where_set(config, key)}")
     backend = config.policy.backend
-    if backend in host.policy_backends and not backend_supports_lora(host, backend):
-        able = [name for name in host.policy_backends if backend_supports_lora(host, name)]
+    if backend in host.policy_backends and not section_declares(host, f"policy.{backend}", "supports_lora"):
+        able = [name for name in host.policy_backends if section_declares(host, f"policy.{name}", "supports_lora")]
         raise ConfigError(
             f"policy.lora.enabled is true, but the policy backend '{backend}' "
             f"({host.policy_backends.distribution_of(backend)}) does not implement LoRA; policy backends that do: "
             f"{', '.join(able) or 'none installed'}. Set policy.backend to one of them, or policy.lora.enabled: false."
             f"{where_set(config, 'policy.lora.enabled', 'policy.backend')}"
+        )
+    engines = host.generation_backends
+    generator = config.generation.backend
+    adapters = "supports_lora_adapters"
+    if lora.refit == "adapter" and generator in engines and not section_declares(host, f"generation.{generator}", adapters):
+        able = [name for name in engines if section_declares(host, f"generation.{name}", adapters)]
+        raise ConfigError(
+            f"policy.lora.refit is adapter, but the generation backend '{generator}' ({engines.distribution_of(generator)}) "
+            f"does not load LoRA adapters; generation backends that do: {', '.join(able) or 'none installed'}. Set "
+            f"generation.backend to one of them, or policy.lora.refit: merged (every backend loads merged weights)."
+            f"{where_set(config, 'policy.lora.refit', 'generation.backend')}"
         )
 
 

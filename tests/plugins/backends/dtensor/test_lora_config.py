@@ -71,3 +71,16 @@ def test_lora_off_is_not_checked(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("policy:\n  backend: megatron\n  lora:\n    rank: 0\n")
     assert load_config(str(path)).policy.lora.rank == 0
+
+
+def test_an_adapter_refit_needs_a_generation_backend_that_loads_adapters(tmp_path, tiny_model_path):
+    path = config_file(tmp_path, tiny_model_path, "refit: adapter")
+    with open(path, "a") as stream:
+        stream.write("generation:\n  backend: hf\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert re.fullmatch(
+        r"policy\.lora\.refit is adapter, but the generation backend 'hf' \(posttrain-hf [\d.]+\) does not load LoRA "
+        r"adapters; generation backends that do: vllm\. Set generation\.backend to one of them, or policy\.lora\.refit: "
+        r"merged \(every backend loads merged weights\)\. Where set: policy\.lora\.refit at .*run\.yaml:6; "
+        r"generation\.backend at .*run\.yaml:8\.", str(error.value)), str(error.value)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,11 +90,13 @@ def _sft_config(model: Path, run_dir: Path, files: TaskFiles, epochs: int, expor
 
 
 def run_quickstart(run_dir: str | Path, overrides: list[str], *, seed: int = 0, sft_epochs: int = SFT_EPOCHS,
-                   grpo_steps: int = GRPO_STEPS) -> dict[str, float]:
+                   grpo_steps: int = GRPO_STEPS, grpo_overrides: Sequence[str] = ()) -> dict[str, float]:
     """Run the three stages under ``run_dir`` and return the three validation accuracies.
 
     ``seed`` sets the model's initial weights and every random choice of the runs (data
-    order, sampling); the task's problems are the same for every seed.
+    order, sampling); the task's problems are the same for every seed. ``overrides`` apply to
+    every stage, ``grpo_overrides`` (after them) to the GRPO training stage only, e.g.
+    ``["policy.lora.enabled=true", "policy.optimizer.lr=5e-3"]`` for GRPO with LoRA after full SFT.
     """
     check_requirements()
     if any(item.split("=", 1)[0].strip() == "seed" for item in overrides):
@@ -104,14 +107,15 @@ def run_quickstart(run_dir: str | Path, overrides: list[str], *, seed: int = 0, 
     model = build_tiny_model(run_dir / "base_model", size="quickstart", seed=seed)
     files = write_task(run_dir / "data", num_sft=NUM_SFT, num_rl=NUM_RL, num_validation=NUM_VALIDATION, seed=0)
 
-    def stage(algorithm: str, data: dict[str, Any]) -> dict[str, Any]:
-        config = config_from_dict(data, [*overrides, f"algorithm={algorithm}"])
+    def stage(algorithm: str, data: dict[str, Any], extra: Sequence[str] = ()) -> dict[str, Any]:
+        config = config_from_dict(data, [*overrides, *extra, f"algorithm={algorithm}"])
         return run_algorithm(config)
 
     before = stage("grpo", _grpo_config(model, run_dir / "eval_base", files, 0, None, seed))
     stage("sft", _sft_config(model, run_dir / "sft", files, sft_epochs, run_dir / "sft_model", seed))
     final_model = run_dir / "final_model"
-    after_grpo = stage("grpo", _grpo_config(run_dir / "sft_model", run_dir / "grpo", files, grpo_steps, final_model, seed))
+    after_grpo = stage("grpo", _grpo_config(run_dir / "sft_model", run_dir / "grpo", files, grpo_steps, final_model, seed),
+                       grpo_overrides)
 
     records = read_metrics(run_dir / "grpo" / "metrics.jsonl")
     validation = [r for r in records if r["phase"] == "validation"]

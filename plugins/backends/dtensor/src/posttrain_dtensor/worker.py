@@ -21,8 +21,9 @@ in every pass and in training, are those of ``logits / T`` with ``T`` from
 
 With ``policy.lora`` (:mod:`posttrain_dtensor.lora`), peft's adapters are injected before the
 model is sharded; only they reach the optimizer, its state and checkpoints; the reference
-pass turns them off; the weight sync sends the merged weights and the export writes a PEFT
-folder (:mod:`posttrain_dtensor.weights`).
+pass turns them off; the weight sync sends the merged weights (or, with
+``policy.lora.refit: adapter``, the adapters) and the export writes a PEFT folder
+(:mod:`posttrain_dtensor.weights`).
 """
 
 from __future__ import annotations
@@ -116,8 +117,17 @@ class DTensorPolicyWorker(PolicyWorker):
         self._reference = {} if self.adapter_scales else {
             name: _local(p).detach().to("cpu", self.compute_dtype, copy=True) for name, p in self.model.named_parameters()
         }
+        self.synced = self._synced_view()
+
+    def _synced_view(self) -> WeightView:
+        """What a weight sync sends: the full weights; under LoRA the merged weights, or the
+        adapters alone with ``policy.lora.refit: adapter``."""
         lm = self.model.lm
-        self.synced: WeightView = MergedWeights(lm, self.adapter_scales) if self.adapter_scales else FullWeights(lm)
+        if not self.adapter_scales:
+            return FullWeights(lm)
+        if self.config.policy.lora.refit == "adapter":
+            return AdapterWeights(lm, self.adapter_scales)
+        return MergedWeights(lm, self.adapter_scales)
 
     def _build_model(self, config: RunConfig, options: DTensorConfig) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -301,8 +311,8 @@ class DTensorPolicyWorker(PolicyWorker):
         self.step = state["step"]
 
     def weight_metadata(self) -> list[ParamMeta]:
-        """Every tensor a weight sync sends (:attr:`synced`: the full weights, or under LoRA
-        the merged weights): name, full (global) shape, ``policy.dtype``; no gather."""
+        """Every tensor a weight sync sends (:meth:`_synced_view`): name, full (global) shape,
+        ``policy.dtype``; no gather."""
         return _metadata(self.synced, self.compute_dtype)
 
     def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
