@@ -204,7 +204,8 @@ class AdapterSlot:
     def __init__(self, lora: LoraConfig, base_model: str):
         self.lora = lora
         self.base_model = base_model
-        self.folder = tempfile.mkdtemp(prefix="posttrain-adapter-")
+        self._folder = tempfile.TemporaryDirectory(prefix="posttrain-adapter-")  # removed with the slot
+        self.folder = self._folder.name
         self.request: Any = None
 
     def receive(self, llm: Any, version: int) -> None:
