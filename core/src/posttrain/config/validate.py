@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 
 from posttrain.config.environments import read_environment_options
+from posttrain.config.features import section_declares
 from posttrain.config.schema import RunConfig
 from posttrain.errors import ConfigError, PluginError
 from posttrain.plugins import PluginHost, Registry, plugin_host
@@ -117,17 +118,11 @@ def _finite(value: float) -> bool:
 # --------------------------------------------------------------------------- LoRA
 
 
-def section_declares(host: PluginHost, section: str, capability: str) -> bool:
-    """Whether the class of the registered config section ``section`` sets the class
-    attribute ``capability`` true (e.g. ``policy.dtensor``'s ``supports_lora``)."""
-    return section in host.config_sections and bool(getattr(host.config_sections[section], capability, False))
-
-
 def check_lora(config: RunConfig, host: PluginHost) -> None:
     """``policy.lora``'s values and, when it is enabled, a policy backend that implements it
-    (its section's ``supports_lora``) and, for ``refit: adapter``, a generation backend that
-    loads adapters (its section's ``supports_lora_adapters``). The policy backend checks what
-    only it can, e.g. that ``target_modules`` matches its model."""
+    and, for ``refit: adapter``, a generation backend that loads adapters (the features their
+    sections declare: :mod:`posttrain.config.features`). The policy backend checks what only
+    it can, e.g. that ``target_modules`` matches its model."""
     lora = config.policy.lora
     if not lora.enabled:
         return

@@ -84,3 +84,17 @@ def test_an_adapter_refit_needs_a_generation_backend_that_loads_adapters(tmp_pat
         r"adapters; generation backends that do: vllm\. Set generation\.backend to one of them, or policy\.lora\.refit: "
         r"merged \(every backend loads merged weights\)\. Where set: policy\.lora\.refit at .*run\.yaml:6; "
         r"generation\.backend at .*run\.yaml:8\.", str(error.value)), str(error.value)
+
+
+def test_posttrain_plugins_lists_the_backends_with_lora():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "posttrain.cli", "plugins"], capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    dtensor = lines.index("  policy backend: dtensor")
+    assert lines[dtensor + 1 : dtensor + 3] == ["  config section: policy.dtensor", "  features: LoRA (policy.lora)"]
+    megatron = lines.index("  policy backend: megatron")
+    assert not lines[megatron + 2].startswith("  features"), lines[megatron : megatron + 3]
+    vllm = lines.index("  generation backend: vllm")
+    assert lines[vllm + 2] == "  features: LoRA adapters sent by refit (policy.lora.refit: adapter)"
