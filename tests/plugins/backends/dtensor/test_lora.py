@@ -28,10 +28,10 @@ from posttrain_dtensor.policy import DTensorPolicy
 pytestmark = pytest.mark.ray
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules="all-linear", export_merged=True)
-# name: (num_workers, tensor_parallel_size, backend options)
+# name: (num_workers, tensor_parallel_size, backend options); dp2 also recomputes layers in backward
 LAYOUTS = {
     "one_rank": (1, 1, DTensorConfig()),
-    "fsdp_dp2": (2, 1, DTensorConfig(reshard_after_forward=False)),
+    "fsdp_dp2": (2, 1, DTensorConfig(reshard_after_forward=False, activation_checkpointing=True)),
     "tp2": (2, 2, DTensorConfig()),
 }
 

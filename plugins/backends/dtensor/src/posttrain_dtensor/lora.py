@@ -40,13 +40,14 @@ ADAPTER = "default"
 SHARDED_MATRIX = {"colwise": "lora_B", "rowwise": "lora_A"}
 
 
-def peft_config(options: LoraConfig, base_model: str | None = None) -> peft.LoraConfig:
-    """``policy.lora`` as peft's ``LoraConfig`` (no bias, B initialised to zero)."""
+def peft_config(options: LoraConfig) -> peft.LoraConfig:
+    """``policy.lora`` as peft's ``LoraConfig`` (no bias, B initialised to zero). peft is
+    imported only where LoRA is used, so full fine-tuning ranks never load it."""
     import peft
 
     return peft.LoraConfig(
         r=options.rank, lora_alpha=options.alpha, lora_dropout=options.dropout, target_modules=options.target_modules,
-        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model,
+        bias="none", task_type="CAUSAL_LM",
     )
 
 

@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from posttrain.backend.adapter_folder import peft_name
+from posttrain.backend.adapter_folder import MATRICES, peft_name
 from posttrain_dtensor.checkpoint import gather_full, named_weights
 from posttrain_dtensor.lora import ADAPTER
 
@@ -52,7 +52,7 @@ def _adapter_tensor(lm_tensors: dict[str, torch.Tensor], path: str, matrix: str)
 
 class MergedWeights:
     """The base model's tensors with every adapter merged in (see the module docstring).
-    ``layers`` are the adapted layers' module paths (relative to ``lm``) and scales."""
+    ``scales``: each adapted layer's module path (relative to ``lm``) and ``alpha / rank``."""
 
     def __init__(self, lm: nn.Module, scales: dict[str, float]):
         self.lm = lm
@@ -60,7 +60,7 @@ class MergedWeights:
 
     def _entries(self) -> Iterator[tuple[str, str]]:
         """``(exported name, state-dict name)`` of every exported tensor, in state-dict order."""
-        adapter = {f"{path}.{m}.{ADAPTER}.weight" for path in self.scales for m in ("lora_A", "lora_B")}
+        adapter = {f"{path}.{m}.{ADAPTER}.weight" for path in self.scales for m in MATRICES}
         for name, _ in named_weights(self.lm):
             if name in adapter:
                 continue
@@ -93,7 +93,7 @@ class AdapterWeights:
         self.scales = scales
 
     def _entries(self) -> list[tuple[str, str, str]]:
-        return [(peft_name(path, m), path, m) for path in self.scales for m in ("lora_A", "lora_B")]
+        return [(peft_name(path, m), path, m) for path in self.scales for m in MATRICES]
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
         tensors = dict(named_weights(self.lm))

@@ -166,13 +166,13 @@ class VllmEngineWorker(EngineWorker):
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": PosttrainInitInfo.from_init(init)})
 
     def receive_weights(self, version: int) -> list[str]:
-        if self.adapters is not None:
-            self.adapters.receive(self.llm, version)
-            self.weight_version = version
-            return []
         if "weights" in self.asleep:
             self.llm.wake_up(tags=["weights"])
             self.asleep.discard("weights")
+        if self.adapters is not None:  # the base weights stay; the adapter covers what it covers
+            self.adapters.receive(self.llm, version)
+            self.weight_version = version
+            return []
         self.llm.collective_rpc("start_weight_update")
         self.llm.collective_rpc("update_weights", kwargs={"update_info": {"version": version}})
         self.llm.collective_rpc("finish_weight_update")
