@@ -9,6 +9,10 @@ Sides, each in its own process:
   buckets of ``generation.refit_bucket_bytes``, loaded by the vLLM worker extension, prefix
   cache reset);
 - ``posttrain-hf``: the same call into the ``hf`` engine actor;
+- ``posttrain-vllm-lora-merged`` and ``posttrain-vllm-lora-adapter``: the baseline's call from a
+  policy with ``policy.lora`` (rank 16, every linear layer but the head), sending the merged
+  weights (as much as full fine-tuning) or the adapters alone, which the engine loads as a
+  vLLM LoRA adapter (``policy.lora.refit``);
 - ``trl-vllm``: TRL's colocated vLLM weight sync, ``trainer.vllm_generation.sync_weights()``
   of a ``GRPOTrainer`` with the colocate options of ``grpo.py``'s ``trl-best``.
 
@@ -61,9 +65,10 @@ def timed(call: Callable[[], Any], times: int) -> tuple[list[float], list[Any]]:
     return durations, results
 
 
-def posttrain_refit(spec: dict[str, Any], backend: str) -> dict[str, Any]:
+def posttrain_refit(spec: dict[str, Any], backend: str, lora: str | None = None) -> dict[str, Any]:
     """``warmup + steps`` refits of a ``dtensor`` policy into a colocated ``backend`` engine,
-    both built through the plugin registry from a run config as a GRPO run builds them."""
+    both built through the plugin registry from a run config as a GRPO run builds them; with
+    ``lora`` (a ``policy.lora.refit`` mode), the policy trains rank-16 adapters."""
     from posttrain.config import config_from_dict
     from posttrain.distributed.cluster import VirtualCluster, init_ray
     from posttrain.plugins import plugin_host
@@ -75,7 +80,8 @@ def posttrain_refit(spec: dict[str, Any], backend: str) -> dict[str, Any]:
         "run_dir": str(Path(spec["workdir"]) / f"posttrain_refit_{backend}_{time.time_ns()}"),
         "cluster": {"num_cpus": 2 * threads},  # logical CPUs: the colocated policy and engine take turns
         "policy": {"backend": "dtensor", "model": spec["model_dir"], "dtype": "float32", "num_workers": 1,
-                   "max_total_sequence_length": spec["max_len"], "resources": {"cpus": threads}},
+                   "max_total_sequence_length": spec["max_len"], "resources": {"cpus": threads},
+                   "lora": {"enabled": lora is not None, "rank": 16, "alpha": 32.0, "refit": lora or "merged"}},
         "generation": {"backend": backend, "dtype": "float32", "colocated": True, "resources": {"cpus": threads}},
     }, source="benchmark")
     init_ray(config.cluster)
@@ -188,6 +194,8 @@ WORKLOAD = Workload(
     sides={
         "posttrain-vllm": lambda spec: posttrain_refit(spec, "vllm"),
         "posttrain-hf": lambda spec: posttrain_refit(spec, "hf"),
+        "posttrain-vllm-lora-merged": lambda spec: posttrain_refit(spec, "vllm", lora="merged"),
+        "posttrain-vllm-lora-adapter": lambda spec: posttrain_refit(spec, "vllm", lora="adapter"),
         "trl-vllm": trl_vllm_refit,
     },
     baseline="posttrain-vllm",

@@ -51,8 +51,10 @@ class Command:
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    """List every installed plugin and what it registers; one that could not be loaded is
-    listed with its error (the command still succeeds)."""
+    """List every installed plugin, what it registers and the features its config sections
+    declare (:mod:`posttrain.config.features`); one that could not be loaded is listed with
+    its error (the command still succeeds)."""
+    from posttrain.config.features import declared_features
     from posttrain.plugins import plugin_host
 
     for info in plugin_host(allow_broken=True).plugins():
@@ -66,6 +68,10 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
             kinds.setdefault(reg.kind, []).append(reg.name)
         for kind, names in kinds.items():
             print(f"  {kind}: {', '.join(sorted(names))}")
+        features = [text for reg in info.registrations if reg.kind == "config section"
+                    for text in declared_features(reg.value)]
+        if features:
+            print(f"  features: {', '.join(features)}")
     return 0
 
 

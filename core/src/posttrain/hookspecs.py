@@ -211,7 +211,11 @@ def posttrain_config_sections() -> Mapping[str, type]:
     one data-parallel replica beyond ``policy.tensor_parallel_size`` (e.g. megatron's
     pipeline and context parallel sizes). Core divides ``policy.num_workers`` by their
     product (:attr:`posttrain.config.schema.RunConfig.data_parallel_size`) and names those
-    keys in its checks.
+    keys in its checks. Its class may declare features as class attributes set true
+    (:mod:`posttrain.config.features`): ``supports_lora`` (the backend implements
+    ``policy.lora``; core refuses LoRA with any other backend); a generation backend's section
+    (``generation.<backend>``) ``supports_lora_adapters`` (its engines load the adapters a refit
+    with ``policy.lora.refit: adapter`` sends).
 
     An algorithm's section (named like the algorithm) may define ``batch_size_rules(self) ->
     posttrain.config.validate.BatchSizeRules``: what its batches need beyond core's rules

@@ -84,7 +84,8 @@ class PolicyWorker(Worker, abc.ABC):
     @abc.abstractmethod
     def logprobs(self, work: RankWork, reference: bool = False) -> Batch | None:
         """``logprobs`` float32 [n, S] of ``work.batch`` (n samples) under the current weights,
-        or ``reference_logprobs`` under the frozen initial weights when ``reference``."""
+        or ``reference_logprobs`` under the frozen initial weights when ``reference`` (under
+        ``policy.lora``: the base model, adapters off)."""
 
     @abc.abstractmethod
     def topk(self, work: RankWork, k: int) -> Batch | None:
@@ -136,7 +137,10 @@ class PolicyWorker(Worker, abc.ABC):
         """Write a Hugging Face folder at ``path`` (safetensors shards of at most
         ``shard_bytes``, the model's config and generation config, and the tokenizer of
         ``policy.tokenizer`` or else ``policy.model``) that transformers and vLLM load;
-        :mod:`posttrain.backend.hf_export` writes the shards and the metadata."""
+        :mod:`posttrain.backend.hf_export` writes the shards and the metadata. A backend
+        that supports ``policy.lora`` writes the adapters there as a PEFT folder instead
+        (:func:`posttrain.backend.adapter_folder.write_adapter_folder`), and the merged model
+        in its ``merged/`` folder when ``policy.lora.export_merged``."""
 
     # ------------------------------------------------------------------ weight sync (collective)
 

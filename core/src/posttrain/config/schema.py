@@ -82,6 +82,29 @@ class DynamicBatchingConfig:
 
 
 @attrs.define
+class LoraConfig:
+    """Low-rank adapters (LoRA): train ``W + (alpha / rank) B A`` with ``W`` frozen, ``A``
+    (rank x in) random and ``B`` (out x rank) zero at the start, so step 0 is the base model.
+    Only ``A`` and ``B`` reach the optimizer, its state and checkpoints; the reference policy is
+    the base model with the adapters off. Policy backends that implement it say so (the
+    ``supports_lora`` attribute of their config section); others refuse it. An adapter refit
+    (``refit: adapter``) needs a generation backend whose section sets ``supports_lora_adapters``."""
+
+    enabled: bool = False  # train adapters instead of every weight (needs a policy backend that supports LoRA)
+    rank: int = 8  # the adapters' inner dimension r (>= 1)
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (> 0)
+    dropout: float = 0.0  # dropout on each adapter's input while training, in [0, 1)
+    # linear layers that get an adapter: a list of module names (a name matches itself and any path
+    # ending in .name, e.g. [q_proj, v_proj]), a string: a regular expression over full module paths, or
+    # all-linear: every linear layer but the output head
+    target_modules: list[str] | str = "all-linear"
+    # how a refit gives the generation engines the weights: merged (W + alpha/rank B A under the base
+    # names; every engine) or adapter (A and B only, loaded as a LoRA adapter; engines that support it)
+    refit: Literal["merged", "adapter"] = "merged"
+    export_merged: bool = False  # an algorithm's export_dir also gets the merged model, in its merged/ folder
+
+
+@attrs.define
 class WorkerResources:
     """What each worker actor of a group asks Ray for, and its process environment."""
 
@@ -115,6 +138,7 @@ class PolicyConfig:
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)  # the learning-rate schedule
     sequence_packing: SequencePackingConfig = attrs.field(factory=SequencePackingConfig)  # several samples per row
     dynamic_batching: DynamicBatchingConfig = attrs.field(factory=DynamicBatchingConfig)  # microbatches by token budget
+    lora: LoraConfig = attrs.field(factory=LoraConfig)  # low-rank adapters instead of full fine-tuning
     resources: WorkerResources = attrs.field(factory=WorkerResources)  # what each policy worker asks Ray for
 
 

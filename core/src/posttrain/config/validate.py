@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 
 from posttrain.config.environments import read_environment_options
+from posttrain.config.features import section_declares
 from posttrain.config.schema import RunConfig
 from posttrain.errors import ConfigError, PluginError
 from posttrain.plugins import PluginHost, Registry, plugin_host
@@ -49,7 +50,7 @@ def require_registered(registry: Registry, name: str, key: str, *, config: RunCo
 
 
 def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
-    """Check sizes, the optimizer and its schedule, batch arithmetic (with the algorithm's
+    """Check sizes, the optimizer and its schedule, ``policy.lora``, batch arithmetic (with the algorithm's
     :class:`BatchSizeRules`), the data plane, every configured environment (its name and
     options), then the plugins' checks.
 
@@ -63,6 +64,7 @@ def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
         if value < 1:
             raise ConfigError(f"{key} must be at least 1, found {value}.{where_set(config, key)}")
     check_optimizer(config)
+    check_lora(config, host)
     check_batch_sizes(config, batch_size_rules(config))
     require_registered(host.data_planes, config.data_plane.backend, "data_plane.backend", config=config)
     check_environments(config, host)
@@ -111,6 +113,50 @@ def check_optimizer(config: RunConfig) -> None:
 
 def _finite(value: float) -> bool:
     return math.isfinite(value)
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+def check_lora(config: RunConfig, host: PluginHost) -> None:
+    """``policy.lora``'s values and, when it is enabled, a policy backend that implements it
+    and, for ``refit: adapter``, a generation backend that loads adapters (the features their
+    sections declare: :mod:`posttrain.config.features`). The policy backend checks what only
+    it can, e.g. that ``target_modules`` matches its model."""
+    lora = config.policy.lora
+    if not lora.enabled:
+        return
+    checks: list[tuple[str, Any, bool, str]] = [
+        ("policy.lora.rank", lora.rank, lora.rank >= 1, "an integer >= 1, e.g. 8"),
+        ("policy.lora.alpha", lora.alpha, _finite(lora.alpha) and lora.alpha > 0,
+         "a number > 0, e.g. 16 (the adapters' scale is alpha / rank)"),
+        ("policy.lora.dropout", lora.dropout, 0 <= lora.dropout < 1, "a probability in [0, 1), e.g. 0.05"),
+        ("policy.lora.target_modules", lora.target_modules, bool(lora.target_modules),
+         "module names (e.g. [q_proj, v_proj]), a regular expression, or all-linear"),
+    ]
+    for key, value, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{key}: expected {expected}, found {value!r}.{where_set(config, key)}")
+    backend = config.policy.backend
+    if backend in host.policy_backends and not section_declares(host, f"policy.{backend}", "supports_lora"):
+        able = [name for name in host.policy_backends if section_declares(host, f"policy.{name}", "supports_lora")]
+        raise ConfigError(
+            f"policy.lora.enabled is true, but the policy backend '{backend}' "
+            f"({host.policy_backends.distribution_of(backend)}) does not implement LoRA; policy backends that do: "
+            f"{', '.join(able) or 'none installed'}. Set policy.backend to one of them, or policy.lora.enabled: false."
+            f"{where_set(config, 'policy.lora.enabled', 'policy.backend')}"
+        )
+    engines = host.generation_backends
+    generator = config.generation.backend
+    adapters = "supports_lora_adapters"
+    if lora.refit == "adapter" and generator in engines and not section_declares(host, f"generation.{generator}", adapters):
+        able = [name for name in engines if section_declares(host, f"generation.{name}", adapters)]
+        raise ConfigError(
+            f"policy.lora.refit is adapter, but the generation backend '{generator}' ({engines.distribution_of(generator)}) "
+            f"does not load LoRA adapters; generation backends that do: {', '.join(able) or 'none installed'}. Set "
+            f"generation.backend to one of them, or policy.lora.refit: merged (every backend loads merged weights)."
+            f"{where_set(config, 'policy.lora.refit', 'generation.backend')}"
+        )
 
 
 # --------------------------------------------------------------------------- batch sizes

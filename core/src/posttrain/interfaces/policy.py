@@ -46,7 +46,8 @@ class Policy(abc.ABC):
     def get_reference_policy_logprobs(self, batch: Batch) -> Batch:
         """Like :meth:`get_logprobs`, under the frozen initial weights; returns
         ``reference_logprobs``. The reference weights live on CPU and are swapped in for the
-        pass, not kept as a second resident model."""
+        pass, not kept as a second resident model; with ``policy.lora``, the reference is the
+        base model with the adapters off (no copy at all)."""
 
     @abc.abstractmethod
     def get_topk_logits(self, batch: Batch, k: int) -> Batch:
@@ -96,7 +97,10 @@ class Policy(abc.ABC):
 
     @abc.abstractmethod
     def export_hf(self, path: str) -> None:
-        """Write a consolidated Hugging Face folder (safetensors, config, tokenizer)."""
+        """Write a consolidated Hugging Face folder (safetensors, config, tokenizer). With
+        ``policy.lora``: the adapters as a PEFT folder
+        (:mod:`posttrain.backend.adapter_folder`) and, with ``policy.lora.export_merged``, the
+        merged model as a Hugging Face folder in its ``merged/`` folder."""
 
     @abc.abstractmethod
     def export_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:

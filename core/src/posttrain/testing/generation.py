@@ -163,18 +163,21 @@ class NegativeLogLikelihood(LossFunction):
         return loss, {"nll": float(loss.detach())}
 
 
-def check_trained_policy_refit(policy: Policy, generation: Generation, prompts: list[list[int]], *, bucket_bytes: int) -> None:
-    """Train ``policy`` one step on the backend's samples, refit, sample again: the backend's
-    logprobs then match ``policy.get_logprobs`` (mean of exp(|difference|) <= 1.01), and did
-    not before the refit. The policy and the backend must have been built from the same
-    ``generation.temperature`` (the policy's logprobs are those of ``logits / temperature``)."""
-    out = generation.generate(prompt_batch(prompts))
-    mask = generated_mask(out, prompts)
-    batch = Batch(
-        input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"],
-        token_mask=mask.float(), sample_mask=torch.ones(len(prompts)),
-    )
-    policy.train(batch, NegativeLogLikelihood())
+def check_trained_policy_refit(policy: Policy, generation: Generation, prompts: list[list[int]], *, bucket_bytes: int,
+                               steps: int = 1, max_difference: float | None = None) -> RefitStats:
+    """Train ``policy`` ``steps`` steps on the backend's samples, refit, sample again: the
+    backend's logprobs then match ``policy.get_logprobs`` (mean of exp(|difference|) <= 1.01,
+    or, given ``max_difference``, every difference at most that), and did not before the
+    refit. Returns the refit's stats. The policy and the backend must have been built from the
+    same ``generation.temperature`` (the policy's logprobs are those of ``logits / temperature``)."""
+    for _ in range(steps):
+        out = generation.generate(prompt_batch(prompts))
+        mask = generated_mask(out, prompts)
+        batch = Batch(
+            input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"],
+            token_mask=mask.float(), sample_mask=torch.ones(len(prompts)),
+        )
+        policy.train(batch, NegativeLogLikelihood())
     trained = policy.get_logprobs(batch)["logprobs"]
     assert torch.exp((out["logprobs"] - trained)[mask].abs()).mean() > 1.01, "training did not change the policy"
 
@@ -184,7 +187,10 @@ def check_trained_policy_refit(policy: Policy, generation: Generation, prompts: 
     mask = generated_mask(out, prompts)
     theirs = policy.get_logprobs(Batch(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"]))
     diff = (out["logprobs"] - theirs["logprobs"])[mask]
+    if max_difference is not None:
+        assert float(diff.abs().max()) <= max_difference, f"max |difference| {diff.abs().max():.2e}"
     assert torch.exp(diff.abs()).mean() <= 1.01, f"mean |difference| {diff.abs().mean():.2e}"
+    return stats
 
 
 class ExportedWeights:

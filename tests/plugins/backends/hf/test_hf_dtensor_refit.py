@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.config.schema import GenerationConfig, OptimizerConfig, PolicyConfig, RunConfig, WorkerResources
+from posttrain.config.schema import (
+    GenerationConfig,
+    LoraConfig,
+    OptimizerConfig,
+    PolicyConfig,
+    RunConfig,
+    WorkerResources,
+)
 from posttrain.distributed import VirtualCluster
 from posttrain.plugins import plugin_host
 from posttrain.testing.generation import check_trained_policy_refit
@@ -40,6 +47,32 @@ def test_trained_dtensor_policy_refit_parity(ray_cluster, tiny_model_path, tempe
     finally:
         generation.shutdown()
         policy.shutdown()
+
+
+def test_lora_policy_refits_merged_weights(ray_cluster, tiny_model_path):
+    """A LoRA policy (``policy.lora``, refit merged) after two steps: the engine's logprobs
+    equal the policy's within 1e-5, and the refit moved the whole model's bytes."""
+    config = RunConfig(
+        seed=5,
+        policy=PolicyConfig(
+            model=tiny_model_path, train_global_batch_size=len(PROMPTS), train_micro_batch_size=len(PROMPTS),
+            optimizer=OptimizerConfig(lr=3e-2), resources=WorkerResources(cpus=1),
+            lora=LoraConfig(enabled=True, rank=8, alpha=16.0),
+        ),
+        generation=GenerationConfig(backend="hf", temperature=1.0, max_new_tokens=12, resources=WorkerResources(cpus=1)),
+    )
+    cluster = VirtualCluster(config.cluster)
+    policy = plugin_host().policy_backends["dtensor"](config, cluster)
+    generation = plugin_host().generation_backends["hf"](config, cluster)
+    try:
+        stats = check_trained_policy_refit(policy, generation, PROMPTS, bucket_bytes=20_000, steps=2, max_difference=1e-5)
+    finally:
+        generation.shutdown()
+        policy.shutdown()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert stats.bytes_moved == 4 * sum(p.numel() for p in model.parameters())
 
 
 def test_an_engine_that_dies_is_named_and_the_trainer_keeps_its_weights(ray_cluster, tiny_model_path):

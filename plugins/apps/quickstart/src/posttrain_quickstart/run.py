@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from posttrain.backend.adapter_folder import ADAPTER_CONFIG
 from posttrain.config import config_from_dict
 from posttrain.errors import ConfigError
 from posttrain.models.tiny import build_tiny_model
@@ -89,11 +91,17 @@ def _sft_config(model: Path, run_dir: Path, files: TaskFiles, epochs: int, expor
 
 
 def run_quickstart(run_dir: str | Path, overrides: list[str], *, seed: int = 0, sft_epochs: int = SFT_EPOCHS,
-                   grpo_steps: int = GRPO_STEPS) -> dict[str, float]:
+                   grpo_steps: int = GRPO_STEPS, grpo_overrides: Sequence[str] = (),
+                   sft_model: str | Path | None = None) -> dict[str, float]:
     """Run the three stages under ``run_dir`` and return the three validation accuracies.
 
     ``seed`` sets the model's initial weights and every random choice of the runs (data
-    order, sampling); the task's problems are the same for every seed.
+    order, sampling); the task's problems are the same for every seed. ``overrides`` apply to
+    every stage, ``grpo_overrides`` (after them) to the GRPO training stage only, e.g.
+    ``["policy.lora.enabled=true", "policy.optimizer.lr=2e-3"]`` for GRPO with LoRA after full
+    SFT. ``sft_model``: start GRPO from this folder (the ``sft_model`` an earlier run with the
+    same seed wrote) instead of building and fine-tuning a model; "before SFT" is then not
+    measured.
     """
     check_requirements()
     if any(item.split("=", 1)[0].strip() == "seed" for item in overrides):
@@ -101,25 +109,26 @@ def run_quickstart(run_dir: str | Path, overrides: list[str], *, seed: int = 0, 
                           "initial weights; pass --seed N instead (run_quickstart(..., seed=N) from Python)")
     run_dir = Path(run_dir).resolve()
     start = time.monotonic()
-    model = build_tiny_model(run_dir / "base_model", size="quickstart", seed=seed)
     files = write_task(run_dir / "data", num_sft=NUM_SFT, num_rl=NUM_RL, num_validation=NUM_VALIDATION, seed=0)
 
-    def stage(algorithm: str, data: dict[str, Any]) -> dict[str, Any]:
-        config = config_from_dict(data, [*overrides, f"algorithm={algorithm}"])
+    def stage(algorithm: str, data: dict[str, Any], extra: Sequence[str] = ()) -> dict[str, Any]:
+        config = config_from_dict(data, [*overrides, *extra, f"algorithm={algorithm}"])
         return run_algorithm(config)
 
-    before = stage("grpo", _grpo_config(model, run_dir / "eval_base", files, 0, None, seed))
-    stage("sft", _sft_config(model, run_dir / "sft", files, sft_epochs, run_dir / "sft_model", seed))
+    accuracies = {}
+    if sft_model is None:
+        model = build_tiny_model(run_dir / "base_model", size="quickstart", seed=seed)
+        before = stage("grpo", _grpo_config(model, run_dir / "eval_base", files, 0, None, seed))
+        accuracies["before SFT"] = before["validation/accuracy"]
+        sft_model = run_dir / "sft_model"
+        stage("sft", _sft_config(model, run_dir / "sft", files, sft_epochs, sft_model, seed))
     final_model = run_dir / "final_model"
-    after_grpo = stage("grpo", _grpo_config(run_dir / "sft_model", run_dir / "grpo", files, grpo_steps, final_model, seed))
+    after_grpo = stage("grpo", _grpo_config(Path(sft_model), run_dir / "grpo", files, grpo_steps, final_model, seed),
+                       grpo_overrides)
 
     records = read_metrics(run_dir / "grpo" / "metrics.jsonl")
     validation = [r for r in records if r["phase"] == "validation"]
-    accuracies = {
-        "before SFT": before["validation/accuracy"],
-        "after SFT": validation[0]["accuracy"],
-        "after GRPO": after_grpo["validation/accuracy"],
-    }
+    accuracies.update({"after SFT": validation[0]["accuracy"], "after GRPO": after_grpo["validation/accuracy"]})
     png = plot_curves(run_dir / "curves.png", [r for r in records if r["phase"] == "train"], validation,
                       "reward", "accuracy", "posttrain quickstart: GRPO after SFT on addition")
     print(f"\nposttrain quickstart finished in {time.monotonic() - start:.0f} s ({run_dir}, seed {seed})")
@@ -127,5 +136,6 @@ def run_quickstart(run_dir: str | Path, overrides: list[str], *, seed: int = 0, 
     for name, value in accuracies.items():
         print(f"  {name:<11} {value:.3f}")
     print(f"  GRPO gain   {accuracies['after GRPO'] - accuracies['after SFT']:+.3f}")
-    print(f"curves: {png}\nfinal model (Hugging Face folder): {final_model}")
+    kind = "LoRA adapters (PEFT folder)" if (final_model / ADAPTER_CONFIG).is_file() else "model (Hugging Face folder)"
+    print(f"curves: {png}\nfinal {kind}: {final_model}")
     return accuracies

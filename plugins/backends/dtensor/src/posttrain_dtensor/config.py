@@ -7,6 +7,8 @@ holds only what is specific to FSDP2 / tensor parallel training.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from posttrain.config.schema import RunConfig
@@ -31,7 +33,11 @@ class DTensorConfig:
       forward and gathers them again for backward (less memory, more communication).
     - ``reduce_dtype``: dtype of the gradient reduce-scatter across data-parallel ranks
       (``float32`` keeps accumulation exact when ``policy.dtype`` is bfloat16).
+
+    The backend implements ``policy.lora`` (:mod:`posttrain_dtensor.lora`).
     """
+
+    supports_lora: ClassVar[bool] = True
 
     attn_implementation: str = "sdpa"
     activation_checkpointing: bool = False
@@ -41,7 +47,8 @@ class DTensorConfig:
 
 def validate_policy_config(config: RunConfig) -> None:
     """The dtensor backend's own checks, before any worker starts (core checks the parallel
-    and batch arithmetic)."""
+    and batch arithmetic, and ``policy.lora``'s values): with LoRA, that
+    ``policy.lora.target_modules`` adapts linear layers of the model."""
     p = config.policy
     if p.sequence_packing.enabled and p.dynamic_batching.enabled:
         raise ConfigError(
@@ -57,3 +64,7 @@ def validate_policy_config(config: RunConfig) -> None:
             f"policy.sequence_packing needs {SECTION}.attn_implementation in {', '.join(PACKING_ATTENTION)} "
             f"(kernels that keep packed samples apart), got '{options.attn_implementation}'"
         )
+    if p.lora.enabled:
+        from posttrain_dtensor.lora import check_targets
+
+        check_targets(config)

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from posttrain.errors import ConfigError
+from posttrain_dtensor.lora import tensor_parallel_plan
 
 #: Hugging Face tensor-parallel styles this backend applies, by their names in ``base_model_tp_plan``.
 TP_STYLES: dict[str, Callable[[], object]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -82,8 +83,10 @@ def check_model_fits(config: object, tp_size: int) -> None:
                 )
 
 
-def apply_tensor_parallel(lm: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard ``lm``'s decoder over ``tp_mesh`` following its ``base_model_tp_plan``."""
+def apply_tensor_parallel(lm: nn.Module, tp_mesh: DeviceMesh, *, adapters: bool = False) -> None:
+    """Shard ``lm``'s decoder over ``tp_mesh`` following its ``base_model_tp_plan`` (with
+    ``adapters``, as :func:`posttrain_dtensor.lora.tensor_parallel_plan` extends it to the
+    LoRA layers)."""
     plan = dict(getattr(lm.config, "base_model_tp_plan", None) or {})
     if not plan:
         raise ConfigError(
@@ -97,6 +100,8 @@ def apply_tensor_parallel(lm: nn.Module, tp_mesh: DeviceMesh) -> None:
             f"backend does not implement: {unsupported}; supported: {sorted(TP_STYLES)}. "
             "Set policy.tensor_parallel_size=1 for this model"
         )
+    if adapters:
+        plan = tensor_parallel_plan(lm.base_model, plan)
     parallelize_module(lm.base_model, tp_mesh, {name: TP_STYLES[style]() for name, style in plan.items()})
 
 

@@ -18,6 +18,12 @@ its microbatch plan; tensor-parallel ranks of one replica receive the same shard
 in every pass and in training, are those of ``logits / T`` with ``T`` from
 ``generation.temperature`` (read when the rank starts; see
 :func:`posttrain.backend.sampling.logprob_temperature`); top-k logits are raw.
+
+With ``policy.lora`` (:mod:`posttrain_dtensor.lora`), peft's adapters are injected before the
+model is sharded; only they reach the optimizer, its state and checkpoints; the reference
+pass turns them off; the weight sync sends the merged weights (or, with
+``policy.lora.refit: adapter``, the adapters) and the export writes a PEFT folder
+(:mod:`posttrain_dtensor.weights`).
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from posttrain.backend.adapter_folder import MERGED_FOLDER, write_adapter_folder
 from posttrain.backend.hf_export import write_hf_metadata, write_hf_shards
 from posttrain.backend.logprobs import loss_positions, sequence_logprobs, topk_logits
 from posttrain.backend.lr_schedule import build_scheduler
@@ -45,6 +53,7 @@ from posttrain.interfaces.loss import LossFunction, combine_metrics, global_vali
 from posttrain.models.folder import read_model_config
 from posttrain_dtensor import checkpoint
 from posttrain_dtensor.config import DTensorConfig
+from posttrain_dtensor.lora import ADAPTER, adapters_disabled, attach_adapters
 from posttrain_dtensor.optim import build_optimizer, clip_grads_, total_grad_norm
 from posttrain_dtensor.parallel import (
     CausalLMHead,
@@ -56,11 +65,18 @@ from posttrain_dtensor.parallel import (
 )
 from posttrain_dtensor.rows import ModelRows, microbatch_rows
 from posttrain_dtensor.segment_attention import SEGMENT_SDPA
+from posttrain_dtensor.weights import AdapterWeights, FullWeights, MergedWeights, WeightView
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """``"bfloat16"`` -> ``torch.bfloat16`` (names checked by ``validate_policy_config``)."""
     return getattr(torch, name)
+
+
+def _metadata(view: WeightView, dtype: torch.dtype) -> list[ParamMeta]:
+    """``view``'s tensors as sent: name, full (global) shape and ``dtype``."""
+    name = str(dtype).removeprefix("torch.")
+    return [ParamMeta(key, tuple(t.shape), name) for key, t in view.named()]
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -88,14 +104,30 @@ class DTensorPolicyWorker(PolicyWorker):
         self.compute_dtype = torch_dtype(policy.dtype)
         # logprobs (and the training loss's) are those of logits / T, as the sampler reports them
         self.temperature = logprob_temperature(config.generation.temperature)
+        #: With LoRA: the adapted layers' module paths (in the Hugging Face model) and scales.
+        self.adapter_scales: dict[str, float] = {}
         self.model = self._build_model(config, options)
-        self.optimizer = build_optimizer(self.model.parameters(), policy.optimizer)
+        #: What the optimizer steps: every parameter, or the adapters alone under LoRA.
+        self.trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.trained, policy.optimizer)
         self.scheduler = build_scheduler(self.optimizer, policy.scheduler)
         self.step = 0
-        # The frozen reference: this rank's shards of the initial weights, on CPU.
-        self._reference = {
+        # The frozen reference: the base model with its adapters off under LoRA; otherwise
+        # this rank's shards of the initial weights, on CPU.
+        self._reference = {} if self.adapter_scales else {
             name: _local(p).detach().to("cpu", self.compute_dtype, copy=True) for name, p in self.model.named_parameters()
         }
+        self.synced = self._synced_view()
+
+    def _synced_view(self) -> WeightView:
+        """What a weight sync sends: the full weights; under LoRA the merged weights, or the
+        adapters alone with ``policy.lora.refit: adapter``."""
+        lm = self.model.lm
+        if not self.adapter_scales:
+            return FullWeights(lm)
+        if self.config.policy.lora.refit == "adapter":
+            return AdapterWeights(lm, self.adapter_scales)
+        return MergedWeights(lm, self.adapter_scales)
 
     def _build_model(self, config: RunConfig, options: DTensorConfig) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -109,10 +141,14 @@ class DTensorPolicyWorker(PolicyWorker):
         kernel = SEGMENT_SDPA if options.attn_implementation == "sdpa" else options.attn_implementation
         lm = AutoModelForCausalLM.from_pretrained(policy.model, dtype=torch.float32, attn_implementation=kernel)
         check_model_fits(lm.config, policy.tensor_parallel_size)
+        if policy.lora.enabled:
+            torch.manual_seed(config.seed)  # the same adapters on every rank, whatever loading drew
+            layers = attach_adapters(lm, config)
+            self.adapter_scales = {path: float(layer.scaling[ADAPTER]) for path, layer in layers.items()}
         if options.activation_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if policy.tensor_parallel_size > 1:
-            apply_tensor_parallel(lm, self.mesh["tp"])
+            apply_tensor_parallel(lm, self.mesh["tp"], adapters=bool(self.adapter_scales))
         if self.world_size == 1 and self.compute_dtype == torch.float32:
             # Nothing to shard or cast: FSDP would only copy every weight in and out of its
             # gather buffers twice per step and every gradient through its reduce buffers.
@@ -192,7 +228,14 @@ class DTensorPolicyWorker(PolicyWorker):
 
     @contextlib.contextmanager
     def _reference_weights(self) -> Iterator[None]:
-        """Swap the reference weights into the model in place, and the current ones back after."""
+        """The reference policy inside the block: the adapters off under LoRA; otherwise the
+        reference weights swapped into the model in place, and the current ones back after."""
+        if self.adapter_scales:
+            reshard_all(self.model)
+            with adapters_disabled(self.model):
+                yield
+            reshard_all(self.model)
+            return
         reshard_all(self.model)
         params = dict(self.model.named_parameters())
         with torch.no_grad():
@@ -244,11 +287,10 @@ class DTensorPolicyWorker(PolicyWorker):
         return result
 
     def _optimizer_step(self) -> float:
-        params = list(self.model.parameters())
-        norm = total_grad_norm(params)
+        norm = total_grad_norm(self.trained)
         max_norm = self.config.policy.max_grad_norm
         if max_norm is not None:
-            clip_grads_(params, max_norm, norm)
+            clip_grads_(self.trained, max_norm, norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -269,20 +311,40 @@ class DTensorPolicyWorker(PolicyWorker):
         self.step = state["step"]
 
     def weight_metadata(self) -> list[ParamMeta]:
-        """Every exported tensor: HF name, full (global) shape, ``policy.dtype``; no gather."""
-        dtype = str(self.compute_dtype).removeprefix("torch.")
-        return [ParamMeta(name, tuple(t.shape), dtype) for name, t in checkpoint.named_weights(self.model.lm)]
+        """Every tensor a weight sync sends (:meth:`_synced_view`): name, full (global) shape,
+        ``policy.dtype``; no gather."""
+        return _metadata(self.synced, self.compute_dtype)
 
     def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
-        """Collective: the named full tensors on rank 0 (CPU, ``policy.dtype``); None elsewhere."""
+        """Collective: the named full tensors of :meth:`weight_metadata` on rank 0 (CPU,
+        ``policy.dtype``); None elsewhere."""
+        return self._gather(self.synced, names)
+
+    def _gather(self, view: WeightView, names: list[str]) -> dict[str, torch.Tensor] | None:
         reshard_all(self.model)
-        tensors = dict(checkpoint.named_weights(self.model.lm))
-        full = {name: checkpoint.gather_full(tensors[name], self.compute_dtype) for name in names}
+        full = view.gather(names, self.compute_dtype)
         return full if self.rank == 0 else None
 
     def export_hf(self, path: str, shard_bytes: int) -> None:
-        """Collective: a Hugging Face folder at ``path`` (written by rank 0)."""
-        if write_hf_shards(path, self.weight_sizes(), self.gather_weights, shard_bytes, writer=self.rank == 0):
+        """Collective: a Hugging Face folder at ``path`` (written by rank 0). Under LoRA: the
+        adapters as a PEFT folder at ``path`` and, with ``policy.lora.export_merged``, the
+        merged model as a Hugging Face folder at ``path/merged``."""
+        policy, lm = self.config.policy, self.model.lm
+        if not self.adapter_scales:
+            self._export_model(path, FullWeights(lm), shard_bytes)
+            return
+        adapters = AdapterWeights(lm, self.adapter_scales)
+        tensors = self._gather(adapters, [name for name, _ in adapters.named()])
+        if tensors is not None:
+            write_adapter_folder(path, tensors, policy.lora, policy.model)
+        if policy.lora.export_merged:
+            self._export_model(str(Path(path) / MERGED_FOLDER), MergedWeights(lm, self.adapter_scales), shard_bytes)
+        dist.barrier()
+
+    def _export_model(self, path: str, view: WeightView, shard_bytes: int) -> None:
+        """Collective: ``view``'s tensors as a Hugging Face model folder at ``path``."""
+        sizes = [(meta.name, meta.nbytes) for meta in _metadata(view, self.compute_dtype)]
+        if write_hf_shards(path, sizes, lambda names: self._gather(view, names), shard_bytes, writer=self.rank == 0):
             policy, lm = self.config.policy, self.model.lm
             write_hf_metadata(path, lm.config, policy.tokenizer or policy.model, self.compute_dtype,
                               getattr(lm, "generation_config", None))
@@ -314,10 +376,13 @@ class DTensorPolicyWorker(PolicyWorker):
             torch.cuda.empty_cache()
 
     def info(self) -> dict[str, Any]:
+        """Facts for logs; ``trained_parameters`` counts what the optimizer steps (the
+        adapters alone under LoRA)."""
         numel = sum(p.numel() for p in self.model.parameters())
         return {
             "backend": "dtensor",
             "parameters": numel,
+            "trained_parameters": sum(p.numel() for p in self.trained),
             "world_size": self.world_size,
             "data_parallel_size": self.mesh["dp"].size(),
             "tensor_parallel_size": self.mesh["tp"].size(),

@@ -7,11 +7,17 @@ data parallel), ``generation.tensor_parallel_size`` and actor resources are in t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
+from posttrain.config.schema import LoraConfig, RunConfig
+from posttrain.config.validate import where_set
+from posttrain.errors import ConfigError
+
 SECTION = "generation.vllm"
+#: The LoRA ranks a vLLM engine can be started for (``max_lora_rank``; vLLM 0.32's ``MaxLoRARanks``).
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @attrs.define
@@ -32,7 +38,12 @@ class VllmGenerationConfig:
       cache between generations (vLLM sleep level 1). Ignored on CPU, where vLLM refuses it.
     - ``engine_kwargs``: passed to ``vllm.LLM`` as is (e.g. ``max_num_seqs``), overriding
       what the backend sets.
+
+    The engines load the LoRA adapters a refit sends with ``policy.lora.refit: adapter``
+    (:func:`engine_lora_options`).
     """
+
+    supports_lora_adapters: ClassVar[bool] = True
 
     max_model_len: int | None = None
     enforce_eager: bool = True
@@ -41,3 +52,19 @@ class VllmGenerationConfig:
     detokenize: bool | None = None
     enable_sleep_mode: bool = True
     engine_kwargs: dict[str, Any] = attrs.field(factory=dict)
+
+
+def engine_lora_options(lora: LoraConfig) -> dict[str, Any]:
+    """``vllm.LLM`` options for an engine that receives ``lora``'s adapters: one adapter at a
+    time, of rank at most the smallest rank vLLM offers that holds ``lora.rank``."""
+    return {"enable_lora": True, "max_loras": 1, "max_lora_rank": next(r for r in MAX_LORA_RANKS if r >= lora.rank)}
+
+
+def validate_generation_config(config: RunConfig) -> None:
+    """An adapter refit's rank within what vLLM serves."""
+    lora = config.policy.lora
+    if lora.enabled and lora.refit == "adapter" and lora.rank > MAX_LORA_RANKS[-1]:
+        raise ConfigError(
+            f"policy.lora.rank is {lora.rank}, above the largest LoRA rank vLLM serves ({MAX_LORA_RANKS[-1]}); lower it, "
+            f"or set policy.lora.refit: merged.{where_set(config, 'policy.lora.rank', 'policy.lora.refit')}"
+        )

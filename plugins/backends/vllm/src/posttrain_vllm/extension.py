@@ -28,3 +28,14 @@ class RefitExtension:
         self.model_runner.reset_encoder_cache()
         self.model_runner.reset_mm_cache()
         return self.weight_transfer_engine.uncovered_parameters()
+
+    def posttrain_receive_adapter(self, folder: str, lora: dict[str, Any], base_model: str) -> None:
+        """Receive one sync of LoRA adapter matrices (PEFT names) and, on the engine's first
+        worker, write them with ``lora``'s config (``LoraConfig`` fields) as a PEFT folder at
+        ``folder``, for the engine to load (:class:`posttrain_vllm.worker.AdapterSlot`)."""
+        from posttrain.backend.adapter_folder import write_adapter_folder
+        from posttrain.config.schema import LoraConfig
+
+        tensors = self.weight_transfer_engine.receive_tensors()
+        if self.weight_transfer_engine.parallel_config.rank == 0:
+            write_adapter_folder(folder, tensors, LoraConfig(**lora), base_model)

@@ -23,11 +23,15 @@ def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> Worker
     ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_LOGGING_LEVEL`` (``ERROR``; ``INFO`` at
     ``logger.level: debug``) and the quiet-library variables of :func:`posttrain.log.library_env`
     unless ``generation.resources.env_vars`` sets them; below debug vLLM draws no loading bar.
+    With ``policy.lora.refit: adapter`` the engines start with LoRA on and load the adapters
+    each refit sends (:class:`~posttrain_vllm.worker.VllmEngineWorker`).
     """
     check_sampling_config(config)
     options: VllmGenerationConfig = config.sections.get(SECTION) or VllmGenerationConfig()
     gen = config.generation
     max_model_len = options.max_model_len or config.policy.max_total_sequence_length
+    lora = config.policy.lora
+    adapters = lora if lora.enabled and lora.refit == "adapter" else None
     engine_log_level = library_log_level(config.logger.level)
     engine_env = {
         **library_env(config.logger.level),
@@ -55,5 +59,6 @@ def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> Worker
             enable_sleep_mode=options.enable_sleep_mode and gen.colocated,
             log_level=engine_log_level,
             engine_kwargs=dict(options.engine_kwargs),
+            adapters=adapters,
         ),
     )

@@ -109,6 +109,15 @@ class PosttrainWeightTransferEngine(WeightTransferEngine[PosttrainInitInfo, Post
         self.receiver.receive(lambda bucket: self.session.loaded.update(self.model.load_weights(iter(bucket))))
         self.version = update_info.version
 
+    def receive_tensors(self) -> dict[str, torch.Tensor]:
+        """Receive one sync as tensors (copies) by name, loading nothing into the model: the
+        LoRA adapters of a ``policy.lora.refit: adapter`` sync."""
+        if self.receiver is None:
+            raise RuntimeError("the posttrain weight transfer is not initialised: call init_weight_transfer_engine first")
+        tensors: dict[str, torch.Tensor] = {}
+        self.receiver.receive(lambda bucket: tensors.update((name, t.clone()) for name, t in bucket))
+        return tensors
+
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 

@@ -11,6 +11,13 @@ the temperature-scaled, top-k/top-p-filtered distribution the token was drawn fr
 (:mod:`posttrain.backend.sampling`). ``ignore_eos`` with explicit ``stop_token_ids`` (which hold
 the model's EOS ids) makes the stop set exactly the request's.
 
+LoRA adapters (``adapters``, ``policy.lora.refit: adapter``): the engine starts with LoRA on
+and the base model's weights, which never change; each refit receives the adapter matrices
+(the weight sync's broadcast, into every vLLM worker), writes them as a PEFT folder in the
+actor's temporary folder, and loads it as adapter ``version + 1`` (:class:`AdapterSlot`);
+every later generation uses it. Before the first refit the engine samples from the base
+model, which is what a LoRA policy is at step 0.
+
 Colocation: with CUDA and ``enable_sleep_mode``, :meth:`sleep` frees the weights and KV
 cache (level 1) and :meth:`wake_up` restores them; a refit wakes the weights first. On
 CPU vLLM refuses sleep mode, so both are no-ops there.
@@ -19,13 +26,17 @@ CPU vLLM refuses sleep mode, so both are no-ops there.
 from __future__ import annotations
 
 import logging
+import tempfile
 from typing import Any
 
+import attrs
 import torch
 
 from posttrain.backend.generation_group import Completion, EngineWorker, GenerationRequest
 from posttrain.backend.weight_sync import TransferInit
+from posttrain.config.schema import LoraConfig
 from posttrain.errors import ConfigError
+from posttrain_vllm.config import engine_lora_options
 
 #: Prompt tokens one CPU engine step may prefill (whole prompts; at least max_model_len).
 CPU_STEP_TOKENS = 8192
@@ -50,6 +61,7 @@ class VllmEngineWorker(EngineWorker):
         enable_sleep_mode: bool,
         log_level: int,
         engine_kwargs: dict[str, Any],
+        adapters: LoraConfig | None = None,
     ):
         super().__init__()
         # vLLM is imported here, in the engine's process, never where this class is only
@@ -68,6 +80,7 @@ class VllmEngineWorker(EngineWorker):
             check_cpu_head_size(model_path)
         self.sleep_enabled = on_cuda and enable_sleep_mode
         self.detokenize = detokenize
+        self.adapters = AdapterSlot(adapters, model_path) if adapters is not None else None
         self.asleep: set[str] = set()
         # On CPU a prompt must never be split over engine steps: vLLM rewinds a seeded row's
         # random generator after a partial prefill, which CPU generators cannot do ("CPU
@@ -90,6 +103,7 @@ class VllmEngineWorker(EngineWorker):
             "weight_transfer_config": {"backend": ENGINE_NAME},
             "enable_sleep_mode": self.sleep_enabled,
             "use_tqdm_on_load": log_level < logging.ERROR,
+            **(engine_lora_options(adapters) if adapters is not None else {}),
             **cpu_scheduling,
             **engine_kwargs,
         }
@@ -132,7 +146,9 @@ class VllmEngineWorker(EngineWorker):
             )
             for seed, budget, stops in zip(request.seeds, request.max_new_tokens, request.stop_strings, strict=True)
         ]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in request.prompts], params, use_tqdm=False)
+        lora_request = self.adapters.request if self.adapters is not None else None
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in request.prompts], params, use_tqdm=False,
+                                    lora_request=lora_request)
         completions = []
         for output in outputs:
             sample = output.outputs[0]
@@ -152,6 +168,10 @@ class VllmEngineWorker(EngineWorker):
         if "weights" in self.asleep:
             self.llm.wake_up(tags=["weights"])
             self.asleep.discard("weights")
+        if self.adapters is not None:  # the base weights stay; the adapter covers what it covers
+            self.adapters.receive(self.llm, version)
+            self.weight_version = version
+            return []
         self.llm.collective_rpc("start_weight_update")
         self.llm.collective_rpc("update_weights", kwargs={"update_info": {"version": version}})
         self.llm.collective_rpc("finish_weight_update")
@@ -171,6 +191,34 @@ class VllmEngineWorker(EngineWorker):
         if self.asleep:
             self.llm.wake_up(tags=sorted(self.asleep))
             self.asleep.clear()
+
+
+class AdapterSlot:
+    """The one LoRA adapter an engine serves: received into a PEFT folder of the actor's
+    own and loaded as adapter ``version + 1`` (replacing the previous one; a version sent again
+    is loaded again). :attr:`request` is what ``generate`` passes: None until the first refit."""
+
+    NAME = "posttrain-policy"
+
+    def __init__(self, lora: LoraConfig, base_model: str):
+        self.lora = lora
+        self.base_model = base_model
+        self._folder = tempfile.TemporaryDirectory(prefix="posttrain-adapter-")  # removed with the slot
+        self.folder = self._folder.name
+        self.request: Any = None
+
+    def receive(self, llm: Any, version: int) -> None:
+        """Collective with the weight sync's sender: receive the adapter, load it, forget the
+        KV blocks computed under the previous one."""
+        from vllm.lora.request import LoRARequest
+
+        llm.collective_rpc("posttrain_receive_adapter", args=(self.folder, attrs.asdict(self.lora), self.base_model))
+        loaded = LoRARequest(self.NAME, version + 1, self.folder, load_inplace=True)
+        llm.llm_engine.add_lora(loaded)
+        if self.request is not None and self.request.lora_int_id != loaded.lora_int_id:
+            llm.llm_engine.remove_lora(self.request.lora_int_id)
+        self.request = LoRARequest(self.NAME, loaded.lora_int_id, self.folder)
+        llm.reset_prefix_cache()
 
 
 class SkippedChatTemplateWarmup(logging.Filter):

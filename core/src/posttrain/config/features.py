@@ -1,0 +1,32 @@
+"""Features a backend declares on its config section's class, as class attributes set true.
+
+- ``supports_lora`` on a policy backend's section (``policy.<backend>``): it implements
+  ``policy.lora``;
+- ``supports_lora_adapters`` on a generation backend's section (``generation.<backend>``): its
+  engines load the adapters a refit with ``policy.lora.refit: adapter`` sends.
+
+Core's config check refuses a feature the chosen backend does not declare
+(:func:`posttrain.config.validate.check_lora`); ``posttrain plugins`` lists what each plugin
+declares. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from posttrain.plugins import PluginHost
+
+#: Attribute -> what ``posttrain plugins`` says of a section that declares it.
+FEATURES = {
+    "supports_lora": "LoRA (policy.lora)",
+    "supports_lora_adapters": "LoRA adapters sent by refit (policy.lora.refit: adapter)",
+}
+
+
+def declared_features(section_class: type) -> list[str]:
+    """The descriptions of the :data:`FEATURES` that ``section_class`` declares."""
+    return [text for attribute, text in FEATURES.items() if getattr(section_class, attribute, False) is True]
+
+
+def section_declares(host: PluginHost, section: str, feature: str) -> bool:
+    """Whether the registered config section ``section`` declares ``feature`` (an attribute
+    of :data:`FEATURES`)."""
+    return section in host.config_sections and getattr(host.config_sections[section], feature, False) is True

@@ -1,0 +1,163 @@
+"""LoRA adapters on the dtensor policy (``policy.lora``), made by ``peft``.
+
+:func:`attach_adapters` injects peft's LoRA layers into the Hugging Face model in place,
+before it is sharded: each targeted ``nn.Linear`` becomes a ``peft`` ``lora.Linear`` whose
+``base_layer`` is the original (frozen) layer and whose ``lora_A`` / ``lora_B`` (adapter
+:data:`ADAPTER`) are the only trainable parameters; ``A`` is random (peft's Kaiming
+initialisation, seeded by the run's seed, so every rank builds the same) and ``B`` zero, so
+the adapted model computes exactly the base model until the first step.
+
+Tensor parallel (:func:`tensor_parallel_plan`): the base layer takes its planned style and
+the adapter matrix on the same side of the split follows it (column-wise: ``B``, split by
+output rows like the base weight; row-wise: ``A``, split by input columns); the other
+matrix (``rank`` wide) stays whole on every tensor-parallel rank.
+
+The reference policy is the base model: :func:`adapters_disabled` turns the adapters off
+for a pass, so no second copy of the weights is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from posttrain.config.schema import LoraConfig, RunConfig
+from posttrain.config.validate import where_set
+from posttrain.errors import ConfigError
+from posttrain.models.folder import read_model_config
+
+if TYPE_CHECKING:
+    import peft
+
+#: peft's name of the one adapter the policy trains.
+ADAPTER = "default"
+#: Which adapter matrix is split like the base weight under each tensor-parallel style.
+SHARDED_MATRIX = {"colwise": "lora_B", "rowwise": "lora_A"}
+
+
+def peft_config(options: LoraConfig) -> peft.LoraConfig:
+    """``policy.lora`` as peft's ``LoraConfig`` (no bias, B initialised to zero). peft is
+    imported only where LoRA is used, so full fine-tuning ranks never load it."""
+    import peft
+
+    return peft.LoraConfig(
+        r=options.rank, lora_alpha=options.alpha, lora_dropout=options.dropout, target_modules=options.target_modules,
+        bias="none", task_type="CAUSAL_LM",
+    )
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's peft LoRA layers by module path (empty without adapters)."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+
+
+def attach_adapters(lm: nn.Module, config: RunConfig) -> dict[str, nn.Module]:
+    """Inject ``policy.lora``'s adapters into the causal LM ``lm`` in place and freeze every
+    other parameter; return the adapted layers by module path. Raises :class:`ConfigError`
+    when ``target_modules`` matches nothing, the output head, or a layer that is not linear."""
+    import peft
+
+    options = config.policy.lora
+    key = "policy.lora.target_modules"
+    head = lm.get_output_embeddings()  # before peft wraps it
+    try:
+        peft.inject_adapter_in_model(peft_config(options), lm, adapter_name=ADAPTER)
+    except peft.utils.error.NoMatchingPeftModuleError:
+        raise ConfigError(
+            f"{key}: {options.target_modules!r} matches no module of the model '{config.policy.model}'. Its linear "
+            f"layers (the output head aside) are named {', '.join(linear_names(lm))} (a list entry matches a name "
+            f"or a path ending in '.name'; a string is a regular expression over full paths such as "
+            f"'{next(_linear_paths(lm), 'model.layers.0.mlp.up_proj')}'; all-linear takes every linear layer but "
+            f"the output head).{where_set(config, key)}"
+        ) from None
+    layers = lora_layers(lm)
+    for name, layer in layers.items():
+        if layer.get_base_layer() is head:
+            raise ConfigError(
+                f"{key}: {options.target_modules!r} puts an adapter on the output head '{name}', which the dtensor "
+                f"backend applies in vocabulary chunks from its weight alone; leave it out (all-linear does)."
+                f"{where_set(config, key)}"
+            )
+        if not isinstance(layer.get_base_layer(), nn.Linear):
+            raise ConfigError(
+                f"{key}: {options.target_modules!r} matches '{name}', a {type(layer.get_base_layer()).__name__}; "
+                f"the dtensor backend adapts linear layers only: {', '.join(linear_names(lm))}.{where_set(config, key)}"
+            )
+    return layers
+
+
+def _linear_paths(lm: nn.Module) -> Iterator[str]:
+    """The module paths of the causal LM's linear layers but its output head."""
+    head = lm.get_output_embeddings()
+    return (name for name, module in lm.named_modules() if isinstance(module, nn.Linear) and module is not head)
+
+
+def linear_names(lm: nn.Module) -> list[str]:
+    """The distinct last names of the causal LM's adaptable linear layers (``q_proj``, ...)."""
+    return sorted({name.rsplit(".", 1)[-1] for name in _linear_paths(lm)})
+
+
+def check_targets(config: RunConfig) -> None:
+    """:func:`attach_adapters` on a weightless (meta-device) copy of ``policy.model``, for its
+    errors before any worker starts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    read_model_config(config.policy.model, "policy.model")  # a clear error before transformers' own
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.policy.model))
+    attach_adapters(lm, config)
+
+
+def _matches(pattern: str, path: str) -> bool:
+    """Whether a tensor-parallel plan key (``layers.*.mlp.up_proj``) names module ``path``."""
+    atoms, parts = pattern.split("."), path.split(".")
+    return len(atoms) == len(parts) and all(fnmatch.fnmatchcase(p, a) for a, p in zip(atoms, parts, strict=True))
+
+
+def tensor_parallel_plan(base_model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` (module path pattern -> ``colwise`` / ``rowwise``, relative to ``base_model``)
+    with every adapted layer it names replaced by its base layer and its split adapter matrix
+    (see the module docstring); entries naming no adapted layer are kept as they are."""
+    adapted = lora_layers(base_model)
+    out: dict[str, str] = {}
+    for pattern, style in plan.items():
+        hits = [path for path in adapted if _matches(pattern, path)]
+        if not hits:
+            out[pattern] = style
+            continue
+        for path, _ in base_model.named_modules():
+            if not _matches(pattern, path):
+                continue
+            if path in adapted:
+                out[f"{path}.base_layer"] = style
+                out[f"{path}.{SHARDED_MATRIX[style]}.{ADAPTER}"] = style
+            else:
+                out[path] = style
+    return out
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run the model as its base model (every adapter off) inside the block.
+
+    peft clears ``requires_grad`` of the adapters it turns off; it is set back at once, since
+    FSDP2 gives the gathered copy of a parameter the flag its shard has at the first gather
+    (a copy made during a reference pass would otherwise never get a gradient again)."""
+    layers = list(lora_layers(model).values())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for layer in layers:
+        layer.enable_adapters(False)
+    for param in trainable:
+        param.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
