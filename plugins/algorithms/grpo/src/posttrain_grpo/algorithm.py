@@ -48,14 +48,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import torch
 
 from posttrain.batch import Batch
-from posttrain.config import where_set
 from posttrain.data import (
     TokenizedDataset,
     dataloader_from_config,
@@ -63,17 +62,17 @@ from posttrain.data import (
     encoder_from_config,
     require_dataset,
 )
-from posttrain.errors import ConfigError, WorkerError
-from posttrain.interfaces import Algorithm, DataPlane, Environment, Generation, PlaneSamples, Policy
+from posttrain.errors import WorkerError
+from posttrain.interfaces import Algorithm, PlaneSamples
 from posttrain.run.checkpoint import TrainingState
 from posttrain.run.context import RunContext
-from posttrain.run.environments import host_with
+from posttrain.run.environments import environment_names, shutdown_environments
 from posttrain.run.finished import finished_run
 from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
 from posttrain.run.metrics import combine_train_passes
 from posttrain.run.refit import refit
-from posttrain.run.rollout import run_rollout
 from posttrain.run.rounds import RoundProducer, SharedPlane
+from posttrain_eval.evaluate import PromptRollout, evaluate
 from posttrain_grpo.config import GRPOConfig
 from posttrain_grpo.dynamic_sampling import DynamicSampler
 from posttrain_grpo.prompts import PromptStream
@@ -97,9 +96,6 @@ from posttrain_grpo.step import (
     step_seed,
     throughput,
 )
-
-#: Per-sample fields of a prompt batch that the rollout reads.
-PROMPT_FIELDS = ("messages", "task", "metadata", "answer")
 
 
 @attrs.frozen
@@ -189,7 +185,7 @@ class GRPORun(LoopSteps):
         startup = ctx.startup(cleanup)
         environments = startup.start(
             "environments", lambda: ctx.build_environments(self.environment_names, plugins=self.environment_plugins),
-            _shutdown_environments,
+            shutdown_environments,
         )
         policy = startup.start("policy", lambda: ctx.build_policy(schedule_steps=self.plan.schedule_steps))
         generation = startup.start("generation", ctx.build_generation)
@@ -197,6 +193,10 @@ class GRPORun(LoopSteps):
         startup.wait()
         self.environments, self.policy = environments.value, policy.value
         self.generation, self.plane = generation.value, plane.value
+        self.rollout = PromptRollout(
+            self.generation, self.environments, self.tokenizer, self.config.policy.max_total_sequence_length,
+            self.grpo.max_rollout_turns, self.chat_template, self.default_task,
+        )
 
     # ------------------------------------------------------------------ the loop's steps
 
@@ -365,21 +365,6 @@ class GRPORun(LoopSteps):
             )
         return sample_versions(batch, round_version)
 
-    def rollout(self, prompts: Batch, *, greedy: bool, repeats: int) -> tuple[Batch, dict[str, float]]:
-        """Each prompt ``repeats`` times in a row, rolled out through the environments."""
-        samples = prompts.fields(PROMPT_FIELDS)
-        samples["task"] = [task or self.default_task for task in samples["task"]]
-        return run_rollout(
-            samples.repeat_interleave(repeats),
-            self.generation,
-            self.environments,
-            self.tokenizer,
-            max_total_length=self.config.policy.max_total_sequence_length,
-            max_turns=self.grpo.max_rollout_turns,
-            greedy=greedy,
-            chat_template=self.chat_template,
-        )
-
     def add_logprobs(self, partition: str, keys: list[str]) -> None:
         """Write ``prev_logprobs`` (unless on policy) and ``reference_logprobs`` (when needed)
         of the partition's samples into the partition (the policy's workers may fetch and
@@ -417,83 +402,27 @@ class GRPORun(LoopSteps):
     # ------------------------------------------------------------------ validation
 
     def validate(self, step: int) -> dict[str, float] | None:
-        """Greedy rollouts of the validation prompts: ``accuracy`` (mean environment reward),
-        the mean response length, and the rollout and environment metrics; None without
-        validation prompts."""
+        """Greedy rollouts of the validation prompts (:func:`posttrain_eval.evaluate.evaluate`,
+        one completion each): ``accuracy`` (the mean environment reward: pass@1 for rewards of
+        0 or 1), the mean response length, and the rollout and environment metrics; None
+        without validation prompts."""
         if self.val_prompts is None:
             return None
         timer = StageTimer()
-        partition = f"validation/{step}"
         assert self.rounds is not None, "start() runs before the first validation"
         with timer("validation"), self.rounds.paused():
             self.generation.set_sampling_seed(step_seed(self.config.seed, "validation", step))
             self.generation.prepare_for_generation()
             try:
-                batch, metrics = self.rollout(self.val_prompts, greedy=True, repeats=1)
+                result = evaluate(self.val_prompts, self.rollout, greedy=True)
             finally:
                 self.generation.finish_generation()
-            keys = sample_keys(len(batch), 1)
-            self.plane.put(partition, keys, batch.fields(("rewards", "response_lengths")))
-            try:
-                results = self.plane.get(partition, keys, ("rewards", "response_lengths"))
-            finally:
-                self.plane.clear(partition)
         return {
-            "accuracy": float(results["rewards"].float().mean()),
-            "mean_response_length": float(results["response_lengths"].float().mean()),
-            **metrics,
+            "accuracy": result.metrics["mean_reward"],
+            "mean_response_length": result.metrics["mean_response_length"],
+            **result.rollout_metrics,
             **timer.metrics(),
         }
-
-
-def environment_names(
-    config: Any, datasets: Sequence[TokenizedDataset | None], *, plugins: Sequence[str] = ()
-) -> tuple[list[str], str | None]:
-    """The environments to start (every ``task`` named by the data plus every name under
-    ``environments``) and the task of rows that name none (the only environment, or None
-    when every row names its task).
-
-    Every name must be registered (in this process's plugin host, plus the extra plugin
-    modules ``plugins``), checked here, before Ray or any worker starts: an unknown task
-    names the config key of its data, the file and the row."""
-    registry = host_with(plugins).environments
-    for name in config.environments:
-        if name not in registry:
-            raise ConfigError(
-                f"environments.{name}: {registry.unknown_message(name)}{where_set(config, f'environments.{name}')}"
-            )
-    tasks: set[str | None] = set()
-    for dataset in datasets:
-        if dataset is None:
-            continue
-        for task, row in zip(dataset.table["task"], dataset.table["row"], strict=True):
-            if task and task not in registry:
-                key = dataset.report.key or "the data"
-                raise ConfigError(
-                    f"{key} ({dataset.report.source}) row {row}, key 'task': {registry.unknown_message(task)} "
-                    f"Correct the row's task, or install the plugin that provides "
-                    f"'{task}'.{where_set(config, key)}"
-                )
-            tasks.add(task)
-    names = sorted({*config.environments, *(task for task in tasks if task)})
-    if not names:
-        raise ConfigError(
-            "GRPO needs an environment to score responses, but the data rows name no 'task' and the config has "
-            "no 'environments' section; add e.g. 'environments: {math: {}}' or a 'task' to every data row"
-        )
-    if None not in tasks and "" not in tasks:
-        return names, None
-    if len(names) > 1:
-        raise ConfigError(
-            f"some data rows have no 'task', and there are {len(names)} environments ({', '.join(names)}) they "
-            "could go to; give every row a 'task', or configure exactly one environment under 'environments'"
-        )
-    return names, names[0]
-
-
-def _shutdown_environments(environments: Mapping[str, Environment]) -> None:
-    for env in environments.values():
-        env.shutdown()
 
 
 def _validation_prompts(dataset: TokenizedDataset, max_samples: int | None) -> Batch:
