@@ -15,6 +15,8 @@ from tests.core.test_plugins import BASE_PYTHON, REPO, _copy, _run, _version
 #: folder -> the lines ``posttrain plugins`` adds for it (besides those of its dependencies).
 DISTRIBUTIONS = {
     "plugins/algorithms/eval": ["  algorithm: eval", "  command: eval", "  config section: eval"],
+    "plugins/algorithms/rm": ["  environment: reward_model", "  loss: bradley_terry", "  algorithm: rm",
+                              "  config section: rm"],
 }
 
 

@@ -34,7 +34,9 @@ from posttrain.backend.policy_worker import PolicyWorker, RankTrainResult
 from posttrain.backend.work import Batching, PassPlan, RankWork, ResultSink, ShardRef, padded_order, plan_pass
 from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
+from posttrain.config.validate import where_set
 from posttrain.distributed import WorkerGroup
+from posttrain.errors import ConfigError
 from posttrain.interfaces.data_plane import PlaneSamples
 from posttrain.interfaces.generation import RefitStats, WeightEndpoint
 from posttrain.interfaces.loss import LossFunction, combine_metrics
@@ -61,6 +63,13 @@ class ShardedPolicy(Policy):
         dp_rank_of: Sequence[int],
         result_ranks: Sequence[int],
     ):
+        head, supported = config.policy.head, group.worker_cls.heads
+        if head not in supported:
+            group.shutdown()
+            raise ConfigError(
+                f"policy.head: the {config.policy.backend} backend builds {' and '.join(supported)} heads, not "
+                f"'{head}'; use a backend that builds one (dtensor builds lm and value){where_set(config, 'policy.head')}"
+            )
         self.config = config
         self.group = group
         self.dp_rank_of = list(dp_rank_of)
@@ -103,16 +112,29 @@ class ShardedPolicy(Policy):
 
     # ------------------------------------------------------------------ Policy
 
+    def _require_head(self, head: str, what: str) -> None:
+        if self.config.policy.head != head:
+            raise ConfigError(f"{what} needs policy.head '{head}'; this {self.config.policy.backend} policy was built "
+                              f"with policy.head '{self.config.policy.head}'")
+
     def get_logprobs(self, batch: Batch) -> Batch:
+        self._require_head("lm", "get_logprobs")
         return self._inference_pass(PolicyWorker.logprobs, batch, False)
 
     def get_reference_policy_logprobs(self, batch: Batch) -> Batch:
+        self._require_head("lm", "get_reference_policy_logprobs")
         return self._inference_pass(PolicyWorker.logprobs, batch, True)
 
     def get_topk_logits(self, batch: Batch, k: int) -> Batch:
+        self._require_head("lm", "get_topk_logits")
         return self._inference_pass(PolicyWorker.topk, batch, k)
 
+    def get_values(self, batch: Batch) -> Batch:
+        self._require_head("value", "get_values")
+        return self._inference_pass(PolicyWorker.values, batch)
+
     def logprobs_into(self, samples: PlaneSamples, field: str, *, reference: bool = False) -> None:
+        self._require_head("lm", "logprobs")
         handle = samples.plane.worker_handle()
         if handle is None:
             return super().logprobs_into(samples, field, reference=reference)
@@ -144,6 +166,12 @@ class ShardedPolicy(Policy):
         return self._train_pass(plan.work_by_reference(handle, samples), loss_fn, eval_mode)
 
     def _train_pass(self, work: list[RankWork], loss_fn: LossFunction, eval_mode: bool) -> dict[str, float]:
+        expected = "values" if self.config.policy.head == "value" else "logprobs"
+        if loss_fn.input_type != expected:
+            raise ConfigError(
+                f"the loss {type(loss_fn).__name__} takes {loss_fn.input_type}, but this policy (policy.head "
+                f"'{self.config.policy.head}') gives {expected}"
+            )
         results: list[RankTrainResult]
         results, everyone = self._run_pass(PolicyWorker.train, work, loss_fn, eval_mode)
         metrics = combine_metrics([r["metrics"] for r in results], loss_fn.metric_reductions)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import abc
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict
+from typing import Any, ClassVar, NotRequired, TypedDict
 
 import torch
 
@@ -74,10 +74,16 @@ class RankTrainResult(TypedDict):
 class PolicyWorker(Worker, abc.ABC):
     """One rank of a sharded policy. ``__init__`` (with whatever arguments the backend's
     factory passes) forms the process group from the rank variables the worker group sets,
-    loads ``policy.model`` and builds the optimizer and schedule from ``config.policy``.
+    loads ``policy.model`` (with the head ``policy.head`` names) and builds the optimizer and
+    schedule from ``config.policy``.
 
-    Logprob convention and temperature: as in :mod:`posttrain.interfaces.policy`.
+    Logprob convention, temperature and value heads: as in :mod:`posttrain.interfaces.policy`.
     """
+
+    #: The ``policy.head`` values the backend builds; :class:`~posttrain.backend.policy_driver.ShardedPolicy`
+    #: refuses the others. A backend listing ``"value"`` implements :meth:`values` and, with a
+    #: value head, passes values to the loss in :meth:`train`.
+    heads: ClassVar[tuple[str, ...]] = ("lm",)
 
     # ------------------------------------------------------------------ passes (collective)
 
@@ -85,6 +91,12 @@ class PolicyWorker(Worker, abc.ABC):
     def logprobs(self, work: RankWork, reference: bool = False) -> Batch | None:
         """``logprobs`` float32 [n, S] of ``work.batch`` (n samples) under the current weights,
         or ``reference_logprobs`` under the frozen initial weights when ``reference``."""
+
+    def values(self, work: RankWork) -> Batch | None:
+        """``values`` float32 [n, S] of ``work.batch`` under the current weights (a value head:
+        see :mod:`posttrain.interfaces.policy`). Only for backends whose :attr:`heads` list
+        ``"value"``."""
+        raise NotImplementedError(f"{type(self).__name__} has no value head")
 
     @abc.abstractmethod
     def topk(self, work: RankWork, k: int) -> Batch | None:

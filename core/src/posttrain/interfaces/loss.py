@@ -29,9 +29,16 @@ class LossType(enum.Enum):
 
 
 class LossFunction(abc.ABC):
-    """A loss over next-token logprobs."""
+    """A loss over the policy's per-position outputs: next-token logprobs, or the values of
+    a model with a value head (see :attr:`input_type`)."""
 
     loss_type: LossType = LossType.TOKEN
+
+    #: What the policy passes as the loss's first argument: ``"logprobs"`` (a causal LM,
+    #: ``policy.head`` ``lm``) or ``"values"`` (float32 [b, S]: the value head's output at every
+    #: position ``0 <= t < length``, 0 on padding; ``policy.head`` ``value``). A policy refuses a
+    #: loss that expects the other head.
+    input_type: ClassVar[Literal["logprobs", "values"]] = "logprobs"
 
     #: Consecutive rows that form one example and must stay together, in order, in one
     #: microbatch on one data-parallel rank (DPO: 2, a chosen row then its rejected row).
@@ -53,7 +60,8 @@ class LossFunction(abc.ABC):
         """Return ``(loss, metrics)`` for one microbatch.
 
         ``logprobs`` float32 [b, S] holds the current weights' next-token logprobs in the
-        policy's convention, with gradient. ``batch`` is the microbatch (same rows).
+        policy's convention, with gradient (for an :attr:`input_type` of ``"values"``: the
+        value head's outputs, with gradient). ``batch`` is the microbatch (same rows).
         ``global_valid_seqs`` and ``global_valid_toks`` are scalar tensors over the global
         batch. Each metric is a contribution that sums to its global value over all
         microbatches and ranks (normalise metrics the same way as the loss), except those

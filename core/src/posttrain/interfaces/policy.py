@@ -15,6 +15,16 @@ config.generation.temperature)`` (the generation temperature; 1 when it is 0, gr
 :meth:`Policy.get_logprobs`, :meth:`Policy.get_reference_policy_logprobs` and the logprobs
 :meth:`Policy.train` passes to the loss, so they are comparable with the sampled tokens'
 logprobs a generation backend reports. :meth:`Policy.get_topk_logits` returns raw logits.
+
+Value head (``policy.head: value``): the model ends in a linear layer giving one scalar per
+position (a Hugging Face ``*ForSequenceClassification`` with one label) instead of the
+language-model head: reward models and critics. ``values[:, t]`` is the head's output on the
+final hidden state of position ``t`` (having read ``x_0 .. x_t``) for ``0 <= t < length``, 0 on
+padding; a sequence's score is its value at ``length - 1``, the position a Hugging Face
+sequence classifier pools. :meth:`Policy.get_values` returns them and :meth:`Policy.train`
+passes them to a loss whose ``input_type`` is ``"values"``; :meth:`Policy.export_hf` writes
+a sequence-classification folder. A backend without value heads refuses ``policy.head:
+value`` when it starts.
 """
 
 from __future__ import annotations
@@ -47,6 +57,12 @@ class Policy(abc.ABC):
         """Like :meth:`get_logprobs`, under the frozen initial weights; returns
         ``reference_logprobs``. The reference weights live on CPU and are swapped in for the
         pass, not kept as a second resident model."""
+
+    def get_values(self, batch: Batch) -> Batch:
+        """A value-head policy's ``values`` float32 [B, S] of ``batch['input_ids']`` under the
+        current weights (see the module docstring). Default: refused, for backends without
+        value heads."""
+        raise NotImplementedError(f"{type(self).__name__} has no value head (policy.head: value)")
 
     @abc.abstractmethod
     def get_topk_logits(self, batch: Batch, k: int) -> Batch:

@@ -71,7 +71,11 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 class DTensorPolicyWorker(PolicyWorker):
     """One rank. Public methods are called by the driver through the worker group; the
     passes taking a :class:`RankWork` run collectives: every rank gets one with the same
-    number of microbatches."""
+    number of microbatches. With ``policy.head: value`` the model is the folder's
+    ``AutoModelForSequenceClassification`` with one label (its ``score`` layer new, seeded by
+    ``seed``, when the folder holds a causal LM), and training passes values to the loss."""
+
+    heads = ("lm", "value")
 
     def __init__(self, config: RunConfig, options: DTensorConfig):
         super().__init__()
@@ -98,7 +102,7 @@ class DTensorPolicyWorker(PolicyWorker):
         }
 
     def _build_model(self, config: RunConfig, options: DTensorConfig) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
         policy = config.policy
         read_model_config(policy.model, "policy.model")  # a clear error before transformers' own
@@ -107,7 +111,13 @@ class DTensorPolicyWorker(PolicyWorker):
             torch.use_deterministic_algorithms(True)
         # sdpa runs as segment attention: packed rows need bounds, not an O(width^2) mask
         kernel = SEGMENT_SDPA if options.attn_implementation == "sdpa" else options.attn_implementation
-        lm = AutoModelForCausalLM.from_pretrained(policy.model, dtype=torch.float32, attn_implementation=kernel)
+        if policy.head == "value":
+            lm = AutoModelForSequenceClassification.from_pretrained(
+                policy.model, num_labels=1, dtype=torch.float32, attn_implementation=kernel
+            )
+            lm.config.architectures = [type(lm).__name__]  # what the exported folder loads as
+        else:
+            lm = AutoModelForCausalLM.from_pretrained(policy.model, dtype=torch.float32, attn_implementation=kernel)
         check_model_fits(lm.config, policy.tensor_parallel_size)
         if options.activation_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -152,17 +162,39 @@ class DTensorPolicyWorker(PolicyWorker):
         keep = loss_positions(mb["input_lengths"], rows.width, mb["token_mask"] if "token_mask" in mb else None)
         return torch.where(keep.to(self.device), rows.to_samples(values), 0.0)
 
-    def logprobs(self, work: RankWork, reference: bool = False) -> Batch:
-        """``logprobs`` [n, S] of this rank's samples (current or reference weights)."""
+    def _microbatch_values(self, mb: Batch, batching: Batching) -> torch.Tensor:
+        """Value-head outputs [b, S] of a microbatch on the device, in float32, 0 on padding."""
+        rows = self._rows(mb, batching)
+        values = self._forward(rows, lambda h, w: (h.float() @ w.float().T)[..., 0])
+        keep = torch.arange(rows.width)[None, :] < mb["input_lengths"][:, None]
+        return torch.where(keep.to(self.device), rows.to_samples(values), 0.0)
+
+    def _microbatch_outputs(self, mb: Batch, batching: Batching) -> torch.Tensor:
+        """What the model's head gives a loss: logprobs, or values for a value head."""
+        if self.config.policy.head == "value":
+            return self._microbatch_values(mb, batching)
+        return self._microbatch_logprobs(mb, batching)
+
+    def _inference(self, work: RankWork, compute: Callable[[Batch, Batching], torch.Tensor]) -> torch.Tensor:
+        """``compute`` of every microbatch of this rank's samples, without gradients, in eval mode: [n, S]."""
         shard = work.batch
-        weights = self._reference_weights() if reference else contextlib.nullcontext()
         out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
         self.model.eval()
-        with weights, torch.no_grad():
+        with torch.no_grad():
             for idx in work.microbatches:
-                out[idx] = self._microbatch_logprobs(shard.select(idx), work.batching).cpu()
+                out[idx] = compute(shard.select(idx), work.batching).cpu()
         reshard_all(self.model)
+        return out
+
+    def logprobs(self, work: RankWork, reference: bool = False) -> Batch:
+        """``logprobs`` [n, S] of this rank's samples (current or reference weights)."""
+        with self._reference_weights() if reference else contextlib.nullcontext():
+            out = self._inference(work, self._microbatch_logprobs)
         return Batch({"reference_logprobs" if reference else "logprobs": out})
+
+    def values(self, work: RankWork) -> Batch:
+        """``values`` [n, S] of this rank's samples (a value head)."""
+        return Batch({"values": self._inference(work, self._microbatch_values)})
 
     def topk(self, work: RankWork, k: int) -> Batch:
         """``topk_logits`` and ``topk_indices`` [n, S-1, k] of this rank's samples (0 on padding);
@@ -223,8 +255,8 @@ class DTensorPolicyWorker(PolicyWorker):
         with torch.no_grad() if eval_mode else contextlib.nullcontext():
             for idx in work.microbatches:
                 mb = shard.select(idx)
-                logprobs = self._microbatch_logprobs(mb, work.batching)
-                loss, metrics = loss_fn(logprobs, mb.to(self.device), seqs, toks)
+                outputs = self._microbatch_outputs(mb, work.batching)
+                loss, metrics = loss_fn(outputs, mb.to(self.device), seqs, toks)
                 if not eval_mode:
                     loss.backward()
                 loss_total += float(loss.detach())
