@@ -119,3 +119,21 @@ def evaluate(
         answers = [[batch["answers"][i] for i in row] for row in rows]
         metrics.update(score_prompts(per_prompt, answers, ks, correct_reward))
     return Evaluation(metrics, rollout_metrics, batch, num_samples)
+
+
+def validate_greedy(prompts: Batch, rollout: Rollout, generation: Generation, seed: int) -> dict[str, float]:
+    """The validation of rollout algorithms (GRPO, distillation): one greedy completion of
+    each prompt, with ``generation`` prepared for it and reseeded with ``seed``. Returns
+    ``accuracy`` (the mean environment reward: pass@1 when rewards are 0 or 1),
+    ``mean_response_length`` and the rollout metrics."""
+    generation.set_sampling_seed(seed)
+    generation.prepare_for_generation()
+    try:
+        result = evaluate(prompts, rollout, greedy=True)
+    finally:
+        generation.finish_generation()
+    return {
+        "accuracy": result.metrics["mean_reward"],
+        "mean_response_length": result.metrics["mean_response_length"],
+        **result.rollout_metrics,
+    }

@@ -72,7 +72,7 @@ from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
 from posttrain.run.metrics import combine_train_passes
 from posttrain.run.refit import refit
 from posttrain.run.rounds import RoundProducer, SharedPlane
-from posttrain_eval.evaluate import PromptRollout, evaluate
+from posttrain_eval.evaluate import PromptRollout, validate_greedy
 from posttrain_grpo.config import GRPOConfig
 from posttrain_grpo.dynamic_sampling import DynamicSampler
 from posttrain_grpo.prompts import PromptStream
@@ -402,7 +402,7 @@ class GRPORun(LoopSteps):
     # ------------------------------------------------------------------ validation
 
     def validate(self, step: int) -> dict[str, float] | None:
-        """Greedy rollouts of the validation prompts (:func:`posttrain_eval.evaluate.evaluate`,
+        """Greedy rollouts of the validation prompts (:func:`posttrain_eval.evaluate.validate_greedy`,
         one completion each): ``accuracy`` (the mean environment reward: pass@1 for rewards of
         0 or 1), the mean response length, and the rollout and environment metrics; None
         without validation prompts."""
@@ -411,18 +411,9 @@ class GRPORun(LoopSteps):
         timer = StageTimer()
         assert self.rounds is not None, "start() runs before the first validation"
         with timer("validation"), self.rounds.paused():
-            self.generation.set_sampling_seed(step_seed(self.config.seed, "validation", step))
-            self.generation.prepare_for_generation()
-            try:
-                result = evaluate(self.val_prompts, self.rollout, greedy=True)
-            finally:
-                self.generation.finish_generation()
-        return {
-            "accuracy": result.metrics["mean_reward"],
-            "mean_response_length": result.metrics["mean_response_length"],
-            **result.rollout_metrics,
-            **timer.metrics(),
-        }
+            metrics = validate_greedy(self.val_prompts, self.rollout, self.generation,
+                                      step_seed(self.config.seed, "validation", step))
+        return {**metrics, **timer.metrics()}
 
 
 def _validation_prompts(dataset: TokenizedDataset, max_samples: int | None) -> Batch:
