@@ -37,10 +37,12 @@ hookspec = pluggy.HookspecMarker("posttrain")
 
 
 class PolicyBackendFactory(Protocol):
-    """``factory(config, cluster)``: start a policy backend's workers on ``cluster`` for the
-    run ``config`` and return its :class:`~posttrain.interfaces.Policy`."""
+    """``factory(config, cluster, name=...)``: start a policy backend's workers on ``cluster``
+    for the model ``config.policy`` describes, as the worker group ``name`` (its placement
+    group; ``"policy"`` for the run's policy, another name for a second model of the run, e.g.
+    a critic or a teacher), and return its :class:`~posttrain.interfaces.Policy`."""
 
-    def __call__(self, config: RunConfig, cluster: VirtualCluster, /) -> Policy: ...
+    def __call__(self, config: RunConfig, cluster: VirtualCluster, /, *, name: str = "policy") -> Policy: ...
 
 
 class GenerationBackendFactory(Protocol):
@@ -91,9 +93,11 @@ def posttrain_policy_backends() -> Mapping[str, PolicyBackendFactory]:
     """Register policy (training) backends.
 
     Each factory is a :class:`PolicyBackendFactory`: called as ``factory(config: RunConfig,
-    cluster: VirtualCluster)``, it returns a :class:`posttrain.interfaces.Policy`. It reads
-    ``config.policy`` and its own section (registered with
-    :func:`posttrain_config_sections`). Selected by ``policy.backend``.
+    cluster: VirtualCluster, name=...)``, it returns a :class:`posttrain.interfaces.Policy`
+    whose worker group is named ``name``. It reads ``config.policy`` (including
+    ``policy.head``) and its own section (registered with :func:`posttrain_config_sections`).
+    Selected by ``policy.backend``; an algorithm's second model (a critic, a teacher) is built
+    the same way with its own ``policy`` section and name (:meth:`posttrain.run.context.RunContext.build_policy`).
     """
 
 

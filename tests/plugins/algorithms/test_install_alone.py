@@ -17,6 +17,7 @@ DISTRIBUTIONS = {
     "plugins/algorithms/eval": ["  algorithm: eval", "  command: eval", "  config section: eval"],
     "plugins/algorithms/rm": ["  environment: reward_model", "  loss: bradley_terry", "  algorithm: rm",
                               "  config section: rm"],
+    "plugins/algorithms/distill": ["  algorithm: distill", "  config section: distill"],
 }
 
 
@@ -42,7 +43,7 @@ def test_each_new_algorithm_installs_alone_on_core(tmp_path):
 
     for folder, lines in DISTRIBUTIONS.items():
         wanted = [*_posttrain_dependencies(REPO / folder), folder]
-        copies = [_copy(REPO / path, tmp_path / path.replace("/", "_")) for path in wanted]
+        copies = [_copy(REPO / path, tmp_path / folder.replace("/", "_") / path.replace("/", "_")) for path in wanted]
         _run(*pip, "install", "--quiet", "--no-deps", *copies, cwd=tmp_path)
         listing = _run(bin_dir / "posttrain", "plugins", cwd=tmp_path)
         assert listing.startswith(core_only), listing

@@ -42,6 +42,8 @@ from posttrain.interfaces.generation import RefitStats, WeightEndpoint
 from posttrain.interfaces.loss import LossFunction, combine_metrics
 from posttrain.interfaces.policy import Policy
 
+#: The loss input each ``policy.head`` needs a backend to compute (:attr:`PolicyWorker.loss_inputs`).
+HEAD_INPUTS = {"lm": "logprobs", "value": "values"}
 #: Largest safetensors shard :meth:`ShardedPolicy.export_hf` writes.
 HF_SHARD_BYTES = 4 * 1024**3
 
@@ -63,11 +65,12 @@ class ShardedPolicy(Policy):
         dp_rank_of: Sequence[int],
         result_ranks: Sequence[int],
     ):
-        head, supported = config.policy.head, group.worker_cls.heads
-        if head not in supported:
+        head, inputs = config.policy.head, group.worker_cls.loss_inputs
+        built = [name for name, needs in HEAD_INPUTS.items() if needs in inputs]
+        if head not in built:
             group.shutdown()
             raise ConfigError(
-                f"policy.head: the {config.policy.backend} backend builds {' and '.join(supported)} heads, not "
+                f"policy.head: the {config.policy.backend} backend builds {' and '.join(built)} heads, not "
                 f"'{head}'; use a backend that builds one (dtensor builds lm and value){where_set(config, 'policy.head')}"
             )
         self.config = config
@@ -166,12 +169,13 @@ class ShardedPolicy(Policy):
         return self._train_pass(plan.work_by_reference(handle, samples), loss_fn, eval_mode)
 
     def _train_pass(self, work: list[RankWork], loss_fn: LossFunction, eval_mode: bool) -> dict[str, float]:
-        expected = "values" if self.config.policy.head == "value" else "logprobs"
-        if loss_fn.input_type != expected:
-            raise ConfigError(
-                f"the loss {type(loss_fn).__name__} takes {loss_fn.input_type}, but this policy (policy.head "
-                f"'{self.config.policy.head}') gives {expected}"
-            )
+        head, wanted = self.config.policy.head, loss_fn.input_type
+        if (wanted == "values") != (head == "value"):
+            raise ConfigError(f"the loss {type(loss_fn).__name__} takes {wanted}, which a policy with policy.head "
+                              f"'{head}' does not give")
+        if wanted not in self.group.worker_cls.loss_inputs:
+            raise ConfigError(f"the loss {type(loss_fn).__name__} takes {wanted}, which the {self.config.policy.backend} "
+                              f"backend does not compute; it computes {', '.join(self.group.worker_cls.loss_inputs)}")
         results: list[RankTrainResult]
         results, everyone = self._run_pass(PolicyWorker.train, work, loss_fn, eval_mode)
         metrics = combine_metrics([r["metrics"] for r in results], loss_fn.metric_reductions)

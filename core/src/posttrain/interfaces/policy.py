@@ -67,7 +67,9 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def get_topk_logits(self, batch: Batch, k: int) -> Batch:
         """Top-``k`` logits per next-token position: ``topk_logits`` float32 [B, S-1, k] and
-        ``topk_indices`` int64 [B, S-1, k] (global vocabulary ids)."""
+        ``topk_indices`` int64 [B, S-1, k] (global vocabulary ids); a backend that computes
+        them adds ``topk_logprobs`` float32 [B, S-1, k], those ids' logprobs at the logprob
+        temperature (normalised over the whole vocabulary, so their tail mass is known)."""
 
     @abc.abstractmethod
     def train(self, batch: Batch, loss_fn: LossFunction, *, eval_mode: bool = False) -> dict[str, float]:

@@ -106,7 +106,9 @@ class RunContext:
         self.stop.check_startup()
         return self._cluster
 
-    def build_policy(self, *, schedule_steps: int | None = None, policy: PolicyConfig | None = None) -> Policy:
+    def build_policy(
+        self, *, schedule_steps: int | None = None, policy: PolicyConfig | None = None, name: str = "policy"
+    ) -> Policy:
         """The ``policy.backend`` policy, its workers started on :attr:`cluster`.
 
         ``schedule_steps`` is the run's number of optimizer steps, which only the algorithm
@@ -114,12 +116,17 @@ class RunContext:
         run's length), the backend is given the config with it set to ``schedule_steps``
         (:meth:`~posttrain.config.RunConfig.with_schedule_horizon`); :attr:`config` stays as loaded.
         ``policy`` replaces the ``policy`` section for this model: e.g. the run's with
-        ``head="value"`` for an algorithm that trains a reward model."""
+        ``head="value"`` for an algorithm that trains a reward model. A second model of the
+        run (a critic, a teacher) is built under another worker-group ``name``; the backend
+        checks its section as a policy of its own (the config it gets names no algorithm: the
+        algorithm's batch rules are about the run's policy)."""
         self.stop.check_startup()
         config = self.config if policy is None else attrs.evolve(self.config, policy=policy)
+        if name != "policy":
+            config = attrs.evolve(config, algorithm=None)
         config = config if schedule_steps is None else config.with_schedule_horizon(schedule_steps)
         factory: PolicyBackendFactory = self.host.policy_backends[config.policy.backend]
-        return factory(config, self.cluster)
+        return factory(config, self.cluster, name=name)
 
     def build_generation(self) -> Generation:
         """The ``generation.backend`` generation backend, its engines started on :attr:`cluster`."""

@@ -52,8 +52,8 @@ def test_values_are_those_of_the_exported_sequence_classifier(dt, virtual_cluste
         with pytest.raises(ConfigError, match=r"get_logprobs needs policy.head 'lm'; this dtensor policy was built "
                                               r"with policy.head 'value'"):
             policy.get_logprobs(batch)
-        with pytest.raises(ConfigError, match=r"the loss TokenNLL takes logprobs, but this policy \(policy.head "
-                                              r"'value'\) gives values"):
+        with pytest.raises(ConfigError, match=r"the loss TokenNLL takes logprobs, which a policy with policy.head "
+                                              r"'value' does not give"):
             policy.train(batch, dt.nll)
         policy.export_hf(str(tmp_path / "hf"))
     finally:
