@@ -220,7 +220,10 @@ def posttrain_config_sections() -> Mapping[str, type]:
     An algorithm's section (named like the algorithm) may define ``batch_size_rules(self) ->
     posttrain.config.validate.BatchSizeRules``: what its batches need beyond core's rules
     (GRPO: the global batch divides a step's samples; DPO: whole pairs per microbatch). Core
-    checks every rule together, and a suggested fix satisfies all of them at once.
+    checks every rule together, and a suggested fix satisfies all of them at once. It may
+    also name, in a ``reads_sections`` class attribute, other algorithms' top-level sections
+    its runs read (PPO runs GRPO's loop with the ``grpo`` section), which ``posttrain config
+    show`` then lists for it.
     """
 
 

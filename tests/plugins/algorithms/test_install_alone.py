@@ -18,6 +18,7 @@ DISTRIBUTIONS = {
     "plugins/algorithms/rm": ["  environment: reward_model", "  loss: bradley_terry", "  algorithm: rm",
                               "  config section: rm"],
     "plugins/algorithms/distill": ["  algorithm: distill", "  config section: distill"],
+    "plugins/algorithms/ppo": ["  algorithm: ppo", "  config section: ppo"],
 }
 
 

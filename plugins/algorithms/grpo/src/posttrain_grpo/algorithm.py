@@ -128,19 +128,29 @@ class GRPO(Algorithm):
         self.environment_plugins = tuple(environment_plugins)
 
     def run(self, context: RunContext) -> dict[str, Any]:
-        run = GRPORun(context, self.environment_plugins)
+        run = self.steps(context)
         finished = finished_run(context, run.plan)
         if finished is not None:
             return finished
         with contextlib.ExitStack() as cleanup:
             run.start_services(cleanup)
             cleanup.callback(run.close_rounds)  # before the services shut down
-            return TrainingLoop(context, run.plan, run, TrainingState(run.policy, run.prompts)).run()
+            return TrainingLoop(context, run.plan, run, run.training_state()).run()
+
+    def steps(self, context: RunContext) -> GRPORun:
+        """The run's steps (an algorithm built on GRPO's loop returns its subclass)."""
+        return GRPORun(context, self.environment_plugins)
 
 
 class GRPORun(LoopSteps):
     """One run's data, plan and steps. The constructor reads the data and fixes the plan;
-    :meth:`start_services` starts the workers, engines, environments and data plane the steps use."""
+    :meth:`start_services` starts the workers, engines, environments and data plane the steps use.
+
+    An algorithm built on GRPO's loop (PPO) subclasses it: :attr:`label` names it, and it may
+    add to :meth:`start_services`, :meth:`add_logprobs` (what the step computes before
+    training), :meth:`optimize` and :meth:`training_state`."""
+
+    label = "GRPO"
 
     def __init__(self, ctx: RunContext, environment_plugins: Sequence[str]):
         self.ctx = ctx
@@ -160,7 +170,7 @@ class GRPORun(LoopSteps):
         total_steps = min(self.grpo.max_num_steps, self.prompts.total_batches)
         updates_per_step = max(1, self.grpo.samples_per_step // config.policy.train_global_batch_size)
         self.plan = LoopPlan(
-            label="GRPO",
+            label=self.label,
             total_steps=total_steps,
             schedule_steps=total_steps * updates_per_step,
             val_period=self.grpo.val_period,
@@ -197,6 +207,10 @@ class GRPORun(LoopSteps):
             self.generation, self.environments, self.tokenizer, self.config.policy.max_total_sequence_length,
             self.grpo.max_rollout_turns, self.chat_template, self.default_task,
         )
+
+    def training_state(self) -> TrainingState:
+        """What a checkpoint holds: the policy and the prompt stream's position."""
+        return TrainingState(self.policy, self.prompts)
 
     # ------------------------------------------------------------------ the loop's steps
 
