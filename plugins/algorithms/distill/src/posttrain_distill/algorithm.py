@@ -132,9 +132,12 @@ class DistillRun(LoopSteps):
     # ------------------------------------------------------------------ the loop's steps
 
     def start(self, step: int) -> None:
-        """A resumed run refits the generation backend to the restored student."""
+        """A resumed run refits the generation backend to the restored student; a colocated
+        student gives its devices to generation until it trains."""
         if step:
             refit(self.student, self.generation, self.config.generation.refit_bucket_bytes, version=step)
+        if self.config.generation.colocated:
+            self.student.offload()
 
     def train_step(self, step: int) -> dict[str, float] | None:
         """One distillation step; None when the prompts ran out."""
@@ -168,9 +171,13 @@ class DistillRun(LoopSteps):
                     self.plane.put(partition, keys, {"topk_indices": topk["topk_indices"],
                                                      "teacher_topk_logprobs": topk["topk_logprobs"]})
                 with timer("training"):
+                    if self.config.generation.colocated:
+                        self.student.prepare_for_training()
                     train_metrics = self.optimize(step, PlaneSamples(self.plane, partition, keys, TRAIN_FIELDS))
                 with timer("refit"):
                     stats = refit(self.student, self.generation, self.config.generation.refit_bucket_bytes, version=step)
+                    if self.config.generation.colocated:
+                        self.student.offload()
             finally:
                 self.plane.clear(partition)
         return {
