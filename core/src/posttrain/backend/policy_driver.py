@@ -23,7 +23,7 @@ materialises the batch and runs the ordinary pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -138,23 +138,39 @@ class ShardedPolicy(Policy):
 
     def logprobs_into(self, samples: PlaneSamples, field: str, *, reference: bool = False) -> None:
         self._require_head("lm", "logprobs")
-        handle = samples.plane.worker_handle()
-        if handle is None:
+        if samples.plane.worker_handle() is None:
             return super().logprobs_into(samples, field, reference=reference)
+        source = "reference_logprobs" if reference else "logprobs"
+        self._pass_into(samples, self.config.policy.logprob_micro_batch_size, {field: source},
+                        PolicyWorker.logprobs, reference)
+
+    def topk_into(self, samples: PlaneSamples, k: int, fields: Mapping[str, str]) -> None:
+        self._require_head("lm", "get_topk_logits")
+        if samples.plane.worker_handle() is None:
+            return super().topk_into(samples, k, fields)
+        self._pass_into(samples, self.config.policy.logprob_micro_batch_size, dict(fields), PolicyWorker.topk, k)
+
+    def _pass_into(
+        self, samples: PlaneSamples, micro_batch_size: int, fields: Mapping[str, str],
+        method: Callable[..., Batch | None], *args: Any,
+    ) -> None:
+        """Run the inference pass ``method`` on ``samples``, each worker fetching its shard from
+        the plane and writing the result fields ``fields`` ({plane field: result field}) back."""
+        handle = samples.plane.worker_handle()
+        assert handle is not None
         n = len(samples)
         if n == 0:
-            raise ValueError("logprobs: no samples")
+            raise ValueError(f"{method.__name__}: no samples")
         order = padded_order(n, self.dp_size)
         padded = attrs.evolve(samples, keys=[samples.keys[i] for i in order])
         lengths = self._lengths(samples)
-        plan = self._plan([lengths[i] for i in order], self.config.policy.logprob_micro_batch_size)
-        source = "reference_logprobs" if reference else "logprobs"
+        plan = self._plan([lengths[i] for i in order], micro_batch_size)
 
         def sink(dp_rank: int, shard: list[int]) -> ResultSink:
             rows = [j for j, i in enumerate(shard) if i < n]  # padding rows repeat a sample stored elsewhere
-            return ResultSink(field, source, rows, writer_rank=self.result_ranks[dp_rank])
+            return ResultSink(fields.items(), rows, writer_rank=self.result_ranks[dp_rank])
 
-        self._run_pass(PolicyWorker.logprobs, plan.work_by_reference(handle, padded, sink), reference)
+        self._run_pass(method, plan.work_by_reference(handle, padded, sink), *args)
 
     def train(self, batch: Batch, loss_fn: LossFunction, *, eval_mode: bool = False) -> dict[str, float]:
         plan = self._plan(batch["input_lengths"].tolist(), self.config.policy.train_micro_batch_size,

@@ -30,7 +30,7 @@ value`` when it starts.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -98,6 +98,18 @@ class Policy(abc.ABC):
         else:
             values = self.get_logprobs(batch)["logprobs"]
         samples.put({field: values})
+
+    def topk_into(self, samples: PlaneSamples, k: int, fields: Mapping[str, str]) -> None:
+        """Write the top-``k`` pass of ``samples`` (:meth:`get_topk_logits`) into their data
+        plane: ``fields`` maps each plane field to the result field it gets (e.g.
+        ``{"teacher_topk_logprobs": "topk_logprobs"}``). This default runs
+        :meth:`get_topk_logits` on ``samples.get()`` in the calling process, then puts; a policy
+        whose workers can reach the plane lets them write their shards themselves."""
+        result = self.get_topk_logits(samples.get(), k)
+        missing = [source for source in fields.values() if source not in result]
+        if missing:
+            raise KeyError(f"{type(self).__name__}.get_topk_logits gives no {', '.join(missing)}")
+        samples.put({field: result[source] for field, source in fields.items()})
 
     def train_from(self, samples: PlaneSamples, loss_fn: LossFunction, *, eval_mode: bool = False) -> dict[str, float]:
         """:meth:`train` on ``samples.get()``; a policy whose workers can reach the plane may let

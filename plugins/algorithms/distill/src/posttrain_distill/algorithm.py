@@ -8,7 +8,8 @@ One step, as data::
          environments (their rewards are logged, not trained on)
       -> data plane partition "train/<step>"
       -> teacher (its own worker group, eval mode): its top-k token ids at every position of
-         the student's sequences and their logprobs -> the partition
+         the student's sequences and their logprobs -> the partition (written by the
+         teacher's workers when they can reach the plane, through the driver otherwise)
       -> student: policy.train(distillation loss), one optimizer step per
          policy.train_global_batch_size samples; the student's logprobs of the teacher's
          top-k ids are computed in its workers, so no [tokens, vocabulary] tensor leaves a worker
@@ -26,7 +27,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from posttrain.data import dataloader_from_config, dataset_from_config, encoder_from_config, require_dataset
-from posttrain.errors import WorkerError
 from posttrain.interfaces import Algorithm, PlaneSamples
 from posttrain.run.checkpoint import TrainingState
 from posttrain.run.context import RunContext
@@ -44,6 +44,8 @@ from posttrain_grpo.step import StageTimer, TrainingDiverged, first_nonfinite, r
 
 #: What the teacher's top-k pass reads.
 SEQUENCE_FIELDS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
+#: What the teacher's top-k pass writes into the partition: {plane field: its result field}.
+TEACHER_FIELDS = {"topk_indices": "topk_indices", "teacher_topk_logprobs": "topk_logprobs"}
 #: What the student's training pass reads.
 TRAIN_FIELDS = (*SEQUENCE_FIELDS, "topk_indices", "teacher_topk_logprobs")
 
@@ -160,16 +162,8 @@ class DistillRun(LoopSteps):
             self.plane.put(partition, keys, batch.fields(SEQUENCE_FIELDS))
             try:
                 with timer("teacher"):
-                    sequences = PlaneSamples(self.plane, partition, keys, SEQUENCE_FIELDS).get()
-                    topk = self.teacher.get_topk_logits(sequences, self.options.topk)
-                    if "topk_logprobs" not in topk:
-                        raise WorkerError(
-                            f"distill.teacher.backend '{self.options.teacher.backend}' gives top-k logits without "
-                            "their logprobs (topk_logprobs), which distillation needs; use a teacher backend that "
-                            "reports them (dtensor)"
-                        )
-                    self.plane.put(partition, keys, {"topk_indices": topk["topk_indices"],
-                                                     "teacher_topk_logprobs": topk["topk_logprobs"]})
+                    self.teacher.topk_into(PlaneSamples(self.plane, partition, keys, SEQUENCE_FIELDS), self.options.topk,
+                                           TEACHER_FIELDS)
                 with timer("training"):
                     if self.config.generation.colocated:
                         self.student.prepare_for_training()
