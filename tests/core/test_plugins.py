@@ -169,7 +169,6 @@ def test_clean_install_lists_core_then_a_third_party_plugin(tmp_path):
 #: skipped (blocked) below so the check keeps guarding every other plugin. Remove a name
 #: once that plugin imports torch only inside its factories.
 STILL_IMPORT_TORCH = {
-    "grpo": "posttrain_grpo.plugin imports posttrain_grpo.loss (torch) at module level",
     "code": "posttrain_env_code.plugin imports posttrain.run.environments (torch) at module level",
 }
 HEAVY_MODULES = ("torch", "transformers", "ray", "vllm")

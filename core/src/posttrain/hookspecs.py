@@ -37,10 +37,12 @@ hookspec = pluggy.HookspecMarker("posttrain")
 
 
 class PolicyBackendFactory(Protocol):
-    """``factory(config, cluster)``: start a policy backend's workers on ``cluster`` for the
-    run ``config`` and return its :class:`~posttrain.interfaces.Policy`."""
+    """``factory(config, cluster, name=...)``: start a policy backend's workers on ``cluster``
+    for the model ``config.policy`` describes, as the worker group ``name`` (its placement
+    group; ``"policy"`` for the run's policy, another name for a second model of the run, e.g.
+    a critic or a teacher), and return its :class:`~posttrain.interfaces.Policy`."""
 
-    def __call__(self, config: RunConfig, cluster: VirtualCluster, /) -> Policy: ...
+    def __call__(self, config: RunConfig, cluster: VirtualCluster, /, *, name: str = "policy") -> Policy: ...
 
 
 class GenerationBackendFactory(Protocol):
@@ -91,9 +93,11 @@ def posttrain_policy_backends() -> Mapping[str, PolicyBackendFactory]:
     """Register policy (training) backends.
 
     Each factory is a :class:`PolicyBackendFactory`: called as ``factory(config: RunConfig,
-    cluster: VirtualCluster)``, it returns a :class:`posttrain.interfaces.Policy`. It reads
-    ``config.policy`` and its own section (registered with
-    :func:`posttrain_config_sections`). Selected by ``policy.backend``.
+    cluster: VirtualCluster, name=...)``, it returns a :class:`posttrain.interfaces.Policy`
+    whose worker group is named ``name``. It reads ``config.policy`` (including
+    ``policy.head``) and its own section (registered with :func:`posttrain_config_sections`).
+    Selected by ``policy.backend``; an algorithm's second model (a critic, a teacher) is built
+    the same way with its own ``policy`` section and name (:meth:`posttrain.run.context.RunContext.build_policy`).
     """
 
 
@@ -220,7 +224,10 @@ def posttrain_config_sections() -> Mapping[str, type]:
     An algorithm's section (named like the algorithm) may define ``batch_size_rules(self) ->
     posttrain.config.validate.BatchSizeRules``: what its batches need beyond core's rules
     (GRPO: the global batch divides a step's samples; DPO: whole pairs per microbatch). Core
-    checks every rule together, and a suggested fix satisfies all of them at once.
+    checks every rule together, and a suggested fix satisfies all of them at once. It may
+    also name, in a ``reads_sections`` class attribute, other algorithms' top-level sections
+    its runs read (PPO runs GRPO's loop with the ``grpo`` section), which ``posttrain config
+    show`` then lists for it.
     """
 
 

@@ -57,8 +57,32 @@ def _group_logsumexp(lse: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     return peak + torch.log(total)
 
 
+def _local_logsumexp(h: torch.Tensor, weight: torch.Tensor, chunk_size: int, temperature: float) -> torch.Tensor:
+    """``logsumexp(h @ weight.T / temperature)`` per row over this rank's rows of ``weight``,
+    one chunk at a time (-inf for a rank without rows); ``h`` already in the compute dtype."""
+    parts = [
+        torch.logsumexp(h @ weight[v0:v0 + chunk_size].to(h.dtype).T / temperature, dim=-1)
+        for v0 in _chunks(weight.shape[0], chunk_size)
+    ]
+    return torch.logsumexp(torch.stack(parts), dim=0) if parts else h.new_full(h.shape[:1], float("-inf"))
+
+
+@torch.no_grad()
+def logsumexp_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int, temperature: float = 1.0, shard: VocabShard | None = None
+) -> torch.Tensor:
+    """``log sum_v exp(hidden @ weight[v] / temperature)`` per row, the normaliser of the
+    logprobs at that temperature ([N] from ``hidden`` [N, H]; over the whole vocabulary of the
+    group with ``shard``), one vocabulary chunk at a time; no gradient. ``logit / temperature -
+    logsumexp_logits(...)`` is the logprob :func:`target_logprobs` gives."""
+    dtype = _compute_dtype(hidden, weight)
+    lse = _local_logsumexp(hidden.to(dtype), weight, chunk_size, temperature)
+    return lse if shard is None else _group_logsumexp(lse, shard.group)
+
+
 class _ChunkedTargetLogprob(torch.autograd.Function):
-    """``log_softmax(hidden @ weight.T / temperature)[i, targets[i]]`` for every row ``i``."""
+    """``log_softmax(hidden @ weight.T / temperature)[i, targets[i]]`` for every row ``i``
+    (``targets`` [N]), or ``[i, targets[i, j]]`` for every row and column (``targets`` [N, K])."""
 
     @staticmethod
     def forward(
@@ -72,27 +96,27 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
     ) -> torch.Tensor:
         dtype = _compute_dtype(hidden, weight)
         h = hidden.to(dtype)
-        lse_parts = [
-            torch.logsumexp(h @ weight[v0:v0 + chunk_size].to(dtype).T / temperature, dim=-1)
-            for v0 in _chunks(weight.shape[0], chunk_size)
-        ]
-        lse = torch.logsumexp(torch.stack(lse_parts), dim=0) if lse_parts else h.new_full(h.shape[:1], float("-inf"))
+        lse = _local_logsumexp(h, weight, chunk_size, temperature)
+        one = targets.dim() == 1  # one target per row: [N], else [N, K]
+        targets = targets[:, None] if one else targets
         if shard is None:
             local, inside = targets, None
-            target_logits = (h * weight[local].to(dtype)).sum(-1) / temperature
+            target_logits = (h[:, None, :] * weight[local].to(dtype)).sum(-1) / temperature
         else:
             lse = _group_logsumexp(lse, shard.group)
             local = targets - shard.start
             inside = (local >= 0) & (local < weight.shape[0])
             local = torch.where(inside, local, 0)
-            target_logits = h.new_zeros(h.shape[:1])
+            target_logits = h.new_zeros(targets.shape)
             if weight.shape[0]:
-                target_logits = torch.where(inside, (h * weight[local].to(dtype)).sum(-1) / temperature, 0.0)
+                target_logits = torch.where(inside, (h[:, None, :] * weight[local].to(dtype)).sum(-1) / temperature, 0.0)
             dist.all_reduce(target_logits, group=shard.group)
         ctx.save_for_backward(hidden, weight, local, lse, inside)
         ctx.chunk_size = chunk_size
         ctx.temperature = temperature
-        return target_logits - lse
+        ctx.one = one
+        out = target_logits - lse[:, None]
+        return out[:, 0] if one else out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -102,6 +126,7 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
         h = hidden.to(dtype)
         # d(logprob)/d(raw logits) = (onehot - softmax) / temperature: fold 1/T into g.
         g = grad_out.to(dtype) / temperature
+        g = g[:, None] if ctx.one else g  # [N, K]: one column per target
         # the onehot part: only for targets among this rank's rows
         g_target = g if inside is None else torch.where(inside, g, 0.0)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -109,13 +134,14 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         if weight.shape[0]:
             if need_h:
-                grad_h = g_target[:, None] * weight[local].to(dtype)
+                grad_h = (g_target[..., None] * weight[local].to(dtype)).sum(1)
             if need_w:
-                grad_w.index_add_(0, local, g_target[:, None] * h)
+                grad_w.index_add_(0, local.reshape(-1), (g_target[..., None] * h[:, None, :]).reshape(-1, h.shape[1]))
+        g_total = g.sum(-1)  # every target's softmax term has the same shape
         for v0 in _chunks(weight.shape[0], chunk_size):
             w = weight[v0:v0 + chunk_size].to(dtype)
             # the softmax part of the gradient; the onehot part is added above.
-            grad_logits = -g[:, None] * torch.exp(h @ w.T / temperature - lse[:, None])
+            grad_logits = -g_total[:, None] * torch.exp(h @ w.T / temperature - lse[:, None])
             if need_h:
                 grad_h += grad_logits @ w
             if need_w:
@@ -141,9 +167,9 @@ def target_logprobs(
     """Logprob of ``targets[i]`` under ``softmax(hidden[i] @ weight.T / temperature)``.
 
     ``hidden`` [N, H], ``weight`` [V, H] (the output embedding, or this rank's rows of it
-    with ``shard``), ``targets`` int64 [N] (full-vocabulary ids), ``temperature`` > 0.
-    Returns [N] in float32 (or float64 for float64 inputs), differentiable in ``hidden``
-    and ``weight``.
+    with ``shard``), ``targets`` int64 [N] (full-vocabulary ids), or [N, K] for K ids per row
+    (e.g. a teacher's top-k tokens), ``temperature`` > 0. Returns the shape of ``targets`` in
+    float32 (or float64 for float64 inputs), differentiable in ``hidden`` and ``weight``.
     """
     if not temperature > 0:
         raise ValueError(f"logprob temperature must be > 0, got {temperature}")
@@ -165,12 +191,16 @@ def sequence_logprobs(
     bool [R, T] is True where token ``t`` is predicted from position ``t - 1`` of the same
     sequence (never at ``t = 0``). Returns [R, T] with ``log p(input_ids[:, t] | ...)``,
     ``p = softmax(logits / temperature)``, where ``predicted`` is True and 0 elsewhere;
-    only those positions go through the head.
+    only those positions go through the head. ``input_ids`` may be [R, T, K] instead: K
+    token ids per position, whose logprobs at that position are returned, [R, T, K].
     """
     src = predicted[:, 1:]
     values = target_logprobs(hidden[:, :-1][src], weight, input_ids[:, 1:][src], chunk_size, temperature, shard)
-    shifted = values.new_zeros(src.shape).masked_scatter(src, values)
-    return torch.nn.functional.pad(shifted, (1, 0))
+    if values.dim() == 1:
+        shifted = values.new_zeros(src.shape).masked_scatter(src, values)
+        return torch.nn.functional.pad(shifted, (1, 0))
+    shifted = values.new_zeros((*src.shape, values.shape[1])).masked_scatter(src[..., None], values)
+    return torch.nn.functional.pad(shifted, (0, 0, 1, 0))
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ materialises the batch and runs the ordinary pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -34,12 +34,16 @@ from posttrain.backend.policy_worker import PolicyWorker, RankTrainResult
 from posttrain.backend.work import Batching, PassPlan, RankWork, ResultSink, ShardRef, padded_order, plan_pass
 from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
+from posttrain.config.validate import where_set
 from posttrain.distributed import WorkerGroup
+from posttrain.errors import ConfigError
 from posttrain.interfaces.data_plane import PlaneSamples
 from posttrain.interfaces.generation import RefitStats, WeightEndpoint
 from posttrain.interfaces.loss import LossFunction, combine_metrics
 from posttrain.interfaces.policy import Policy
 
+#: The loss input each ``policy.head`` needs a backend to compute (:attr:`PolicyWorker.loss_inputs`).
+HEAD_INPUTS = {"lm": "logprobs", "value": "values"}
 #: Largest safetensors shard :meth:`ShardedPolicy.export_hf` writes.
 HF_SHARD_BYTES = 4 * 1024**3
 
@@ -61,6 +65,14 @@ class ShardedPolicy(Policy):
         dp_rank_of: Sequence[int],
         result_ranks: Sequence[int],
     ):
+        head, inputs = config.policy.head, group.worker_cls.loss_inputs
+        built = [name for name, needs in HEAD_INPUTS.items() if needs in inputs]
+        if head not in built:
+            group.shutdown()
+            raise ConfigError(
+                f"policy.head: the {config.policy.backend} backend builds {' and '.join(built)} heads, not "
+                f"'{head}'; use a backend that builds one (dtensor builds lm and value){where_set(config, 'policy.head')}"
+            )
         self.config = config
         self.group = group
         self.dp_rank_of = list(dp_rank_of)
@@ -103,33 +115,62 @@ class ShardedPolicy(Policy):
 
     # ------------------------------------------------------------------ Policy
 
+    def _require_head(self, head: str, what: str) -> None:
+        if self.config.policy.head != head:
+            raise ConfigError(f"{what} needs policy.head '{head}'; this {self.config.policy.backend} policy was built "
+                              f"with policy.head '{self.config.policy.head}'")
+
     def get_logprobs(self, batch: Batch) -> Batch:
+        self._require_head("lm", "get_logprobs")
         return self._inference_pass(PolicyWorker.logprobs, batch, False)
 
     def get_reference_policy_logprobs(self, batch: Batch) -> Batch:
+        self._require_head("lm", "get_reference_policy_logprobs")
         return self._inference_pass(PolicyWorker.logprobs, batch, True)
 
     def get_topk_logits(self, batch: Batch, k: int) -> Batch:
+        self._require_head("lm", "get_topk_logits")
         return self._inference_pass(PolicyWorker.topk, batch, k)
 
+    def get_values(self, batch: Batch) -> Batch:
+        self._require_head("value", "get_values")
+        return self._inference_pass(PolicyWorker.values, batch)
+
     def logprobs_into(self, samples: PlaneSamples, field: str, *, reference: bool = False) -> None:
-        handle = samples.plane.worker_handle()
-        if handle is None:
+        self._require_head("lm", "logprobs")
+        if samples.plane.worker_handle() is None:
             return super().logprobs_into(samples, field, reference=reference)
+        source = "reference_logprobs" if reference else "logprobs"
+        self._pass_into(samples, self.config.policy.logprob_micro_batch_size, {field: source},
+                        PolicyWorker.logprobs, reference)
+
+    def topk_into(self, samples: PlaneSamples, k: int, fields: Mapping[str, str]) -> None:
+        self._require_head("lm", "get_topk_logits")
+        if samples.plane.worker_handle() is None:
+            return super().topk_into(samples, k, fields)
+        self._pass_into(samples, self.config.policy.logprob_micro_batch_size, dict(fields), PolicyWorker.topk, k)
+
+    def _pass_into(
+        self, samples: PlaneSamples, micro_batch_size: int, fields: Mapping[str, str],
+        method: Callable[..., Batch | None], *args: Any,
+    ) -> None:
+        """Run the inference pass ``method`` on ``samples``, each worker fetching its shard from
+        the plane and writing the result fields ``fields`` ({plane field: result field}) back."""
+        handle = samples.plane.worker_handle()
+        assert handle is not None
         n = len(samples)
         if n == 0:
-            raise ValueError("logprobs: no samples")
+            raise ValueError(f"{method.__name__}: no samples")
         order = padded_order(n, self.dp_size)
         padded = attrs.evolve(samples, keys=[samples.keys[i] for i in order])
         lengths = self._lengths(samples)
-        plan = self._plan([lengths[i] for i in order], self.config.policy.logprob_micro_batch_size)
-        source = "reference_logprobs" if reference else "logprobs"
+        plan = self._plan([lengths[i] for i in order], micro_batch_size)
 
         def sink(dp_rank: int, shard: list[int]) -> ResultSink:
             rows = [j for j, i in enumerate(shard) if i < n]  # padding rows repeat a sample stored elsewhere
-            return ResultSink(field, source, rows, writer_rank=self.result_ranks[dp_rank])
+            return ResultSink(fields.items(), rows, writer_rank=self.result_ranks[dp_rank])
 
-        self._run_pass(PolicyWorker.logprobs, plan.work_by_reference(handle, padded, sink), reference)
+        self._run_pass(method, plan.work_by_reference(handle, padded, sink), *args)
 
     def train(self, batch: Batch, loss_fn: LossFunction, *, eval_mode: bool = False) -> dict[str, float]:
         plan = self._plan(batch["input_lengths"].tolist(), self.config.policy.train_micro_batch_size,
@@ -144,6 +185,13 @@ class ShardedPolicy(Policy):
         return self._train_pass(plan.work_by_reference(handle, samples), loss_fn, eval_mode)
 
     def _train_pass(self, work: list[RankWork], loss_fn: LossFunction, eval_mode: bool) -> dict[str, float]:
+        head, wanted = self.config.policy.head, loss_fn.input_type
+        if (wanted == "values") != (head == "value"):
+            raise ConfigError(f"the loss {type(loss_fn).__name__} takes {wanted}, which a policy with policy.head "
+                              f"'{head}' does not give")
+        if wanted not in self.group.worker_cls.loss_inputs:
+            raise ConfigError(f"the loss {type(loss_fn).__name__} takes {wanted}, which the {self.config.policy.backend} "
+                              f"backend does not compute; it computes {', '.join(self.group.worker_cls.loss_inputs)}")
         results: list[RankTrainResult]
         results, everyone = self._run_pass(PolicyWorker.train, work, loss_fn, eval_mode)
         metrics = combine_metrics([r["metrics"] for r in results], loss_fn.metric_reductions)

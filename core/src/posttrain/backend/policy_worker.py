@@ -18,10 +18,11 @@ None (e.g. pipeline stages before the last). Tensors returned are on CPU.
 from this page.
 
 Writing the factory (registered with ``posttrain_policy_backends``, called as
-``factory(config, cluster)``): start ``WorkerGroup(cluster, YourWorker, name="policy",
+``factory(config, cluster, name=...)``): start ``WorkerGroup(cluster, YourWorker, name=name,
 num_workers=config.policy.num_workers, resources=config.policy.resources, args=(config,
-...))`` (the group's name names its placement group; ``"policy"`` is the policy's) and
-return ``ShardedPolicy(config, group, dp_rank_of, result_ranks)``. By then the run has
+...))`` (the group's name names its placement group; ``"policy"`` is the policy's, a second
+model of the run such as a critic or a teacher has its own) and return
+``ShardedPolicy(config, group, dp_rank_of, result_ranks)``. By then the run has
 filled ``policy.scheduler.total_steps`` (the run's optimizer steps) when the user left it
 unset, so :func:`posttrain.backend.lr_schedule.build_scheduler` can be called as is. The
 worker computes on CUDA when ``config.cluster.use_gpus`` is set and CUDA is available, on
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import abc
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict
+from typing import Any, ClassVar, NotRequired, TypedDict
 
 import torch
 
@@ -74,10 +75,17 @@ class RankTrainResult(TypedDict):
 class PolicyWorker(Worker, abc.ABC):
     """One rank of a sharded policy. ``__init__`` (with whatever arguments the backend's
     factory passes) forms the process group from the rank variables the worker group sets,
-    loads ``policy.model`` and builds the optimizer and schedule from ``config.policy``.
+    loads ``policy.model`` (with the head ``policy.head`` names) and builds the optimizer and
+    schedule from ``config.policy``.
 
-    Logprob convention and temperature: as in :mod:`posttrain.interfaces.policy`.
+    Logprob convention, temperature and value heads: as in :mod:`posttrain.interfaces.policy`.
     """
+
+    #: The inputs :meth:`train` computes for losses (:attr:`~posttrain.interfaces.LossFunction.input_type`):
+    #: ``"logprobs"``, ``"topk_logprobs"`` (language-model head) and ``"values"`` (value head;
+    #: then :meth:`values` is implemented too). :class:`~posttrain.backend.policy_driver.ShardedPolicy`
+    #: refuses a ``policy.head`` whose input is not listed, and a loss whose input is not.
+    loss_inputs: ClassVar[tuple[str, ...]] = ("logprobs",)
 
     # ------------------------------------------------------------------ passes (collective)
 
@@ -87,11 +95,19 @@ class PolicyWorker(Worker, abc.ABC):
         or ``reference_logprobs`` under the frozen initial weights when ``reference`` (under
         ``policy.lora``: the base model, adapters off)."""
 
+    def values(self, work: RankWork) -> Batch | None:
+        """``values`` float32 [n, S] of ``work.batch`` under the current weights (a value head:
+        see :mod:`posttrain.interfaces.policy`). Only for backends whose :attr:`loss_inputs`
+        list ``"values"``."""
+        raise NotImplementedError(f"{type(self).__name__} has no value head")
+
     @abc.abstractmethod
     def topk(self, work: RankWork, k: int) -> Batch | None:
         """``topk_logits`` float32 and ``topk_indices`` int64 [n, S-1, k] of ``work.batch``:
         the raw (not temperature-scaled) top-``k`` logits at each position (predicting the
-        next token), 0 at padding positions."""
+        next token), 0 at padding positions; optionally ``topk_logprobs`` float32 [n, S-1, k],
+        the same ids' logprobs at the logprob temperature (what distillation needs;
+        :func:`posttrain.backend.logprobs.logsumexp_logits` gives the normaliser)."""
 
     @abc.abstractmethod
     def train(self, work: RankWork, loss_fn: LossFunction, eval_mode: bool = False) -> RankTrainResult | None:

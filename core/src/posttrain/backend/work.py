@@ -115,12 +115,12 @@ class ShardRef:
 
 @attrs.frozen
 class ResultSink:
-    """Where a worker stores a pass's result instead of returning it: field ``source`` of
-    the result, rows ``rows`` of the shard, is written as ``field`` under those rows' keys.
-    Only worker ``writer_rank`` writes (the others of its replica compute the same rows)."""
+    """Where a worker stores a pass's result instead of returning it: for each ``(field,
+    source)`` of ``fields``, field ``source`` of the result, rows ``rows`` of the shard, is
+    written as ``field`` under those rows' keys. Only worker ``writer_rank`` writes (the
+    others of its replica compute the same rows)."""
 
-    field: str
-    source: str
+    fields: tuple[tuple[str, str], ...] = attrs.field(converter=lambda pairs: tuple(tuple(p) for p in pairs))
     rows: tuple[int, ...] = attrs.field(converter=tuple)
     writer_rank: int
 
@@ -162,9 +162,13 @@ class RankWork:
                 )
             if not isinstance(self.data, ShardRef):
                 raise TypeError("a RankWork with a result sink must refer to its samples with a ShardRef")
+            missing = [source for _, source in self.sink.fields if source not in result]
+            if missing:
+                raise KeyError(f"{method.__name__}() on rank {worker.rank} gives no {', '.join(missing)} to store")
             rows = list(self.sink.rows)
             self.data.handle.open().put(
-                self.data.partition, [self.data.keys[i] for i in rows], {self.sink.field: result[self.sink.source][rows]}
+                self.data.partition, [self.data.keys[i] for i in rows],
+                {field: result[source][rows] for field, source in self.sink.fields},
             )
         return None
 

@@ -124,12 +124,14 @@ def annotated_config(config: RunConfig, host: PluginHost | None = None) -> str:
     not a default, where it was set (file and line, or the override).
 
     Plugin sections a run of ``config.algorithm`` does not read are left out: another
-    algorithm's top-level section (``dpo`` in a GRPO run), and a backend section beside a
+    algorithm's top-level section (``dpo`` in a GRPO run; unless the running algorithm's
+    section names it in ``reads_sections``, as ``ppo`` names ``grpo``), and a backend section beside a
     ``backend`` key that names another backend (``policy.megatron`` when ``policy.backend``
     is dtensor). Values are written in YAML's flow style, one key a line."""
     host = host if host is not None else plugin_host()
     sections = {section.path: section for section in config_sections(host)}
-    other_algorithms = set(host.algorithms) - {config.algorithm}
+    read_too = getattr(config.sections.get(config.algorithm or ""), "reads_sections", ())
+    other_algorithms = set(host.algorithms) - {config.algorithm} - set(read_too)
     rows: list[tuple[str, str]] = []  # (indented "key: value", comment)
 
     def read(owner: Any, key: KeyDoc) -> Any:

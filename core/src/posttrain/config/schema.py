@@ -120,6 +120,10 @@ class PolicyConfig:
 
     backend: str = "dtensor"  # a registered policy backend (dtensor, megatron); its options under policy.<backend>
     model: str = ""  # a local Hugging Face folder
+    # what the model outputs: lm (next-token logprobs of a causal LM) | value (one scalar per position from a
+    # linear head on the final hidden states, exported as a sequence-classification folder: reward models and
+    # critics). Algorithms that train a value model set it on the model they build; backends: dtensor
+    head: Literal["lm", "value"] = "lm"
     tokenizer: str | None = None  # None: the model folder
     dtype: str = "float32"  # training compute dtype: float32 | bfloat16 | float16 (megatron: not float16)
     num_workers: int = 1  # ranks in the training worker group; over the model-parallel sizes: data-parallel replicas

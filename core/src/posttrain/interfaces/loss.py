@@ -29,9 +29,25 @@ class LossType(enum.Enum):
 
 
 class LossFunction(abc.ABC):
-    """A loss over next-token logprobs."""
+    """A loss over the policy's per-position outputs: next-token logprobs, or the values of
+    a model with a value head (see :attr:`input_type`)."""
 
     loss_type: LossType = LossType.TOKEN
+
+    #: What the policy passes as the loss's first argument:
+    #:
+    #: - ``"logprobs"``: the next-token logprobs [b, S] (``policy.head`` ``lm``);
+    #: - ``"topk_logprobs"``: float32 [b, S, k], the logprobs of ``k`` given token ids at every
+    #:   position (``policy.head`` ``lm``): ``out[:, t, j] = log p(topk_indices[:, t - 1, j] | x_<t)``
+    #:   for ``1 <= t < length`` where ``token_mask`` is 1, 0 elsewhere, with ``topk_indices``
+    #:   int64 [b, S-1, k] a batch field laid out as :meth:`~posttrain.interfaces.Policy.get_topk_logits`
+    #:   gives it (a teacher's top-k, for distillation); computed in the policy's workers, so no
+    #:   [tokens, vocabulary] tensor leaves them;
+    #: - ``"values"``: the value head's output [b, S] at every position ``0 <= t < length``, 0 on
+    #:   padding (``policy.head`` ``value``).
+    #:
+    #: A policy refuses a loss whose input its backend does not compute or its head does not give.
+    input_type: ClassVar[Literal["logprobs", "topk_logprobs", "values"]] = "logprobs"
 
     #: Consecutive rows that form one example and must stay together, in order, in one
     #: microbatch on one data-parallel rank (DPO: 2, a chosen row then its rejected row).
@@ -53,7 +69,8 @@ class LossFunction(abc.ABC):
         """Return ``(loss, metrics)`` for one microbatch.
 
         ``logprobs`` float32 [b, S] holds the current weights' next-token logprobs in the
-        policy's convention, with gradient. ``batch`` is the microbatch (same rows).
+        policy's convention, with gradient (or, by :attr:`input_type`, the top-k logprobs or
+        the value head's outputs, with gradient). ``batch`` is the microbatch (same rows).
         ``global_valid_seqs`` and ``global_valid_toks`` are scalar tensors over the global
         batch. Each metric is a contribution that sums to its global value over all
         microbatches and ranks (normalise metrics the same way as the loss), except those

@@ -15,12 +15,22 @@ config.generation.temperature)`` (the generation temperature; 1 when it is 0, gr
 :meth:`Policy.get_logprobs`, :meth:`Policy.get_reference_policy_logprobs` and the logprobs
 :meth:`Policy.train` passes to the loss, so they are comparable with the sampled tokens'
 logprobs a generation backend reports. :meth:`Policy.get_topk_logits` returns raw logits.
+
+Value head (``policy.head: value``): the model ends in a linear layer giving one scalar per
+position (a Hugging Face ``*ForSequenceClassification`` with one label) instead of the
+language-model head: reward models and critics. ``values[:, t]`` is the head's output on the
+final hidden state of position ``t`` (having read ``x_0 .. x_t``) for ``0 <= t < length``, 0 on
+padding; a sequence's score is its value at ``length - 1``, the position a Hugging Face
+sequence classifier pools. :meth:`Policy.get_values` returns them and :meth:`Policy.train`
+passes them to a loss whose ``input_type`` is ``"values"``; :meth:`Policy.export_hf` writes
+a sequence-classification folder. A backend without value heads refuses ``policy.head:
+value`` when it starts.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -49,10 +59,18 @@ class Policy(abc.ABC):
         pass, not kept as a second resident model; with ``policy.lora``, the reference is the
         base model with the adapters off (no copy at all)."""
 
+    def get_values(self, batch: Batch) -> Batch:
+        """A value-head policy's ``values`` float32 [B, S] of ``batch['input_ids']`` under the
+        current weights (see the module docstring). Default: refused, for backends without
+        value heads."""
+        raise NotImplementedError(f"{type(self).__name__} has no value head (policy.head: value)")
+
     @abc.abstractmethod
     def get_topk_logits(self, batch: Batch, k: int) -> Batch:
         """Top-``k`` logits per next-token position: ``topk_logits`` float32 [B, S-1, k] and
-        ``topk_indices`` int64 [B, S-1, k] (global vocabulary ids)."""
+        ``topk_indices`` int64 [B, S-1, k] (global vocabulary ids); a backend that computes
+        them adds ``topk_logprobs`` float32 [B, S-1, k], those ids' logprobs at the logprob
+        temperature (normalised over the whole vocabulary, so their tail mass is known)."""
 
     @abc.abstractmethod
     def train(self, batch: Batch, loss_fn: LossFunction, *, eval_mode: bool = False) -> dict[str, float]:
@@ -81,6 +99,18 @@ class Policy(abc.ABC):
         else:
             values = self.get_logprobs(batch)["logprobs"]
         samples.put({field: values})
+
+    def topk_into(self, samples: PlaneSamples, k: int, fields: Mapping[str, str]) -> None:
+        """Write the top-``k`` pass of ``samples`` (:meth:`get_topk_logits`) into their data
+        plane: ``fields`` maps each plane field to the result field it gets (e.g.
+        ``{"teacher_topk_logprobs": "topk_logprobs"}``). This default runs
+        :meth:`get_topk_logits` on ``samples.get()`` in the calling process, then puts; a policy
+        whose workers can reach the plane lets them write their shards themselves."""
+        result = self.get_topk_logits(samples.get(), k)
+        missing = [source for source in fields.values() if source not in result]
+        if missing:
+            raise KeyError(f"{type(self).__name__}.get_topk_logits gives no {', '.join(missing)}")
+        samples.put({field: result[source] for field, source in fields.items()})
 
     def train_from(self, samples: PlaneSamples, loss_fn: LossFunction, *, eval_mode: bool = False) -> dict[str, float]:
         """:meth:`train` on ``samples.get()``; a policy whose workers can reach the plane may let

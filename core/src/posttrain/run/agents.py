@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
+
 from posttrain.batch import Batch
 from posttrain.errors import ConfigError
 from posttrain.log import get_logger
@@ -49,6 +51,23 @@ def load_agent(entry: str, key: str) -> Agent:
     if not callable(agent):
         raise ConfigError(f"{key}: '{entry}' is a {type(agent).__name__}, not a function")
     return agent
+
+
+@attrs.frozen
+class AgentRollout:
+    """A rollout of prompt batches (``messages``, ``metadata``, ``answer``) by ``agent``
+    through ``endpoint``: each prompt ``repeats`` times in a row, one episode each
+    (:func:`run_agent_rollout`); argmax completions when ``greedy`` (validation)."""
+
+    endpoint: ChatEndpoint
+    agent: Agent
+    max_concurrency: int
+    timeout_s: float
+
+    def __call__(self, prompts: Batch, *, greedy: bool, repeats: int) -> tuple[Batch, dict[str, float]]:
+        samples = prompts.fields([name for name in ("messages", "metadata", "answer") if name in prompts])
+        return run_agent_rollout(samples.repeat_interleave(repeats), self.endpoint, self.agent,
+                                 max_concurrency=self.max_concurrency, timeout_s=self.timeout_s, greedy=greedy)
 
 
 def run_agent_rollout(

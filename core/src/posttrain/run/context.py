@@ -12,7 +12,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from posttrain.config.schema import RunConfig
+import attrs
+
+from posttrain.config.schema import PolicyConfig, RunConfig
 from posttrain.errors import RunStopped, WorkerError
 from posttrain.log import configure_logging, get_logger
 from posttrain.models.folder import check_model_folders
@@ -121,17 +123,27 @@ class RunContext:
             folders["checkpointing.dir"] = Path(self.config.checkpointing.dir)
         check_shared_storage(folders)
 
-    def build_policy(self, *, schedule_steps: int | None = None) -> Policy:
+    def build_policy(
+        self, *, schedule_steps: int | None = None, policy: PolicyConfig | None = None, name: str = "policy"
+    ) -> Policy:
         """The ``policy.backend`` policy, its workers started on :attr:`cluster`.
 
         ``schedule_steps`` is the run's number of optimizer steps, which only the algorithm
         knows: when ``policy.scheduler.total_steps`` is unset (its documented default, the
         run's length), the backend is given the config with it set to ``schedule_steps``
-        (:meth:`~posttrain.config.RunConfig.with_schedule_horizon`); :attr:`config` stays as loaded."""
+        (:meth:`~posttrain.config.RunConfig.with_schedule_horizon`); :attr:`config` stays as loaded.
+        ``policy`` replaces the ``policy`` section for this model: e.g. the run's with
+        ``head="value"`` for an algorithm that trains a reward model. A second model of the
+        run (a critic, a teacher) is built under another worker-group ``name``; the backend
+        checks its section as a policy of its own (the config it gets names no algorithm: the
+        algorithm's batch rules are about the run's policy)."""
         self.stop.check_startup()
-        config = self.config if schedule_steps is None else self.config.with_schedule_horizon(schedule_steps)
+        config = self.config if policy is None else attrs.evolve(self.config, policy=policy)
+        if name != "policy":
+            config = attrs.evolve(config, algorithm=None)
+        config = config if schedule_steps is None else config.with_schedule_horizon(schedule_steps)
         factory: PolicyBackendFactory = self.host.policy_backends[config.policy.backend]
-        return factory(config, self.cluster)
+        return factory(config, self.cluster, name=name)
 
     def build_generation(self) -> Generation:
         """The ``generation.backend`` generation backend, its engines started on :attr:`cluster`."""

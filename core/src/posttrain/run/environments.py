@@ -22,16 +22,21 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from posttrain.config.environments import read_core_options, read_environment_options
-from posttrain.errors import NodeLost, PluginError, PosttrainError, WorkerError
+from posttrain.config.validate import where_set
+from posttrain.errors import ConfigError, NodeLost, PluginError, PosttrainError, WorkerError
 from posttrain.interfaces import Environment, EnvironmentReturn, Message
 from posttrain.log import get_logger
 from posttrain.plugins import PluginHost, new_plugin_host, plugin_host
+
+if TYPE_CHECKING:
+    from posttrain.config.schema import RunConfig
+    from posttrain.data import TokenizedDataset
 
 _log = get_logger(__name__)
 
@@ -320,3 +325,55 @@ def start_environments(
             env.shutdown()
         raise
     return started
+
+
+def environment_names(
+    config: RunConfig, datasets: Sequence[TokenizedDataset | None], *, plugins: Sequence[str] = ()
+) -> tuple[list[str], str | None]:
+    """The environments a rollout of ``datasets`` (prompt data) needs: every ``task`` the rows
+    name plus every name under ``environments``, sorted; and the task of rows that name none
+    (the only environment, or None when every row names its task).
+
+    Every name must be registered (in this process's plugin host, plus the extra plugin
+    modules ``plugins``), checked here, before Ray or any worker starts: an unknown task
+    names the config key of its data, the file and the row."""
+    registry = host_with(plugins).environments
+    for name in config.environments:
+        if name not in registry:
+            raise ConfigError(
+                f"environments.{name}: {registry.unknown_message(name)}{where_set(config, f'environments.{name}')}"
+            )
+    tasks: set[str | None] = set()
+    for dataset in datasets:
+        if dataset is None:
+            continue
+        for task, row in zip(dataset.table["task"], dataset.table["row"], strict=True):
+            if task and task not in registry:
+                key = dataset.report.key or "the data"
+                raise ConfigError(
+                    f"{key} ({dataset.report.source}) row {row}, key 'task': {registry.unknown_message(task)} "
+                    f"Correct the row's task, or install the plugin that provides "
+                    f"'{task}'.{where_set(config, key)}"
+                )
+            tasks.add(task)
+    names = sorted({*config.environments, *(task for task in tasks if task)})
+    if not names:
+        raise ConfigError(
+            f"{config.algorithm or 'a rollout'} needs an environment to score responses, but the data rows name no "
+            "'task' and the config has no 'environments' section; add e.g. 'environments: {math: {}}' or a 'task' "
+            "to every data row"
+        )
+    if None not in tasks and "" not in tasks:
+        return names, None
+    if len(names) > 1:
+        raise ConfigError(
+            f"some data rows have no 'task', and there are {len(names)} environments ({', '.join(names)}) they "
+            "could go to; give every row a 'task', or configure exactly one environment under 'environments'"
+        )
+    return names, names[0]
+
+
+def shutdown_environments(environments: Mapping[str, Environment]) -> None:
+    """Shut down every environment of a mapping :func:`start_environments` returned."""
+    for env in environments.values():
+        env.shutdown()

@@ -81,7 +81,8 @@ def run_rollout(
     generation backend's logprob of token t at position t, 0 elsewhere), ``rewards``
     float32 [B], ``truncated`` bool [B], ``sample_mask`` float32 [B] (ones), and the lists
     ``messages`` (final message logs; added messages carry ``token_ids``), ``metadata``
-    (the environments' final per-sample metadata) and ``task``; when every ``generate`` call
+    (the environments' final per-sample metadata), ``answers`` (the answer the environment
+    extracted at the last step, ``EnvironmentReturn.answers``, or None) and ``task``; when every ``generate`` call
     reported ``weight_versions``, ``generation_versions`` int64 [B, S] (the version of the
     weights that generated token t at position t, -1 on tokens not generated).
 
@@ -208,6 +209,7 @@ class Conversation:
     mask: list[float] = attrs.field(init=False)
     versions: list[int] = attrs.field(init=False)
     stop_strings: list[str] | None = None
+    answer: str | None = None
     reward: float = 0.0
     turns: int = 0
     done: bool = False
@@ -243,6 +245,7 @@ class Conversation:
     def add_environment_step(self, result: EnvironmentReturn, k: int, chat: ChatFormat, max_total_length: int, *, last_turn: bool) -> None:
         self.reward += float(result.rewards[k])
         self.metadata = result.metadata[k]
+        self.answer = result.answers[k] if result.answers else None
         self.stop_strings = result.next_stop_strings[k]
         if bool(result.terminateds[k]) or last_turn:
             self.done = True
@@ -337,6 +340,7 @@ def training_batch(conversations: Sequence[Conversation], pad_token_id: int, *, 
         sample_mask=torch.ones(len(conversations), dtype=torch.float32),
         messages=[c.messages for c in conversations],
         metadata=[c.metadata for c in conversations],
+        answers=[c.answer for c in conversations],
         task=[c.task for c in conversations],
     )
     if with_versions:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from posttrain.batch import Batch
+from posttrain.config.schema import PolicyConfig, RunConfig
 from posttrain.data import (
     StatefulDataLoader,
     dataloader_from_config,
@@ -49,6 +50,11 @@ class SupervisedAlgorithm(Algorithm):
 
     data_kind = "sft"
     rows_per_example = 1
+
+    def policy_config(self, config: RunConfig) -> PolicyConfig:
+        """The ``policy`` section the model is built with: the run's, by default (a reward
+        model's algorithm asks for a value head here)."""
+        return config.policy
 
     def prepare_batch(self, policy: Policy, samples: PlaneSamples, options: Any) -> PlaneSamples:
         """Write what the loss needs beyond the collated rows into the samples' data plane
@@ -117,7 +123,9 @@ class SupervisedRun(LoopSteps):
         with contextlib.ExitStack() as cleanup:
             context.start_cluster()
             startup = context.startup(cleanup)
-            policy = startup.start("policy", lambda: context.build_policy(schedule_steps=self.plan.schedule_steps))
+            policy = startup.start("policy", lambda: context.build_policy(
+                schedule_steps=self.plan.schedule_steps, policy=self.algorithm.policy_config(context.config)
+            ))
             plane = startup.start("data_plane", context.build_data_plane)
             startup.wait()
             self._policy, self._plane = policy.value, plane.value

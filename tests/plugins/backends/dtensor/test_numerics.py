@@ -80,6 +80,28 @@ def test_tempered_logprob_backward_passes_gradcheck():
     assert torch.autograd.gradcheck(lambda h, w: target_logprobs(h, w, targets, 8, 0.7), inputs)
 
 
+@pytest.mark.parametrize("chunk", [1, 8, VOCAB])
+def test_logprobs_of_several_targets_per_row_and_grads_match_float64(chunk):
+    """K ids per row (a teacher's top-k): each one's logprob, and gradients through all of them."""
+    hidden, weight, _ = _head_inputs(seed=5)
+    targets = torch.randint(0, VOCAB, (len(hidden), 4), generator=torch.Generator().manual_seed(6))
+    coef = torch.linspace(-1.0, 2.0, targets.numel()).view(targets.shape)
+    h32, w32 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    got = target_logprobs(h32, w32, targets, chunk, 0.8)
+    (got * coef).sum().backward()
+
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    want = (h64 @ w64.T / 0.8).log_softmax(-1).gather(-1, targets)
+    (want * coef.double()).sum().backward()
+
+    assert got.shape == targets.shape
+    torch.testing.assert_close(got.double(), want.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(h32.grad.double(), h64.grad, rtol=0, atol=1e-5)
+    torch.testing.assert_close(w32.grad.double(), w64.grad, rtol=0, atol=1e-5)
+    inputs = (hidden[:4].double().requires_grad_(), weight.double().requires_grad_())
+    assert torch.autograd.gradcheck(lambda h, w: target_logprobs(h, w, targets[:4], 8), inputs)
+
+
 def test_logprob_temperature_must_be_positive():
     hidden, weight, targets = _head_inputs()
     with pytest.raises(ValueError, match="logprob temperature must be > 0, got 0.0"):
@@ -97,6 +119,13 @@ def test_sequence_logprobs_fill_predicted_positions_and_zero_elsewhere():
     want = torch.nn.functional.pad(full, (1, 0)) * predicted
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
     assert (got[~predicted] == 0).all()
+
+    several = torch.randint(0, VOCAB, (2, 5, 3), generator=g)  # K = 3 ids per position
+    got = sequence_logprobs(hidden, weight, several, predicted, chunk_size=5)
+    full = (hidden[:, :-1].double() @ weight.double().T).log_softmax(-1).gather(-1, several[:, 1:])
+    want = torch.nn.functional.pad(full, (0, 0, 1, 0)) * predicted[..., None]
+    assert got.shape == (2, 5, 3)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(("k", "chunk"), [(1, 3), (5, 16), (20, 8), (VOCAB, VOCAB)])

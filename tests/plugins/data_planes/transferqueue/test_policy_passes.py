@@ -112,3 +112,31 @@ def test_workers_fetch_their_shards_and_write_logprobs_back(policy: DTensorPolic
     assert on_queue["grad_norm"] > 0
     assert not torch.equal(policy.get_logprobs(batch)["logprobs"], direct)
     queue.clear("train/1")
+
+
+def test_workers_write_a_teachers_top_k_into_the_plane(policy: DTensorPolicy, queue: Any, monkeypatch) -> None:
+    """``topk_into`` (distillation's teacher pass): the workers write the top-k fields under
+    the names asked for, and the driver receives none of them; equal to the in-memory path."""
+    batch = samples_batch()
+    keys = [f"p{i}" for i in range(len(batch))]
+    fields = {"topk_indices": "topk_indices", "teacher_topk_logprobs": "topk_logprobs"}
+    memory = MemoryDataPlane()
+    returned: list[list[Any]] = []
+    run_sharded = policy.group.run_sharded
+
+    def recording(method: str, shards: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        results = run_sharded(method, shards, *args, **kwargs)
+        returned.append(results)
+        return results
+
+    monkeypatch.setattr(policy.group, "run_sharded", recording)
+    for plane in (memory, queue):
+        plane.put("train/2", keys, batch.fields(FIELDS))
+        policy.topk_into(PlaneSamples(plane, "train/2", keys, FIELDS), 4, fields)
+    assert returned[1] == [None, None], "the TransferQueue pass returned results to the driver"
+    expected, found = memory.get("train/2", keys, list(fields)), queue.get("train/2", keys, list(fields))
+    direct = policy.get_topk_logits(batch, 4)
+    assert torch.equal(expected["teacher_topk_logprobs"], direct["topk_logprobs"])
+    for name in fields:
+        assert torch.equal(found[name], expected[name]), name
+    queue.clear("train/2")

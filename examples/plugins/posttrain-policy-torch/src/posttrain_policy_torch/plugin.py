@@ -20,11 +20,12 @@ if TYPE_CHECKING:
 BACKEND = "torch"
 
 
-def build_torch_policy(config: RunConfig, cluster: VirtualCluster) -> Policy:
-    """The factory posttrain calls for ``policy.backend: torch``: one worker, driven by the kit."""
+def build_torch_policy(config: RunConfig, cluster: VirtualCluster, *, name: str = "policy") -> Policy:
+    """The factory posttrain calls for ``policy.backend: torch``: one worker (the worker
+    group ``name``), driven by the kit."""
     from posttrain_policy_torch.worker import start_policy
 
-    return start_policy(config, cluster)
+    return start_policy(config, cluster, name=name)
 
 
 @hookimpl

@@ -38,11 +38,11 @@ from posttrain.interfaces.loss import LossFunction, combine_metrics, global_vali
 CHECKPOINT_FILE = "policy.pt"
 
 
-def start_policy(config: RunConfig, cluster: VirtualCluster) -> ShardedPolicy:
-    """One worker on ``cluster`` (``policy.resources``); it is data-parallel rank 0 and its
-    results stand for the whole batch."""
+def start_policy(config: RunConfig, cluster: VirtualCluster, name: str = "policy") -> ShardedPolicy:
+    """One worker on ``cluster`` (``policy.resources``), the worker group ``name``; it is
+    data-parallel rank 0 and its results stand for the whole batch."""
     group = WorkerGroup(
-        cluster, TorchPolicyWorker, name="policy", num_workers=1, resources=config.policy.resources, args=(config,)
+        cluster, TorchPolicyWorker, name=name, num_workers=1, resources=config.policy.resources, args=(config,)
     )
     return ShardedPolicy(config, group, dp_rank_of=[0], result_ranks=[0])
 

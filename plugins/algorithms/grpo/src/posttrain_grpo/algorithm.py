@@ -48,14 +48,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import torch
 
 from posttrain.batch import Batch
-from posttrain.config import where_set
 from posttrain.data import (
     TokenizedDataset,
     dataloader_from_config,
@@ -63,19 +62,19 @@ from posttrain.data import (
     encoder_from_config,
     require_dataset,
 )
-from posttrain.errors import ConfigError, WorkerError
-from posttrain.interfaces import Algorithm, Environment, PlaneSamples
-from posttrain.run.agents import load_agent, run_agent_rollout
+from posttrain.errors import WorkerError
+from posttrain.interfaces import Algorithm, PlaneSamples
+from posttrain.run.agents import AgentRollout, load_agent
 from posttrain.run.checkpoint import TrainingState
 from posttrain.run.context import RunContext
 from posttrain.run.endpoint import ChatEndpoint
-from posttrain.run.environments import host_with
+from posttrain.run.environments import environment_names, shutdown_environments
 from posttrain.run.finished import finished_run
 from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
 from posttrain.run.metrics import combine_train_passes
 from posttrain.run.refit import refit
-from posttrain.run.rollout import run_rollout
 from posttrain.run.rounds import RoundProducer, SharedPlane
+from posttrain_eval.evaluate import PromptRollout, validate_greedy
 from posttrain_grpo.config import GRPOConfig
 from posttrain_grpo.dynamic_sampling import DynamicSampler
 from posttrain_grpo.prompts import PromptStream
@@ -99,9 +98,6 @@ from posttrain_grpo.step import (
     step_seed,
     throughput,
 )
-
-#: Per-sample fields of a prompt batch that the rollout reads.
-PROMPT_FIELDS = ("messages", "task", "metadata", "answer")
 
 
 @attrs.frozen
@@ -134,19 +130,29 @@ class GRPO(Algorithm):
         self.environment_plugins = tuple(environment_plugins)
 
     def run(self, context: RunContext) -> dict[str, Any]:
-        run = GRPORun(context, self.environment_plugins)
+        run = self.steps(context)
         finished = finished_run(context, run.plan)
         if finished is not None:
             return finished
         with contextlib.ExitStack() as cleanup:
             run.start_services(cleanup)
             cleanup.callback(run.close_rounds)  # before the services shut down
-            return TrainingLoop(context, run.plan, run, TrainingState(run.policy, run.prompts)).run()
+            return TrainingLoop(context, run.plan, run, run.training_state()).run()
+
+    def steps(self, context: RunContext) -> GRPORun:
+        """The run's steps (an algorithm built on GRPO's loop returns its subclass)."""
+        return GRPORun(context, self.environment_plugins)
 
 
 class GRPORun(LoopSteps):
     """One run's data, plan and steps. The constructor reads the data and fixes the plan;
-    :meth:`start_services` starts the workers, engines, environments and data plane the steps use."""
+    :meth:`start_services` starts the workers, engines, environments and data plane the steps use.
+
+    An algorithm built on GRPO's loop (PPO) subclasses it: :attr:`label` names it, and it may
+    add to :meth:`start_services`, :meth:`add_logprobs` (what the step computes before
+    training), :meth:`optimize` and :meth:`training_state`."""
+
+    label = "GRPO"
 
     def __init__(self, ctx: RunContext, environment_plugins: Sequence[str]):
         self.ctx = ctx
@@ -171,7 +177,7 @@ class GRPORun(LoopSteps):
         total_steps = min(self.grpo.max_num_steps, self.prompts.total_batches)
         updates_per_step = max(1, self.grpo.samples_per_step // config.policy.train_global_batch_size)
         self.plan = LoopPlan(
-            label="GRPO",
+            label=self.label,
             total_steps=total_steps,
             schedule_steps=total_steps * updates_per_step,
             val_period=self.grpo.val_period,
@@ -196,7 +202,7 @@ class GRPORun(LoopSteps):
         startup = ctx.startup(cleanup)
         environments = startup.start(
             "environments", lambda: ctx.build_environments(self.environment_names, plugins=self.environment_plugins),
-            _shutdown_environments,
+            shutdown_environments,
         )
         policy = startup.start("policy", lambda: ctx.build_policy(schedule_steps=self.plan.schedule_steps))
         generation = startup.start("generation", ctx.build_generation)
@@ -213,6 +219,16 @@ class GRPORun(LoopSteps):
             )
             cleanup.callback(self.endpoint.shutdown)  # before the engines it serves from
             ctx.log.info("agents roll out through the chat endpoint", address=self.endpoint.address, agent=agent.entry)
+            self.rollout = AgentRollout(self.endpoint, self.agent, agent.max_concurrency, agent.timeout_s)
+        else:
+            self.rollout = PromptRollout(
+                self.generation, self.environments, self.tokenizer, self.config.policy.max_total_sequence_length,
+                self.grpo.max_rollout_turns, self.chat_template, self.default_task,
+            )
+
+    def training_state(self) -> TrainingState:
+        """What a checkpoint holds: the policy and the prompt stream's position."""
+        return TrainingState(self.policy, self.prompts)
 
     # ------------------------------------------------------------------ the loop's steps
 
@@ -381,27 +397,6 @@ class GRPORun(LoopSteps):
             )
         return sample_versions(batch, round_version)
 
-    def rollout(self, prompts: Batch, *, greedy: bool, repeats: int) -> tuple[Batch, dict[str, float]]:
-        """Each prompt ``repeats`` times in a row, rolled out through the environments, or by
-        the agent (``grpo.agent``) through the chat endpoint."""
-        samples = prompts.fields(PROMPT_FIELDS)
-        if self.agent is not None:
-            assert self.endpoint is not None, "start_services() starts the endpoint"
-            agent = self.grpo.agent
-            return run_agent_rollout(samples.repeat_interleave(repeats), self.endpoint, self.agent,
-                                     max_concurrency=agent.max_concurrency, timeout_s=agent.timeout_s, greedy=greedy)
-        samples["task"] = [task or self.default_task for task in samples["task"]]
-        return run_rollout(
-            samples.repeat_interleave(repeats),
-            self.generation,
-            self.environments,
-            self.tokenizer,
-            max_total_length=self.config.policy.max_total_sequence_length,
-            max_turns=self.grpo.max_rollout_turns,
-            greedy=greedy,
-            chat_template=self.chat_template,
-        )
-
     def add_logprobs(self, partition: str, keys: list[str]) -> None:
         """Write ``prev_logprobs`` (unless on policy) and ``reference_logprobs`` (when needed)
         of the partition's samples into the partition (the policy's workers may fetch and
@@ -439,83 +434,18 @@ class GRPORun(LoopSteps):
     # ------------------------------------------------------------------ validation
 
     def validate(self, step: int) -> dict[str, float] | None:
-        """Greedy rollouts of the validation prompts: ``accuracy`` (mean environment reward),
-        the mean response length, and the rollout and environment metrics; None without
-        validation prompts."""
+        """Greedy rollouts of the validation prompts (:func:`posttrain_eval.evaluate.validate_greedy`,
+        one completion each): ``accuracy`` (the mean environment reward: pass@1 for rewards of
+        0 or 1), the mean response length, and the rollout and environment metrics; None
+        without validation prompts."""
         if self.val_prompts is None:
             return None
         timer = StageTimer()
-        partition = f"validation/{step}"
         assert self.rounds is not None, "start() runs before the first validation"
         with timer("validation"), self.rounds.paused():
-            self.generation.set_sampling_seed(step_seed(self.config.seed, "validation", step))
-            self.generation.prepare_for_generation()
-            try:
-                batch, metrics = self.rollout(self.val_prompts, greedy=True, repeats=1)
-            finally:
-                self.generation.finish_generation()
-            keys = sample_keys(len(batch), 1)
-            self.plane.put(partition, keys, batch.fields(("rewards", "response_lengths")))
-            try:
-                results = self.plane.get(partition, keys, ("rewards", "response_lengths"))
-            finally:
-                self.plane.clear(partition)
-        return {
-            "accuracy": float(results["rewards"].float().mean()),
-            "mean_response_length": float(results["response_lengths"].float().mean()),
-            **metrics,
-            **timer.metrics(),
-        }
-
-
-def environment_names(
-    config: Any, datasets: Sequence[TokenizedDataset | None], *, plugins: Sequence[str] = ()
-) -> tuple[list[str], str | None]:
-    """The environments to start (every ``task`` named by the data plus every name under
-    ``environments``) and the task of rows that name none (the only environment, or None
-    when every row names its task).
-
-    Every name must be registered (in this process's plugin host, plus the extra plugin
-    modules ``plugins``), checked here, before Ray or any worker starts: an unknown task
-    names the config key of its data, the file and the row."""
-    registry = host_with(plugins).environments
-    for name in config.environments:
-        if name not in registry:
-            raise ConfigError(
-                f"environments.{name}: {registry.unknown_message(name)}{where_set(config, f'environments.{name}')}"
-            )
-    tasks: set[str | None] = set()
-    for dataset in datasets:
-        if dataset is None:
-            continue
-        for task, row in zip(dataset.table["task"], dataset.table["row"], strict=True):
-            if task and task not in registry:
-                key = dataset.report.key or "the data"
-                raise ConfigError(
-                    f"{key} ({dataset.report.source}) row {row}, key 'task': {registry.unknown_message(task)} "
-                    f"Correct the row's task, or install the plugin that provides "
-                    f"'{task}'.{where_set(config, key)}"
-                )
-            tasks.add(task)
-    names = sorted({*config.environments, *(task for task in tasks if task)})
-    if not names:
-        raise ConfigError(
-            "GRPO needs an environment to score responses, but the data rows name no 'task' and the config has "
-            "no 'environments' section; add e.g. 'environments: {math: {}}' or a 'task' to every data row"
-        )
-    if None not in tasks and "" not in tasks:
-        return names, None
-    if len(names) > 1:
-        raise ConfigError(
-            f"some data rows have no 'task', and there are {len(names)} environments ({', '.join(names)}) they "
-            "could go to; give every row a 'task', or configure exactly one environment under 'environments'"
-        )
-    return names, names[0]
-
-
-def _shutdown_environments(environments: Mapping[str, Environment]) -> None:
-    for env in environments.values():
-        env.shutdown()
+            metrics = validate_greedy(self.val_prompts, self.rollout, self.generation,
+                                      step_seed(self.config.seed, "validation", step))
+        return {**metrics, **timer.metrics()}
 
 
 def _validation_prompts(dataset: TokenizedDataset, max_samples: int | None) -> Batch:

@@ -13,6 +13,7 @@ PLUGINS = (
     ("generation_backends", "hf", "posttrain-hf"),
     ("algorithms", "sft", "posttrain-sft"),
     ("algorithms", "grpo", "posttrain-grpo"),
+    ("algorithms", "eval", "posttrain-eval"),
     ("environments", "math", "posttrain-env-math"),
 )
 #: (module, the distribution that provides it).

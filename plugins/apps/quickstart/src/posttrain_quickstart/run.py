@@ -4,14 +4,13 @@ The stages are ordinary runs of the registered ``sft`` and ``grpo`` algorithms o
 built here; only the sizes differ from a GPU run. The sizes and learning rates below were
 tuned so that, on 2 CPU cores, GRPO's gain over the SFT model is large next to the
 run-to-run spread (see the README's quickstart section for the measured seeds). Validation accuracy is measured three
-times with the same greedy validation of the GRPO algorithm: on the freshly initialised
-model (a GRPO run with ``max_num_steps: 0``), on the SFT model (GRPO's step-0 validation)
-and on the final model.
+times with the same greedy evaluation (:func:`posttrain_eval.evaluate.evaluate`, pass@1 of one
+greedy answer per problem): on the freshly initialised model (an ``eval`` run), on the SFT
+model (GRPO's step-0 validation) and on the final model (GRPO's last validation).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,9 +20,9 @@ from posttrain.backend.adapter_folder import ADAPTER_CONFIG
 from posttrain.config import config_from_dict
 from posttrain.errors import ConfigError
 from posttrain.models.tiny import build_tiny_model
-from posttrain.plugins import plugin_host
 from posttrain.run.context import run_algorithm
 from posttrain.run.metrics import read_metrics
+from posttrain_eval.command import default_generation_backend
 from posttrain_quickstart.plot import plot_curves
 from posttrain_quickstart.requirements import check_requirements
 from posttrain_quickstart.task import TaskFiles, write_task
@@ -39,11 +38,6 @@ SFT_EPOCHS, SFT_LR = 35, 1.0e-3
 GRPO_STEPS, GRPO_LR, GRPO_SCHEDULE, GRPO_PROMPTS, GRPO_GENERATIONS = 100, 5.0e-4, "linear", 16, 8
 
 
-def _generation_backend() -> str:
-    """vLLM where it is installed, the transformers backend otherwise."""
-    return "vllm" if "vllm" in plugin_host().generation_backends and importlib.util.find_spec("vllm") else "hf"
-
-
 def _base_config(model: Path, run_dir: Path, validation: Path, seed: int) -> dict[str, Any]:
     return {
         "seed": seed,
@@ -55,7 +49,7 @@ def _base_config(model: Path, run_dir: Path, validation: Path, seed: int) -> dic
             "max_total_sequence_length": 48,
             "resources": {"cpus": 1},
         },
-        "generation": {"backend": _generation_backend(), "max_new_tokens": 6, "temperature": 1.0, "resources": {"cpus": 1}},
+        "generation": {"backend": default_generation_backend(), "max_new_tokens": 6, "temperature": 1.0, "resources": {"cpus": 1}},
         "data": {"validation": str(validation), "shuffle": True},
         "environments": {"math": {"num_workers": 1}},
         "checkpointing": {"save_period": 1000, "keep_top_k": 1},
@@ -78,6 +72,14 @@ def _grpo_config(model: Path, run_dir: Path, files: TaskFiles, steps: int, expor
         "normalize_rewards": True,
         "export_dir": str(export_dir) if export_dir else None,
     }
+    return config
+
+
+def _eval_config(model: Path, run_dir: Path, files: TaskFiles, seed: int) -> dict[str, Any]:
+    """Greedy accuracy of ``model`` on the validation problems, as GRPO's validation measures it."""
+    config = _base_config(model, run_dir, files.validation, seed)
+    config["checkpointing"] = {"enabled": False}
+    config["eval"] = {"greedy": True, "num_samples": 1, "k": [1], "samples_file": None}
     return config
 
 
@@ -118,8 +120,8 @@ def run_quickstart(run_dir: str | Path, overrides: list[str], *, seed: int = 0, 
     accuracies = {}
     if sft_model is None:
         model = build_tiny_model(run_dir / "base_model", size="quickstart", seed=seed)
-        before = stage("grpo", _grpo_config(model, run_dir / "eval_base", files, 0, None, seed))
-        accuracies["before SFT"] = before["validation/accuracy"]
+        before = stage("eval", _eval_config(model, run_dir / "eval_base", files, seed))
+        accuracies["before SFT"] = before["mean_reward"]
         sft_model = run_dir / "sft_model"
         stage("sft", _sft_config(model, run_dir / "sft", files, sft_epochs, sft_model, seed))
     final_model = run_dir / "final_model"

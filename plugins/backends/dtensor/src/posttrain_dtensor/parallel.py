@@ -33,11 +33,13 @@ Head = Callable[[torch.Tensor, torch.Tensor], object]
 
 
 class CausalLMHead(nn.Module):
-    """Root module: decoder forward, then ``head(hidden_states, output_embedding_weight)``.
+    """Root module: decoder forward, then ``head(hidden_states, output_weight)``.
 
-    ``lm`` is the Hugging Face ``*ForCausalLM``; its logits are never computed here. Only
-    models whose logits are ``lm_head(final hidden state)`` fit (Llama, Qwen, Mistral, ...;
-    not models with logit soft-capping or scaling).
+    ``lm`` is the Hugging Face ``*ForCausalLM`` (the output weight is its output embedding;
+    its logits are never computed here) or, for a value head, the ``*ForSequenceClassification``
+    with one label (the output weight is its ``score`` layer's [1, H]). Only models whose
+    outputs are that linear map of the final hidden state fit (Llama, Qwen, Mistral, ...; not
+    models with logit soft-capping or scaling).
     """
 
     def __init__(self, lm: nn.Module):
@@ -57,7 +59,12 @@ class CausalLMHead(nn.Module):
         out = self.lm.base_model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra
         )
-        return head(out.last_hidden_state, self.lm.get_output_embeddings().weight)
+        return head(out.last_hidden_state, self.output_weight())
+
+    def output_weight(self) -> torch.Tensor:
+        """The output embedding's weight [V, H], or a sequence classifier's ``score`` weight."""
+        embedding = self.lm.get_output_embeddings()
+        return (embedding if embedding is not None else self.lm.score).weight
 
 
 def build_mesh(device_type: str, dp_size: int, tp_size: int) -> DeviceMesh:

@@ -14,11 +14,11 @@ if TYPE_CHECKING:
     from posttrain.interfaces import Policy
 
 
-def make_policy(config: RunConfig, cluster: VirtualCluster) -> Policy:
-    """Factory of the ``dtensor`` backend: start the worker group and load the model."""
+def make_policy(config: RunConfig, cluster: VirtualCluster, *, name: str = "policy") -> Policy:
+    """Factory of the ``dtensor`` backend: start the worker group ``name`` and load the model."""
     from posttrain_dtensor.policy import DTensorPolicy
 
-    return DTensorPolicy(config, cluster)
+    return DTensorPolicy(config, cluster, name=name)
 
 
 @hookimpl

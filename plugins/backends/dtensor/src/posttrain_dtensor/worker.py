@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from posttrain.backend.adapter_folder import MERGED_FOLDER, write_adapter_folder
 from posttrain.backend.hf_export import write_hf_metadata, write_hf_shards
-from posttrain.backend.logprobs import loss_positions, sequence_logprobs, topk_logits
+from posttrain.backend.logprobs import logsumexp_logits, loss_positions, sequence_logprobs, topk_logits
 from posttrain.backend.lr_schedule import build_scheduler
 from posttrain.backend.policy_worker import PolicyWorker, RankTrainResult
 from posttrain.backend.sampling import logprob_temperature
@@ -87,7 +87,11 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 class DTensorPolicyWorker(PolicyWorker):
     """One rank. Public methods are called by the driver through the worker group; the
     passes taking a :class:`RankWork` run collectives: every rank gets one with the same
-    number of microbatches."""
+    number of microbatches. With ``policy.head: value`` the model is the folder's
+    ``AutoModelForSequenceClassification`` with one label (its ``score`` layer new, seeded by
+    ``seed``, when the folder holds a causal LM), and training passes values to the loss."""
+
+    loss_inputs = ("logprobs", "topk_logprobs", "values")
 
     def __init__(self, config: RunConfig, options: DTensorConfig):
         super().__init__()
@@ -130,7 +134,7 @@ class DTensorPolicyWorker(PolicyWorker):
         return MergedWeights(lm, self.adapter_scales)
 
     def _build_model(self, config: RunConfig, options: DTensorConfig) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
         policy = config.policy
         read_model_config(policy.model, "policy.model")  # a clear error before transformers' own
@@ -139,7 +143,13 @@ class DTensorPolicyWorker(PolicyWorker):
             torch.use_deterministic_algorithms(True)
         # sdpa runs as segment attention: packed rows need bounds, not an O(width^2) mask
         kernel = SEGMENT_SDPA if options.attn_implementation == "sdpa" else options.attn_implementation
-        lm = AutoModelForCausalLM.from_pretrained(policy.model, dtype=torch.float32, attn_implementation=kernel)
+        if policy.head == "value":
+            lm = AutoModelForSequenceClassification.from_pretrained(
+                policy.model, num_labels=1, dtype=torch.float32, attn_implementation=kernel
+            )
+            lm.config.architectures = [type(lm).__name__]  # what the exported folder loads as
+        else:
+            lm = AutoModelForCausalLM.from_pretrained(policy.model, dtype=torch.float32, attn_implementation=kernel)
         check_model_fits(lm.config, policy.tensor_parallel_size)
         if policy.lora.enabled:
             torch.manual_seed(config.seed)  # the same adapters on every rank, whatever loading drew
@@ -188,43 +198,81 @@ class DTensorPolicyWorker(PolicyWorker):
         keep = loss_positions(mb["input_lengths"], rows.width, mb["token_mask"] if "token_mask" in mb else None)
         return torch.where(keep.to(self.device), rows.to_samples(values), 0.0)
 
-    def logprobs(self, work: RankWork, reference: bool = False) -> Batch:
-        """``logprobs`` [n, S] of this rank's samples (current or reference weights)."""
+    def _microbatch_values(self, mb: Batch, batching: Batching) -> torch.Tensor:
+        """Value-head outputs [b, S] of a microbatch on the device, in float32, 0 on padding."""
+        rows = self._rows(mb, batching)
+        values = self._forward(rows, lambda h, w: (h.float() @ w.float().T)[..., 0])
+        keep = torch.arange(rows.width)[None, :] < mb["input_lengths"][:, None]
+        return torch.where(keep.to(self.device), rows.to_samples(values), 0.0)
+
+    def _microbatch_topk_logprobs(self, mb: Batch, batching: Batching) -> torch.Tensor:
+        """Logprobs [b, S, k] of the ids ``mb['topk_indices']`` [b, S-1, k] (index ``t - 1``
+        predicts token ``t``) at each position, at the logprob temperature; 0 where not reported."""
+        rows = self._rows(mb, batching)
+        ids = torch.nn.functional.pad(mb["topk_indices"], (0, 0, 1, 0)).to(self.device)  # onto the logprob positions
+        ids = rows.packed.pack(ids) if rows.packed is not None else ids[:, :rows.input_ids.shape[1]]
+        chunk, temperature = self.config.policy.logprob_chunk_size, self.temperature
+        values = self._forward(rows, lambda h, w: sequence_logprobs(h, w, ids, rows.predicted, chunk, temperature))
+        keep = loss_positions(mb["input_lengths"], rows.width, mb["token_mask"] if "token_mask" in mb else None)
+        return torch.where(keep.to(self.device)[..., None], rows.to_samples(values), 0.0)
+
+    def _loss_inputs(self, kind: str, mb: Batch, batching: Batching) -> torch.Tensor:
+        """What a loss of ``input_type`` ``kind`` receives for the microbatch."""
+        compute = {"logprobs": self._microbatch_logprobs, "topk_logprobs": self._microbatch_topk_logprobs,
+                   "values": self._microbatch_values}[kind]
+        return compute(mb, batching)
+
+    def _inference(self, work: RankWork, compute: Callable[[Batch, Batching], torch.Tensor]) -> torch.Tensor:
+        """``compute`` of every microbatch of this rank's samples, without gradients, in eval mode: [n, S]."""
         shard = work.batch
-        weights = self._reference_weights() if reference else contextlib.nullcontext()
         out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
         self.model.eval()
-        with weights, torch.no_grad():
+        with torch.no_grad():
             for idx in work.microbatches:
-                out[idx] = self._microbatch_logprobs(shard.select(idx), work.batching).cpu()
+                out[idx] = compute(shard.select(idx), work.batching).cpu()
         reshard_all(self.model)
+        return out
+
+    def logprobs(self, work: RankWork, reference: bool = False) -> Batch:
+        """``logprobs`` [n, S] of this rank's samples (current or reference weights)."""
+        with self._reference_weights() if reference else contextlib.nullcontext():
+            out = self._inference(work, self._microbatch_logprobs)
         return Batch({"reference_logprobs" if reference else "logprobs": out})
 
+    def values(self, work: RankWork) -> Batch:
+        """``values`` [n, S] of this rank's samples (a value head)."""
+        return Batch({"values": self._inference(work, self._microbatch_values)})
+
     def topk(self, work: RankWork, k: int) -> Batch:
-        """``topk_logits`` and ``topk_indices`` [n, S-1, k] of this rank's samples (0 on padding);
-        raw logits, not divided by the temperature."""
+        """``topk_logits``, ``topk_indices`` and ``topk_logprobs`` [n, S-1, k] of this rank's
+        samples (0 on padding): raw logits, not divided by the temperature, and the same ids'
+        logprobs at the logprob temperature."""
         shard = work.batch
         n, width = shard["input_ids"].shape
         values = torch.zeros((n, width, k), dtype=torch.float32)
         indices = torch.zeros((n, width, k), dtype=torch.long)
-        chunk = self.config.policy.logprob_chunk_size
+        logprobs = torch.zeros((n, width, k), dtype=torch.float32)
+        chunk, temperature = self.config.policy.logprob_chunk_size, self.temperature
         self.model.eval()
         with torch.no_grad():
             for idx in work.microbatches:
                 rows = self._rows(shard.select(idx), work.batching)
 
-                def head(h: torch.Tensor, w: torch.Tensor, rows: ModelRows = rows) -> tuple[torch.Tensor, torch.Tensor]:
+                def head(h: torch.Tensor, w: torch.Tensor, rows: ModelRows = rows) -> tuple[torch.Tensor, ...]:
                     vals, ids = topk_logits(h[rows.valid], w, k, chunk)
-                    full_vals = vals.new_zeros((*rows.valid.shape, k))
-                    full_ids = ids.new_zeros((*rows.valid.shape, k))
-                    full_vals[rows.valid], full_ids[rows.valid] = vals, ids
-                    return full_vals, full_ids
+                    lse = logsumexp_logits(h[rows.valid], w, chunk, temperature)
+                    out = [vals.new_zeros((*rows.valid.shape, k)), ids.new_zeros((*rows.valid.shape, k)),
+                           vals.new_zeros((*rows.valid.shape, k))]
+                    out[0][rows.valid], out[1][rows.valid] = vals, ids
+                    out[2][rows.valid] = vals / temperature - lse[:, None]
+                    return tuple(out)
 
-                vals, ids = self._forward(rows, head)
+                vals, ids, lps = self._forward(rows, head)
                 values[idx] = rows.to_samples(vals).float().cpu()
                 indices[idx] = rows.to_samples(ids).cpu()
+                logprobs[idx] = rows.to_samples(lps).float().cpu()
         reshard_all(self.model)
-        return Batch({"topk_logits": values[:, :-1], "topk_indices": indices[:, :-1]})
+        return Batch({"topk_logits": values[:, :-1], "topk_indices": indices[:, :-1], "topk_logprobs": logprobs[:, :-1]})
 
     @contextlib.contextmanager
     def _reference_weights(self) -> Iterator[None]:
@@ -266,8 +314,8 @@ class DTensorPolicyWorker(PolicyWorker):
         with torch.no_grad() if eval_mode else contextlib.nullcontext():
             for idx in work.microbatches:
                 mb = shard.select(idx)
-                logprobs = self._microbatch_logprobs(mb, work.batching)
-                loss, metrics = loss_fn(logprobs, mb.to(self.device), seqs, toks)
+                outputs = self._loss_inputs(loss_fn.input_type, mb, work.batching)
+                loss, metrics = loss_fn(outputs, mb.to(self.device), seqs, toks)
                 if not eval_mode:
                     loss.backward()
                 loss_total += float(loss.detach())

@@ -1,0 +1,1 @@
+"""posttrain command and algorithm 'eval': pass@k, maj@k and mean reward of a model or checkpoint."""

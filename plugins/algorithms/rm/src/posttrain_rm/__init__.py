@@ -1,0 +1,1 @@
+"""posttrain algorithm 'rm' (Bradley-Terry reward models) and environment 'reward_model'."""
