@@ -269,16 +269,42 @@ class TreeMemory:
                     self.peaks[pid] = seen
             self._stop.wait(self.period_s)
 
-    def stop(self) -> dict[str, float]:
+    def stop(self) -> dict[str, Any]:
+        """``peak_rss_mb`` and ``infra_rss_mb`` (see the class docstring) and ``rss_by_role``:
+        the same per-process peaks summed by what each process is (:func:`process_role`), MB."""
         self._stop.set()
         self._thread.join()
         training = infra = 0
+        by_role: dict[str, float] = {}
         for pid, (kib, cmd) in self.peaks.items():
+            role = process_role(cmd, root=pid == self.root)
+            by_role[role] = by_role.get(role, 0.0) + kib / 1024
             if pid == self.root or (cmd.startswith("ray::") and not cmd.startswith("ray::IDLE")):
                 training += kib
             else:
                 infra += kib
-        return {"peak_rss_mb": training / 1024, "infra_rss_mb": infra / 1024}
+        return {"peak_rss_mb": training / 1024, "infra_rss_mb": infra / 1024, "rss_by_role": by_role}
+
+
+def process_role(cmdline: str, *, root: bool = False) -> str:
+    """What a benchmark's process is, from its command line: ``driver`` (the side's own
+    process), ``ray::<Actor>`` for a Ray actor (the worker holding a model, an engine, an
+    environment...), ``ray idle worker``, a Ray daemon by its program name (``gcs_server``,
+    ``raylet``, ...), or ``other`` (e.g. a verifier pool's workers: ``python -m <module>``)."""
+    if root:
+        return "driver"
+    if cmdline.startswith("ray::"):
+        actor = cmdline.split()[0]
+        return "ray idle worker" if actor.startswith("ray::IDLE") else actor.split(".")[0]
+    words = cmdline.split()
+    if not words:
+        return "other"
+    program = Path(words[0]).name
+    if program.startswith("python") and "-m" in words:
+        return f"python -m {words[words.index('-m') + 1]}"
+    if program.startswith("python") and len(words) > 1:
+        return Path(words[1]).name
+    return program
 
 
 # ---------------------------------------------------------------------- running the sides
@@ -491,6 +517,7 @@ def finish(workload: Workload, spec: dict[str, Any], runs: dict[str, list[dict[s
     result = (workload.summarize or summarize)(workload, spec, runs, hf_config, statistics.median(rate), rate, load)
     (workdir / "results.json").write_text(json.dumps(result, indent=1))
     table = (workload.table or markdown_table)(result) + (workload.extra_table(result) if workload.extra_table else "")
+    table += memory_table(result)
     (workdir / "results.md").write_text(table)
     print("\n" + table + f"\nresults in {workdir}")
     return result
@@ -516,6 +543,7 @@ def summarize(workload: Workload, spec: dict[str, Any], runs: dict[str, list[dic
             "tokens_per_s": tokens / median,
             "peak_rss_mb": max(r.get("peak_rss_mb", float("nan")) for r in reps),
             "infra_rss_mb": max(r.get("infra_rss_mb", float("nan")) for r in reps), "time_over_floor": median / floor_s,
+            "rss_by_role": _max_by_role(reps),
             "first_loss": reps[0]["losses"][0], "last_loss": reps[0]["losses"][-1], "reps": len(reps),
             "threads": reps[0]["threads"],
             **(workload.side_extras(reps, spec, hf_config, rate) if workload.side_extras else {}),
@@ -535,6 +563,29 @@ def summarize(workload: Workload, spec: dict[str, Any], runs: dict[str, list[dic
         "max_len": spec["max_len"], "load_avg_1m": [x[0] for x in load], "machine": _machine(), "sides": rows,
         "settings": first["settings"], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
+
+
+def _max_by_role(reports: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Each role's peak RSS (MB), the largest over the repetitions."""
+    roles: dict[str, float] = {}
+    for report in reports:
+        for role, mb in report.get("rss_by_role", {}).items():
+            roles[role] = max(roles.get(role, 0.0), mb)
+    return dict(sorted(roles.items(), key=lambda item: -item[1]))
+
+
+def memory_table(result: dict[str, Any]) -> str:
+    """Peak RSS per kind of process and side (MB; processes of one kind summed), when measured."""
+    sides = {name: s["rss_by_role"] for name, s in result["sides"].items() if s.get("rss_by_role")}
+    if not sides:
+        return ""
+    roles = list(dict.fromkeys(role for by_role in sides.values() for role in by_role))
+    lines = ["", "Peak resident memory by process (MB; the sum of each process's own peak, processes of a kind added):",
+             "", "| process | " + " | ".join(sides) + " |", "|---|" + "---:|" * len(sides)]
+    for role in roles:
+        lines.append(f"| {role} | " + " | ".join(f"{by_role.get(role, 0.0):.0f}" for by_role in sides.values()) + " |")
+    lines.append("| **all** | " + " | ".join(f"{sum(by_role.values()):.0f}" for by_role in sides.values()) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _parameters(config: Any) -> int:

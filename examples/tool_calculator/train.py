@@ -60,20 +60,13 @@ def write_data(folder: Path, with_tool: bool, seed: int = 0) -> dict[str, Path]:
     return files
 
 
-def generation_backend() -> str:
-    """vLLM where it is installed, the transformers backend otherwise."""
-    import importlib.util
-
-    from posttrain.plugins import plugin_host
-
-    return "vllm" if "vllm" in plugin_host().generation_backends and importlib.util.find_spec("vllm") else "hf"
-
-
 def base_config(model: Path, run_dir: Path, files: dict[str, Path], seed: int, with_tool: bool) -> dict[str, Any]:
+    from posttrain_eval.command import default_generation_backend  # vLLM where installed, hf otherwise
+
     return {
         "seed": seed, "run_dir": str(run_dir), "cluster": {"num_cpus": 4},
         "policy": {"backend": "dtensor", "model": str(model), "max_total_sequence_length": 256, "resources": {"cpus": 1}},
-        "generation": {"backend": generation_backend(), "max_new_tokens": 64, "temperature": 1.0, "resources": {"cpus": 1}},
+        "generation": {"backend": default_generation_backend(), "max_new_tokens": 64, "temperature": 1.0, "resources": {"cpus": 1}},
         "data": {"validation": str(files["validation"]), "shuffle": True, "chat_template": str(HERE / "template.jinja")},
         "environments": (
             {"tools": {"reward": "math", "reward_options": {"num_workers": 1}, "tools": ["calculator"],

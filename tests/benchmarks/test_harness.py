@@ -80,3 +80,15 @@ def test_sft_sides_train_the_same_weights_on_the_same_samples(tmp_path):
         assert len(run["step_times_s"]) == 1 and run["step_times_s"][0] > 0
         assert run["peak_rss_mb"] > 100  # a Python process with torch loaded
     assert runs["posttrain-packed"]["losses"][1] == pytest.approx(runs["trl-best"]["losses"][1], rel=1e-3)
+
+
+def test_processes_are_told_apart_by_what_they_run():
+    from common import process_role
+
+    assert process_role("anything", root=True) == "driver"
+    assert process_role("ray::DTensorPolicyWorker.train_from") == "ray::DTensorPolicyWorker"
+    assert process_role("ray::IDLE") == "ray idle worker"
+    assert process_role("/venv/bin/python -m posttrain.distributed.deadline_pool 7 mod:fn 12") == (
+        "python -m posttrain.distributed.deadline_pool")
+    assert process_role("/venv/lib/ray/core/src/ray/gcs/gcs_server --log_dir=/tmp") == "gcs_server"
+    assert process_role("/venv/bin/python /venv/lib/ray/dashboard/agent.py --node-ip") == "agent.py"
