@@ -14,9 +14,17 @@ Sides (alternating, each in its own process):
   decoding step.
 - ``posttrain-apart``: ``posttrain`` with the engine on its own worker
   (``generation.colocated: false``), synchronous: generation and training take turns.
-- ``posttrain-async``: ``posttrain-apart`` made asynchronous
+- ``posttrain-apart-passive``: ``posttrain-apart`` with ``OMP_WAIT_POLICY=PASSIVE`` in the
+  policy's and the engine's environment (OpenMP threads sleep when idle instead of spinning).
+- ``posttrain-async``: ``posttrain-apart-passive`` made asynchronous
   (``grpo.asynchronous.max_staleness_steps: 1``): the next step's rollout runs while a step
-  trains. Compare it with ``posttrain-apart`` (same placement, same processes).
+  trains. Compare it with ``posttrain-apart`` (same placement, same processes). The policy
+  and the engine share all the cores at the same time; with passive waiting a process's
+  idle threads leave the cores to the other's.
+- ``posttrain-async-split``: asynchronous, each of the two with half of the cores (the policy
+  ``OMP_NUM_THREADS``, the engine ``VLLM_CPU_OMP_THREADS_BIND``), default OpenMP waiting.
+- ``posttrain-async-spin``: asynchronous, all the cores each, default OpenMP waiting: the
+  threads of two processes spin against each other on the same cores.
 - ``trl-default``: ``trl.GRPOTrainer`` with TRL 1.16's defaults for everything that is not a
   must-match setting (transformers ``generate``, gradient checkpointing, ``adamw_torch_fused``).
 - ``trl-best``: TRL with the CPU options that do not change the math (see :data:`TRL_BEST`).
@@ -25,6 +33,11 @@ Sides (alternating, each in its own process):
 remote-reward environments do: every environment call waits ``S`` seconds and an episode lasts
 ``N`` assistant turns (:mod:`grpo_reward`); TRL's side does not take them. E.g. the
 asynchronous comparison: ``--sides posttrain-apart,posttrain-async --latency 1.5 --turns 3``.
+
+``--activation-checkpointing``: posttrain's sides recompute each decoder layer in the
+backward pass, as TRL's defaults do (``gradient_checkpointing``): the setting to compare peak
+memory with ``trl-default`` (without it posttrain keeps every layer's activations of the
+step's 128 samples, as ``trl-best`` does).
 
 ``--form skewed``: completions stop at EOS; the benchmark's model gets a context-independent
 EOS rate of :data:`EOS_RATE` per token (:func:`common.set_eos_rate`: mean length about 19,
@@ -144,11 +157,14 @@ def common_settings(form: str) -> dict[str, Any]:
 
 
 def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, colocated: bool = True,
-                   max_staleness_steps: int = 0) -> dict[str, Any]:
+                   max_staleness_steps: int = 0, split_cores: bool = False, passive: bool = False) -> dict[str, Any]:
     """Run ``warmup + steps`` GRPO steps with ``run_algorithm`` (rollouts from the
     ``generation_backend``: ``vllm``, or ``hf`` decoding all 128 rows as one batch; the engine
     ``colocated`` with the policy or on its own worker; asynchronous with
-    ``max_staleness_steps`` >= 1); read back the step ends, losses and stage timings from
+    ``max_staleness_steps`` >= 1; ``split_cores``: the policy's threads on the first half of
+    the cores, the vLLM engine's bound to the second half, for a policy and an engine that
+    run at the same time; ``passive``: their OpenMP threads sleep when idle,
+    ``OMP_WAIT_POLICY=PASSIVE``, instead of spinning); read back the step ends, losses and stage timings from
     ``metrics.jsonl`` and what every step generated from the reward environment's record."""
     from posttrain.config import config_from_dict
     from posttrain.data import encoder_from_config
@@ -158,22 +174,29 @@ def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, co
 
     _install_reward_plugin(Path(spec["workdir"]) / "plugin")
     threads, dense = spec["threads"], spec["form"] == "dense"
+    # the colocated policy and engine take turns on all the cores (twice the logical CPUs for Ray);
+    # split, each has half of them: OpenMP threads of two processes on the same cores thrash
+    policy_threads = threads // 2 if split_cores else threads
+    wait = {"OMP_WAIT_POLICY": "PASSIVE"} if passive else {}
+    engine_env = {"VLLM_CPU_OMP_THREADS_BIND": f"{threads // 2}-{threads - 1}"} if split_cores else {}
     run_dir = Path(spec["workdir"]) / f"posttrain_grpo_{time.time_ns()}"
     record = run_dir / "rollouts.jsonl"
     config = config_from_dict({
         "algorithm": "grpo", "seed": spec["seed"], "run_dir": str(run_dir),
-        "cluster": {"num_cpus": 2 * threads},  # logical CPUs: the colocated policy and engine take turns
+        "cluster": {"num_cpus": threads if split_cores else 2 * threads},
         "policy": {
             "backend": "dtensor", "model": spec["model_dir"], "dtype": "float32", "num_workers": 1,
             "train_global_batch_size": SAMPLES, "train_micro_batch_size": SAMPLES, "logprob_micro_batch_size": SAMPLES,
             "max_total_sequence_length": spec["max_len"], "max_grad_norm": 1.0,
             "sequence_packing": {"enabled": True, "max_tokens_per_row": SAMPLES * spec["max_len"]},
             "optimizer": {"name": "adamw", "lr": spec["lr"]}, "scheduler": {"name": "constant"},
-            "resources": {"cpus": threads, "env_vars": {"OMP_NUM_THREADS": str(threads)}},
+            "resources": {"cpus": policy_threads, "env_vars": {"OMP_NUM_THREADS": str(policy_threads), **wait}},
+            "dtensor": {"activation_checkpointing": spec["activation_checkpointing"]},
         },
         "generation": {
             "backend": generation_backend, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0,
-            "top_k": None, "ignore_eos": dense, "colocated": colocated, "resources": {"cpus": threads},
+            "top_k": None, "ignore_eos": dense, "colocated": colocated,
+            "resources": {"cpus": threads - policy_threads if split_cores else threads, "env_vars": {**engine_env, **wait}},
             **({"hf": {"max_batch_size": SAMPLES}} if generation_backend == "hf" else {}),
         },
         "data": {"train": spec["data"], "shuffle": False},
@@ -371,7 +394,10 @@ WORKLOAD = Workload(
         "posttrain-hf": lambda spec: posttrain_grpo(spec, "hf"),
         "trl-best": lambda spec: trl_grpo(spec, best=True),
         "posttrain-apart": lambda spec: posttrain_grpo(spec, colocated=False),
-        "posttrain-async": lambda spec: posttrain_grpo(spec, colocated=False, max_staleness_steps=1),
+        "posttrain-apart-passive": lambda spec: posttrain_grpo(spec, colocated=False, passive=True),
+        "posttrain-async": lambda spec: posttrain_grpo(spec, colocated=False, max_staleness_steps=1, passive=True),
+        "posttrain-async-split": lambda spec: posttrain_grpo(spec, colocated=False, max_staleness_steps=1, split_cores=True),
+        "posttrain-async-spin": lambda spec: posttrain_grpo(spec, colocated=False, max_staleness_steps=1),
     },
     baseline="posttrain",
     write_data=write_prompts,
@@ -383,7 +409,10 @@ WORKLOAD = Workload(
                       "help": f"skewed: completions stop at EOS (rate {EOS_RATE} per token); dense: all 64 tokens"},
              "trl_best": {"choices": tuple(TRL_BEST), "default": "cpu", "help": "trl-best's options (grpo.TRL_BEST)"},
              "latency": {"type": float, "default": 0.0, "help": "seconds every environment call waits (posttrain sides)"},
-             "turns": {"type": int, "default": 1, "help": "assistant turns per episode (posttrain sides)"}},
+             "turns": {"type": int, "default": 1, "help": "assistant turns per episode (posttrain sides)"},
+             "activation_checkpointing": {"action": "store_true",
+                                          "help": "posttrain sides recompute each decoder layer in the backward pass "
+                                                  "(policy.dtensor.activation_checkpointing), as trl-default does"}},
     step_fields=("prompt_digest", "prompt_tokens", "samples"),
     loss_rtol=None,
     prepare_model=prepare_model,

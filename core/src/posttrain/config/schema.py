@@ -113,6 +113,13 @@ class WorkerResources:
     env_vars: dict[str, str] = attrs.field(factory=dict)  # each worker's environment variables (over runtime_env's)
     runtime_env: dict[str, Any] = attrs.field(factory=dict)  # Ray runtime_env of each worker (py_executable, pip, ...)
 
+    def with_env_default(self, name: str, value: str) -> WorkerResources:
+        """These resources with the environment variable ``name`` set to ``value`` in each
+        worker, unless ``env_vars`` or ``runtime_env``'s ``env_vars`` already set it."""
+        if name in self.env_vars or name in self.runtime_env.get("env_vars", {}):
+            return self
+        return attrs.evolve(self, env_vars={**self.env_vars, name: value})
+
 
 @attrs.define
 class PolicyConfig:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from posttrain.config.schema import PolicyConfig, RunConfig
+from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig
 from posttrain.errors import RunStopped, WorkerError
 from posttrain.log import configure_logging, get_logger
 from posttrain.models.folder import check_model_folders
@@ -145,11 +145,14 @@ class RunContext:
         factory: PolicyBackendFactory = self.host.policy_backends[config.policy.backend]
         return factory(config, self.cluster, name=name)
 
-    def build_generation(self) -> Generation:
-        """The ``generation.backend`` generation backend, its engines started on :attr:`cluster`."""
+    def build_generation(self, generation: GenerationConfig | None = None) -> Generation:
+        """The ``generation.backend`` generation backend, its engines started on :attr:`cluster`;
+        ``generation`` replaces the run's ``generation`` section for it (:attr:`config` stays as
+        loaded)."""
         self.stop.check_startup()
-        factory: GenerationBackendFactory = self.host.generation_backends[self.config.generation.backend]
-        return factory(self.config, self.cluster)
+        config = self.config if generation is None else attrs.evolve(self.config, generation=generation)
+        factory: GenerationBackendFactory = self.host.generation_backends[config.generation.backend]
+        return factory(config, self.cluster)
 
     def build_data_plane(self) -> DataPlane:
         """The ``data_plane.backend`` data plane."""

@@ -98,6 +98,7 @@ from posttrain_grpo.step import (
     step_seed,
     throughput,
 )
+from posttrain_grpo.workers import worker_sections
 
 
 @attrs.frozen
@@ -204,8 +205,11 @@ class GRPORun(LoopSteps):
             "environments", lambda: ctx.build_environments(self.environment_names, plugins=self.environment_plugins),
             shutdown_environments,
         )
-        policy = startup.start("policy", lambda: ctx.build_policy(schedule_steps=self.plan.schedule_steps))
-        generation = startup.start("generation", ctx.build_generation)
+        policy_section, generation_section = worker_sections(self.config, self.grpo)
+        policy = startup.start(
+            "policy", lambda: ctx.build_policy(schedule_steps=self.plan.schedule_steps, policy=policy_section)
+        )
+        generation = startup.start("generation", lambda: ctx.build_generation(generation_section))
         plane = startup.start("data_plane", lambda: SharedPlane(ctx.build_data_plane()))
         startup.wait()
         self.environments, self.policy = environments.value, policy.value

@@ -94,7 +94,7 @@ def _sft_config(model: Path, run_dir: Path, files: TaskFiles, epochs: int, expor
 
 def run_quickstart(run_dir: str | Path, overrides: list[str], *, seed: int = 0, sft_epochs: int = SFT_EPOCHS,
                    grpo_steps: int = GRPO_STEPS, grpo_overrides: Sequence[str] = (),
-                   sft_model: str | Path | None = None) -> dict[str, float]:
+                   sft_model: str | Path | None = None, rl_algorithm: str = "grpo") -> dict[str, float]:
     """Run the three stages under ``run_dir`` and return the three validation accuracies.
 
     ``seed`` sets the model's initial weights and every random choice of the runs (data
@@ -103,7 +103,8 @@ def run_quickstart(run_dir: str | Path, overrides: list[str], *, seed: int = 0, 
     ``["policy.lora.enabled=true", "policy.optimizer.lr=2e-3"]`` for GRPO with LoRA after full
     SFT. ``sft_model``: start GRPO from this folder (the ``sft_model`` an earlier run with the
     same seed wrote) instead of building and fine-tuning a model; "before SFT" is then not
-    measured.
+    measured. ``rl_algorithm``: the RL stage's algorithm, ``grpo`` or one that reads the
+    ``grpo`` section (``ppo``, its critic configured by ``grpo_overrides``).
     """
     check_requirements()
     if any(item.split("=", 1)[0].strip() == "seed" for item in overrides):
@@ -125,7 +126,7 @@ def run_quickstart(run_dir: str | Path, overrides: list[str], *, seed: int = 0, 
         sft_model = run_dir / "sft_model"
         stage("sft", _sft_config(model, run_dir / "sft", files, sft_epochs, sft_model, seed))
     final_model = run_dir / "final_model"
-    after_grpo = stage("grpo", _grpo_config(Path(sft_model), run_dir / "grpo", files, grpo_steps, final_model, seed),
+    after_grpo = stage(rl_algorithm, _grpo_config(Path(sft_model), run_dir / "grpo", files, grpo_steps, final_model, seed),
                        grpo_overrides)
 
     records = read_metrics(run_dir / "grpo" / "metrics.jsonl")
