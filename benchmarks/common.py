@@ -244,12 +244,18 @@ def _hwm_kib(pid: int) -> tuple[int, str] | None:
     return None
 
 
+#: Processes Ray starts for itself that carry a ``ray::`` name like actors: its infrastructure.
+RAY_AGENTS = frozenset({"ray::DashboardAgent", "ray::RuntimeEnvAgent"})
+
+
 class TreeMemory:
     """Polls a process and its descendants; keeps each process's peak resident set (VmHWM).
 
-    ``training_mb``: the root process plus Ray actor processes (``ray::<Actor>``, i.e. the
-    workers holding the model) -- the memory the training itself needs. ``infra_mb``: every
-    other descendant (Ray's GCS, raylet, idle workers). Both sum per-process peaks."""
+    ``training_mb``: the root process and every descendant that is not Ray's own
+    (:func:`is_ray_infrastructure`): the Ray actors holding models, engines and environments,
+    and their children -- the memory the training itself needs. ``infra_mb``: Ray's own
+    processes (GCS, raylet, dashboard and its agents, log monitor, idle workers). Both sum
+    per-process peaks."""
 
     def __init__(self, root: int, period_s: float = 0.2):
         self.root, self.period_s = root, period_s
@@ -279,7 +285,7 @@ class TreeMemory:
         for pid, (kib, cmd) in self.peaks.items():
             role = process_role(cmd, root=pid == self.root)
             by_role[role] = by_role.get(role, 0.0) + kib / 1024
-            if pid == self.root or (cmd.startswith("ray::") and not cmd.startswith("ray::IDLE")):
+            if pid == self.root or not is_ray_infrastructure(cmd):
                 training += kib
             else:
                 infra += kib
@@ -300,11 +306,25 @@ def process_role(cmdline: str, *, root: bool = False) -> str:
     if not words:
         return "other"
     program = Path(words[0]).name
-    if program.startswith("python") and "-m" in words:
-        return f"python -m {words[words.index('-m') + 1]}"
-    if program.startswith("python") and len(words) > 1:
-        return Path(words[1]).name
+    if not program.startswith("python"):
+        return program
+    for i, word in enumerate(words[1:], 1):
+        if word in ("-m", "-c"):
+            return f"python {word}" + (f" {words[i + 1]}" if word == "-m" and i + 1 < len(words) else "")
+        if not word.startswith("-"):
+            return Path(word).name
     return program
+
+
+def is_ray_infrastructure(cmdline: str) -> bool:
+    """Whether a process is one Ray runs for itself (GCS, raylet, dashboard and its agents,
+    log monitor, idle workers), not one holding a part of the training."""
+    role = process_role(cmdline)
+    if role.startswith("ray::") or role == "ray idle worker":
+        return role in RAY_AGENTS or role == "ray idle worker"
+    words = cmdline.split()
+    program = next((w for w in words[1:] if not w.startswith("-")), "") if Path(words[0]).name.startswith("python") else words[0]
+    return f"{os.sep}ray{os.sep}" in program
 
 
 # ---------------------------------------------------------------------- running the sides

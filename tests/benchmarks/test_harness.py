@@ -92,3 +92,20 @@ def test_processes_are_told_apart_by_what_they_run():
         "python -m posttrain.distributed.deadline_pool")
     assert process_role("/venv/lib/ray/core/src/ray/gcs/gcs_server --log_dir=/tmp") == "gcs_server"
     assert process_role("/venv/bin/python /venv/lib/ray/dashboard/agent.py --node-ip") == "agent.py"
+    assert process_role("/venv/bin/python -u /venv/lib/ray/_private/log_monitor.py --x=1") == "log_monitor.py"
+    assert process_role("/venv/bin/python -c from multiprocessing import x") == "python -c"
+
+
+def test_ray_infrastructure_is_counted_apart_from_the_training():
+    from common import is_ray_infrastructure
+
+    for ray_own in ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent",
+                    "/venv/lib/python3.11/site-packages/ray/core/src/ray/gcs/gcs_server --log_dir=/tmp",
+                    "/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --x",
+                    "/venv/bin/python -u /venv/lib/python3.11/site-packages/ray/_private/log_monitor.py",
+                    "/venv/bin/python /venv/lib/python3.11/site-packages/ray/dashboard/dashboard.py --host=x"):
+        assert is_ray_infrastructure(ray_own), ray_own
+    for training in ("ray::DTensorPolicyWorker.train", "ray::VllmEngineWorker", "ray::EnvironmentActor.step",
+                     "/venv/bin/python -c from multiprocessing.spawn import spawn_main",
+                     "/usr/lib/gcc/x86_64-linux-gnu/12/cc1plus -quiet", "/venv/bin/python -m posttrain.distributed.deadline_pool"):
+        assert not is_ray_infrastructure(training), training
