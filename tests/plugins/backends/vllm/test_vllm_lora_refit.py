@@ -97,3 +97,21 @@ def test_a_rank_vllm_cannot_serve_is_refused(tiny_model_path, tmp_path):
                                           r"lower it, or set policy\.lora\.refit: merged\. Where set: policy\.lora\.rank "
                                           r"at .*run\.yaml:5; policy\.lora\.refit at .*run\.yaml:6\.$"):
         load_config(str(path))
+
+
+@pytest.mark.parametrize(("space", "fix"), [("0.5", 1), ("2.5", 2)])
+def test_a_kv_cache_size_vllm_cannot_read_is_refused(tiny_model_path, tmp_path, space, fix):
+    """vLLM reads VLLM_CPU_KVCACHE_SPACE with int(): a fraction would fail inside the engine."""
+    from posttrain.config import load_config
+    from posttrain.errors import ConfigError
+
+    path = tmp_path / "run.yaml"
+    path.write_text(f"policy:\n  model: {tiny_model_path}\ngeneration:\n  backend: vllm\n  vllm:\n"
+                    f"    kv_cache_space_gib: {space}\n")
+    with pytest.raises(ConfigError, match=(
+        rf"^generation\.vllm\.kv_cache_space_gib is {space}: vLLM on CPU takes the KV cache size as a whole number of "
+        rf"GiB \(VLLM_CPU_KVCACHE_SPACE\), at least 1; set it to {fix}\. Where set: "
+        r"generation\.vllm\.kv_cache_space_gib at .*run\.yaml:6\.$")):
+        load_config(str(path))
+    path.write_text(f"policy:\n  model: {tiny_model_path}\ngeneration:\n  backend: vllm\n  vllm:\n    kv_cache_space_gib: 2\n")
+    assert load_config(str(path)).section("generation.vllm").kv_cache_space_gib == 2

@@ -29,8 +29,9 @@ class VllmGenerationConfig:
     - ``enforce_eager``: skip torch.compile and CUDA graphs (much faster start; on CPU
       compilation adds 8-21% throughput for 10-24 s of start-up).
     - ``gpu_memory_utilization``: fraction of GPU memory the engine may take (GPU only).
-    - ``kv_cache_space_gib``: KV cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``); without it
-      vLLM on CPU reserves most of the machine's RAM.
+    - ``kv_cache_space_gib``: KV cache size on CPU, a whole number of GiB >= 1
+      (``VLLM_CPU_KVCACHE_SPACE``, which vLLM reads as an integer); without it vLLM on CPU
+      reserves most of the machine's RAM.
     - ``detokenize``: load the tokenizer in the engine, which stop strings need. None: only
       when ``generation.stop_strings`` is set; set true when batches bring their own
       ``stop_strings`` (multi-turn environments).
@@ -61,7 +62,14 @@ def engine_lora_options(lora: LoraConfig) -> dict[str, Any]:
 
 
 def validate_generation_config(config: RunConfig) -> None:
-    """An adapter refit's rank within what vLLM serves."""
+    """An adapter refit's rank within what vLLM serves; a CPU KV cache size vLLM can read."""
+    space = (config.sections.get(SECTION) or VllmGenerationConfig()).kv_cache_space_gib
+    if space < 1 or space != int(space):
+        raise ConfigError(
+            f"{SECTION}.kv_cache_space_gib is {space:g}: vLLM on CPU takes the KV cache size as a whole number of GiB "
+            f"(VLLM_CPU_KVCACHE_SPACE), at least 1; set it to {max(1, round(space))}."
+            f"{where_set(config, f'{SECTION}.kv_cache_space_gib')}"
+        )
     lora = config.policy.lora
     if lora.enabled and lora.refit == "adapter" and lora.rank > MAX_LORA_RANKS[-1]:
         raise ConfigError(
