@@ -23,7 +23,8 @@ def config(staleness: int, *, use_gpus: bool = False, policy_env: dict[str, str]
     return run, grpo
 
 
-def test_asynchronous_on_cpus_waits_passively_and_keeps_the_rest():
+def test_asynchronous_on_cpus_waits_passively_and_keeps_the_rest(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     run, grpo = config(1)
     policy, generation = worker_sections(run, grpo)
     assert policy.resources.env_vars == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
@@ -38,7 +39,14 @@ def test_synchronous_or_on_gpus_the_sections_are_the_runs():
         assert worker_sections(run, grpo) == (run.policy, run.generation)
 
 
-def test_a_wait_policy_the_config_sets_is_kept():
+def test_a_wait_policy_the_driver_sets_is_kept(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    run, grpo = config(1)
+    assert worker_sections(run, grpo) == (run.policy, run.generation)
+
+
+def test_a_wait_policy_the_config_sets_is_kept(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     run, grpo = config(1, policy_env={"OMP_WAIT_POLICY": "ACTIVE"},
                        engine_runtime_env={"env_vars": {"OMP_WAIT_POLICY": "ACTIVE"}})
     policy, generation = worker_sections(run, grpo)

@@ -206,6 +206,9 @@ class GRPORun(LoopSteps):
             shutdown_environments,
         )
         policy_section, generation_section = worker_sections(self.config, self.grpo)
+        if (policy_section, generation_section) != (self.config.policy, self.config.generation):
+            ctx.log.info("asynchronous GRPO on CPUs: idle OpenMP threads of the policy and the engines sleep",
+                         OMP_WAIT_POLICY="PASSIVE", unless_set_in="policy|generation.resources.env_vars")
         policy = startup.start(
             "policy", lambda: ctx.build_policy(schedule_steps=self.plan.schedule_steps, policy=policy_section)
         )

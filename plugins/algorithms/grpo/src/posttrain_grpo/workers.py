@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 import attrs
 
 from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig
 from posttrain_grpo.config import GRPOConfig
+
+#: The OpenMP variable that says whether idle threads spin (ACTIVE) or sleep (PASSIVE).
+WAIT_POLICY = "OMP_WAIT_POLICY"
 
 
 def worker_sections(config: RunConfig, grpo: GRPOConfig) -> tuple[PolicyConfig, GenerationConfig]:
     """The run's ``policy`` and ``generation`` sections, except that asynchronous GRPO on CPUs
     (``grpo.asynchronous.max_staleness_steps`` >= 1, ``cluster.use_gpus`` false) gives the
     policy's workers and the engines ``OMP_WAIT_POLICY=PASSIVE`` unless their
-    ``resources.env_vars`` (or ``runtime_env``'s) set it.
+    ``resources.env_vars`` (or ``runtime_env``'s) or the driver's environment set it.
 
     The policy then trains while the engines generate, on the same cores. OpenMP threads spin
     while they wait for work by default, so each process's idle threads take cores from the
@@ -20,10 +25,10 @@ def worker_sections(config: RunConfig, grpo: GRPOConfig) -> tuple[PolicyConfig, 
     step took 33 s spinning and 21 s passive, against 26 s synchronous (docs/benchmarks.md).
     A synchronous run keeps the default: its policy and engines take turns, and passive
     waiting made its generation about 12% slower there."""
-    if not grpo.asynchronous.enabled or config.cluster.use_gpus:
+    if not grpo.asynchronous.enabled or config.cluster.use_gpus or WAIT_POLICY in os.environ:
         return config.policy, config.generation
 
     def passive(section: PolicyConfig | GenerationConfig) -> PolicyConfig | GenerationConfig:
-        return attrs.evolve(section, resources=section.resources.with_env_default("OMP_WAIT_POLICY", "PASSIVE"))
+        return attrs.evolve(section, resources=section.resources.with_env_default(WAIT_POLICY, "PASSIVE"))
 
     return passive(config.policy), passive(config.generation)  # type: ignore[return-value]
