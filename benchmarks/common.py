@@ -305,15 +305,19 @@ def process_role(cmdline: str, *, root: bool = False) -> str:
     words = cmdline.split()
     if not words:
         return "other"
-    program = Path(words[0]).name
-    if not program.startswith("python"):
-        return program
-    for i, word in enumerate(words[1:], 1):
-        if word in ("-m", "-c"):
-            return f"python {word}" + (f" {words[i + 1]}" if word == "-m" and i + 1 < len(words) else "")
-        if not word.startswith("-"):
-            return Path(word).name
-    return program
+    target = _run_target(words)
+    if target == "-m":
+        module = words.index("-m") + 1
+        return f"python -m {words[module]}" if module < len(words) else "python -m"
+    return "python -c" if target == "-c" else Path(target).name
+
+
+def _run_target(words: list[str]) -> str:
+    """What a command line runs: its program, or for a Python interpreter the first word
+    after the interpreter's own flags (``-m`` or ``-c`` themselves for a module or code)."""
+    if not Path(words[0]).name.startswith("python"):
+        return words[0]
+    return next((w for w in words[1:] if w in ("-m", "-c") or not w.startswith("-")), words[0])
 
 
 def is_ray_infrastructure(cmdline: str) -> bool:
@@ -323,8 +327,7 @@ def is_ray_infrastructure(cmdline: str) -> bool:
     if role.startswith("ray::") or role == "ray idle worker":
         return role in RAY_AGENTS or role == "ray idle worker"
     words = cmdline.split()
-    program = next((w for w in words[1:] if not w.startswith("-")), "") if Path(words[0]).name.startswith("python") else words[0]
-    return f"{os.sep}ray{os.sep}" in program
+    return bool(words) and f"{os.sep}ray{os.sep}" in _run_target(words)
 
 
 # ---------------------------------------------------------------------- running the sides

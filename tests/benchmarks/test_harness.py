@@ -94,6 +94,7 @@ def test_processes_are_told_apart_by_what_they_run():
     assert process_role("/venv/bin/python /venv/lib/ray/dashboard/agent.py --node-ip") == "agent.py"
     assert process_role("/venv/bin/python -u /venv/lib/ray/_private/log_monitor.py --x=1") == "log_monitor.py"
     assert process_role("/venv/bin/python -c from multiprocessing import x") == "python -c"
+    assert process_role("") == "other"
 
 
 def test_ray_infrastructure_is_counted_apart_from_the_training():
@@ -109,3 +110,4 @@ def test_ray_infrastructure_is_counted_apart_from_the_training():
                      "/venv/bin/python -c from multiprocessing.spawn import spawn_main",
                      "/usr/lib/gcc/x86_64-linux-gnu/12/cc1plus -quiet", "/venv/bin/python -m posttrain.distributed.deadline_pool"):
         assert not is_ray_infrastructure(training), training
+    assert not is_ray_infrastructure("")  # a process whose command line could not be read
