@@ -136,3 +136,14 @@ def global_valid_counts(
     if group is not None:
         dist.all_reduce(counts, group=group)
     return counts[0].float(), counts[1].float()
+
+
+def check_pair_rows(rows: int, needs: str) -> None:
+    """Refuse a microbatch of ``rows`` rows that cannot hold whole chosen/rejected pairs
+    (the ``preference`` layout: chosen at even rows, rejected at odd rows); ``needs``
+    begins the message, e.g. ``"DPO needs"``."""
+    if rows % 2:
+        raise ValueError(
+            f"{needs} chosen/rejected pairs (chosen at even rows, rejected at odd rows); got a microbatch of {rows} "
+            f"rows. Use an even micro batch size."
+        )

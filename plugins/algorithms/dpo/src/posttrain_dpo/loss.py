@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.batch import Batch
-from posttrain.interfaces.loss import LossFunction, LossType
+from posttrain.interfaces.loss import LossFunction, LossType, check_pair_rows
 from posttrain_dpo.config import LOSS_TYPES
 
 
@@ -76,12 +76,7 @@ class DPOLoss(LossFunction):
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        rows = logprobs.shape[0]
-        if rows % 2:
-            raise ValueError(
-                f"DPO needs chosen/rejected pairs (chosen at even rows, rejected at odd rows); got a microbatch "
-                f"of {rows} rows. Use an even micro batch size."
-            )
+        check_pair_rows(logprobs.shape[0], "DPO needs")
         if not self.reference_free and "reference_logprobs" not in batch:
             raise ValueError(
                 "DPO needs the batch's 'reference_logprobs' (from policy.get_reference_policy_logprobs) "

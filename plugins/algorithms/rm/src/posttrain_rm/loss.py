@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.batch import Batch
-from posttrain.interfaces.loss import LossFunction, LossType
+from posttrain.interfaces.loss import LossFunction, LossType, check_pair_rows
 
 
 def sequence_scores(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -52,12 +52,7 @@ class BradleyTerryLoss(LossFunction):
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        rows = values.shape[0]
-        if rows % 2:
-            raise ValueError(
-                f"a reward model trains on chosen/rejected pairs (chosen at even rows, rejected at odd rows); got a "
-                f"microbatch of {rows} rows. Use an even micro batch size."
-            )
+        check_pair_rows(values.shape[0], "a reward model trains on")
         scores = sequence_scores(values, batch["input_lengths"])
         chosen, rejected = scores[0::2], scores[1::2]
         sample_mask = batch["sample_mask"].to(values)
