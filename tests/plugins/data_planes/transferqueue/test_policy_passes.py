@@ -72,13 +72,8 @@ def queue(policy: DTensorPolicy, tmp_path: Path) -> Iterator[Any]:
     assert not controller_running()
 
 
-def test_workers_fetch_their_shards_and_write_logprobs_back(policy: DTensorPolicy, queue: Any, monkeypatch) -> None:
-    batch = samples_batch()
-    keys = [f"p{i}" for i in range(len(batch))]
-    memory = MemoryDataPlane()
-    for plane in (memory, queue):
-        plane.put("train/1", keys, batch.fields(FIELDS))
-
+def record_sharded_results(policy: DTensorPolicy, monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
+    """What each of the policy's sharded passes returns to the driver from now on, in call order."""
     returned: list[list[Any]] = []
     run_sharded = policy.group.run_sharded
 
@@ -88,6 +83,17 @@ def test_workers_fetch_their_shards_and_write_logprobs_back(policy: DTensorPolic
         return results
 
     monkeypatch.setattr(policy.group, "run_sharded", recording)
+    return returned
+
+
+def test_workers_fetch_their_shards_and_write_logprobs_back(policy: DTensorPolicy, queue: Any, monkeypatch) -> None:
+    batch = samples_batch()
+    keys = [f"p{i}" for i in range(len(batch))]
+    memory = MemoryDataPlane()
+    for plane in (memory, queue):
+        plane.put("train/1", keys, batch.fields(FIELDS))
+
+    returned = record_sharded_results(policy, monkeypatch)
     for plane in (memory, queue):
         samples = PlaneSamples(plane, "train/1", keys, FIELDS)
         policy.logprobs_into(samples, "prev_logprobs")
@@ -121,15 +127,7 @@ def test_workers_write_a_teachers_top_k_into_the_plane(policy: DTensorPolicy, qu
     keys = [f"p{i}" for i in range(len(batch))]
     fields = {"topk_indices": "topk_indices", "teacher_topk_logprobs": "topk_logprobs"}
     memory = MemoryDataPlane()
-    returned: list[list[Any]] = []
-    run_sharded = policy.group.run_sharded
-
-    def recording(method: str, shards: Any, *args: Any, **kwargs: Any) -> list[Any]:
-        results = run_sharded(method, shards, *args, **kwargs)
-        returned.append(results)
-        return results
-
-    monkeypatch.setattr(policy.group, "run_sharded", recording)
+    returned = record_sharded_results(policy, monkeypatch)
     for plane in (memory, queue):
         plane.put("train/2", keys, batch.fields(FIELDS))
         policy.topk_into(PlaneSamples(plane, "train/2", keys, FIELDS), 4, fields)
