@@ -27,8 +27,8 @@ def worker_sections(config: RunConfig, grpo: GRPOConfig) -> tuple[PolicyConfig, 
     waiting made its generation about 12% slower there."""
     if not grpo.asynchronous.enabled or config.cluster.use_gpus or WAIT_POLICY in os.environ:
         return config.policy, config.generation
-
-    def passive(section: PolicyConfig | GenerationConfig) -> PolicyConfig | GenerationConfig:
-        return attrs.evolve(section, resources=section.resources.with_env_default(WAIT_POLICY, "PASSIVE"))
-
-    return passive(config.policy), passive(config.generation)  # type: ignore[return-value]
+    policy, generation = config.policy, config.generation
+    return (
+        attrs.evolve(policy, resources=policy.resources.with_env_default(WAIT_POLICY, "PASSIVE")),
+        attrs.evolve(generation, resources=generation.resources.with_env_default(WAIT_POLICY, "PASSIVE")),
+    )
