@@ -41,3 +41,20 @@ def tiny_lm():
 def hf_logprobs():
     """``hf_logprobs(model, batch)``: the batch's token logprobs under a Hugging Face model."""
     return lambda model, batch: token_logprobs(model, batch["input_ids"], batch["input_lengths"])
+
+
+def _turn(role: str, content: str) -> list[dict[str, str]]:
+    return [{"role": role, "content": content}]
+
+
+@pytest.fixture
+def preference_rows() -> list[dict]:
+    """Three preference rows in conversational form (one with a system turn), as the DPO and
+    reward-model parity tests give both posttrain and TRL."""
+    return [
+        {"prompt": _turn("user", "2+2"), "chosen": _turn("assistant", "4"), "rejected": _turn("assistant", "five")},
+        {"prompt": _turn("user", "sky?"), "chosen": _turn("assistant", "blue"),
+         "rejected": _turn("assistant", "green, surely")},
+        {"prompt": [{"role": "system", "content": "terse"}, *_turn("user", "hello")],
+         "chosen": _turn("assistant", "hi"), "rejected": _turn("assistant", "greetings to you")},
+    ]

@@ -24,16 +24,6 @@ pytestmark = pytest.mark.trl
 trl = pytest.importorskip("trl", reason="TRL is not installed; the parity tests need trl (1.16)")
 
 
-def turn(role: str, content: str) -> list[dict[str, str]]:
-    return [{"role": role, "content": content}]
-
-
-ROWS = [
-    {"prompt": turn("user", "2+2"), "chosen": turn("assistant", "4"), "rejected": turn("assistant", "five")},
-    {"prompt": turn("user", "sky?"), "chosen": turn("assistant", "blue"), "rejected": turn("assistant", "green, surely")},
-    {"prompt": [{"role": "system", "content": "terse"}, *turn("user", "hello")],
-     "chosen": turn("assistant", "hi"), "rejected": turn("assistant", "greetings to you")},
-]
 BETA = 0.1
 
 
@@ -41,26 +31,26 @@ BETA = 0.1
     ("sigmoid", dict(loss_type="sigmoid")),
     ("ipo", dict(loss_type="ipo", average_log_probs=True)),  # TRL's IPO averages over completion tokens
 ])
-def test_dpo_equals_trl(tmp_path, tiny_lm, hf_logprobs, trl_loss_type, ours):
+def test_dpo_equals_trl(tmp_path, tiny_lm, hf_logprobs, trl_loss_type, ours, preference_rows):
     from datasets import Dataset
 
     tokenizer = build_tokenizer()
     args = trl.DPOConfig(
         output_dir=str(tmp_path / "trl"), beta=BETA, loss_type=[trl_loss_type], max_length=None, report_to=[],
-        use_cpu=True, bf16=False, per_device_train_batch_size=len(ROWS),
+        use_cpu=True, bf16=False, per_device_train_batch_size=len(preference_rows),
     )
     trainer = trl.DPOTrainer(model=tiny_lm(0), ref_model=tiny_lm(1), args=args,
-                             train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer)
-    inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(len(ROWS))])
+                             train_dataset=Dataset.from_list(preference_rows), processing_class=tokenizer)
+    inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(len(preference_rows))])
     trainer.model.train()  # TRL files metrics by mode; the tiny model has no dropout
     with torch.no_grad():
         trl_loss = trainer.compute_loss(trainer.model, dict(inputs)).item()
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
     path = tmp_path / "prefs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    batch = build_dataset(path, "preference", ChatEncoder(tokenizer)).collate(range(len(ROWS)))
-    n, width = len(ROWS), batch["input_ids"].shape[1]
+    path.write_text("".join(json.dumps(r) + "\n" for r in preference_rows))
+    batch = build_dataset(path, "preference", ChatEncoder(tokenizer)).collate(range(len(preference_rows)))
+    n, width = len(preference_rows), batch["input_ids"].shape[1]
     trl_order = [i // 2 + (i % 2) * n for i in range(2 * n)]  # ours interleaves, TRL stacks chosen then rejected
     assert torch.equal(batch["input_ids"], inputs["input_ids"][trl_order, :width])
     assert torch.equal(batch["token_mask"].long(), inputs["completion_mask"][trl_order, :width])

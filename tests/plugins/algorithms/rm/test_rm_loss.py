@@ -14,18 +14,6 @@ from posttrain.models.tiny import build_tokenizer, tiny_llama_config
 from posttrain_rm.loss import BradleyTerryLoss, sequence_scores
 
 
-def turn(role: str, content: str) -> list[dict[str, str]]:
-    return [{"role": role, "content": content}]
-
-
-ROWS = [
-    {"prompt": turn("user", "2+2"), "chosen": turn("assistant", "4"), "rejected": turn("assistant", "five")},
-    {"prompt": turn("user", "sky?"), "chosen": turn("assistant", "blue"), "rejected": turn("assistant", "green, surely")},
-    {"prompt": [{"role": "system", "content": "terse"}, *turn("user", "hello")],
-     "chosen": turn("assistant", "hi"), "rejected": turn("assistant", "greetings to you")},
-]
-
-
 def tiny_reward_model(seed: int):
     """A seeded tiny Llama sequence classifier with one label (what a value-head policy exports)."""
     from transformers import LlamaForSequenceClassification
@@ -51,22 +39,22 @@ def preference_batch(tmp_path, rows) -> Batch:
 
 @pytest.mark.trl
 @pytest.mark.parametrize("center", [None, 0.01])
-def test_loss_equals_trl_reward_trainer(tmp_path, center):
+def test_loss_equals_trl_reward_trainer(tmp_path, center, preference_rows):
     trl = pytest.importorskip("trl", reason="TRL is not installed; the parity tests need trl (1.16)")
     from datasets import Dataset
 
     args = trl.RewardConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False,
-                            center_rewards_coefficient=center, per_device_train_batch_size=len(ROWS), max_length=None)
-    trainer = trl.RewardTrainer(model=tiny_reward_model(0), args=args, train_dataset=Dataset.from_list(ROWS),
+                            center_rewards_coefficient=center, per_device_train_batch_size=len(preference_rows), max_length=None)
+    trainer = trl.RewardTrainer(model=tiny_reward_model(0), args=args, train_dataset=Dataset.from_list(preference_rows),
                                 processing_class=build_tokenizer())
-    inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(len(ROWS))])
+    inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(len(preference_rows))])
     trainer.model.train()  # TRL files metrics by mode; the tiny model has no dropout
     with torch.no_grad():
         trl_loss = trainer.compute_loss(trainer.model, dict(inputs)).item()
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
-    batch = preference_batch(tmp_path, ROWS)
-    n, width = len(ROWS), batch["input_ids"].shape[1]
+    batch = preference_batch(tmp_path, preference_rows)
+    n, width = len(preference_rows), batch["input_ids"].shape[1]
     trl_order = [i // 2 + (i % 2) * n for i in range(2 * n)]  # ours interleaves, TRL stacks chosen then rejected
     assert torch.equal(batch["input_ids"], inputs["input_ids"][trl_order, :width])  # the same sequences
     with torch.no_grad():
