@@ -22,7 +22,6 @@ CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
 TEST_ENV = {
     "HF_HUB_OFFLINE": "1",
     "RAY_AUTH_MODE": "disabled",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "TOKENIZERS_PARALLELISM": "false",
 }

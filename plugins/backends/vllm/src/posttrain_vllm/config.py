@@ -29,9 +29,11 @@ class VllmGenerationConfig:
     - ``enforce_eager``: skip torch.compile and CUDA graphs (much faster start; on CPU
       compilation adds 8-21% throughput for 10-24 s of start-up).
     - ``gpu_memory_utilization``: fraction of GPU memory the engine may take (GPU only).
-    - ``kv_cache_space_gib``: KV cache size on CPU, a whole number of GiB >= 1
-      (``VLLM_CPU_KVCACHE_SPACE``, which vLLM reads as an integer); without it vLLM on CPU
-      reserves most of the machine's RAM.
+    - ``kv_cache_bytes``: the KV cache's size in bytes (vLLM's ``kv_cache_memory_bytes``).
+      None: on GPU, what ``gpu_memory_utilization`` leaves; on CPU, room for as many rows as
+      the engine runs at once (``max_num_seqs``) of ``max_model_len`` tokens each
+      (:func:`~posttrain_vllm.worker.cpu_kv_cache_bytes`), where vLLM's own default takes a
+      fixed size (``VLLM_CPU_KVCACHE_SPACE`` GiB) whatever the model and run need.
     - ``detokenize``: load the tokenizer in the engine, which stop strings need. None: only
       when ``generation.stop_strings`` is set; set true when batches bring their own
       ``stop_strings`` (multi-turn environments).
@@ -49,7 +51,7 @@ class VllmGenerationConfig:
     max_model_len: int | None = None
     enforce_eager: bool = True
     gpu_memory_utilization: float = 0.6
-    kv_cache_space_gib: float = 1.0
+    kv_cache_bytes: int | None = None
     detokenize: bool | None = None
     enable_sleep_mode: bool = True
     engine_kwargs: dict[str, Any] = attrs.field(factory=dict)
@@ -62,13 +64,13 @@ def engine_lora_options(lora: LoraConfig) -> dict[str, Any]:
 
 
 def validate_generation_config(config: RunConfig) -> None:
-    """An adapter refit's rank within what vLLM serves; a CPU KV cache size vLLM can read."""
-    space = (config.sections.get(SECTION) or VllmGenerationConfig()).kv_cache_space_gib
-    if space < 1 or space != int(space):
+    """An adapter refit's rank within what vLLM serves; a KV cache size above 0."""
+    kv_bytes = (config.sections.get(SECTION) or VllmGenerationConfig()).kv_cache_bytes
+    if kv_bytes is not None and kv_bytes < 1:
         raise ConfigError(
-            f"{SECTION}.kv_cache_space_gib is {space:g}: vLLM on CPU takes the KV cache size as a whole number of GiB "
-            f"(VLLM_CPU_KVCACHE_SPACE), at least 1; set it to {max(1, round(space))}."
-            f"{where_set(config, f'{SECTION}.kv_cache_space_gib')}"
+            f"{SECTION}.kv_cache_bytes is {kv_bytes}: the KV cache needs at least one byte; set a size in bytes, "
+            f"or leave it unset to size the cache to what the engine runs at once."
+            f"{where_set(config, f'{SECTION}.kv_cache_bytes')}"
         )
     lora = config.policy.lora
     if lora.enabled and lora.refit == "adapter" and lora.rank > MAX_LORA_RANKS[-1]:

@@ -20,7 +20,7 @@ def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> Worker
     CPU, ``cpus`` sets the engine's thread count).
 
     The actors' environment gets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-    ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_LOGGING_LEVEL`` (``ERROR``; ``INFO`` at
+    ``VLLM_LOGGING_LEVEL`` (``ERROR``; ``INFO`` at
     ``logger.level: debug``) and the quiet-library variables of :func:`posttrain.log.library_env`
     unless ``generation.resources.env_vars`` sets them; below debug vLLM draws no loading bar.
     With ``policy.lora.refit: adapter`` the engines start with LoRA on and load the adapters
@@ -36,7 +36,6 @@ def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> Worker
     engine_env = {
         **library_env(config.logger.level),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": f"{options.kv_cache_space_gib:g}",
         "VLLM_LOGGING_LEVEL": logging.getLevelName(engine_log_level),
     }
     return WorkerGroupGeneration(
@@ -55,6 +54,7 @@ def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> Worker
             max_model_len=max_model_len,
             enforce_eager=options.enforce_eager,
             gpu_memory_utilization=options.gpu_memory_utilization,
+            kv_cache_bytes=options.kv_cache_bytes,
             detokenize=options.detokenize if options.detokenize is not None else bool(gen.stop_strings),
             enable_sleep_mode=options.enable_sleep_mode and gen.colocated,
             log_level=engine_log_level,

@@ -18,6 +18,11 @@ actor's temporary folder, and loads it as adapter ``version + 1`` (:class:`Adapt
 every later generation uses it. Before the first refit the engine samples from the base
 model, which is what a LoRA policy is at step 0.
 
+KV cache: ``kv_cache_bytes`` when set; otherwise, on CPU, :func:`cpu_kv_cache_bytes` (room
+for the rows the engine runs at once, each of ``max_model_len`` tokens), and on GPU what
+``gpu_memory_utilization`` leaves. The actor's environment loses ``VLLM_CPU_KVCACHE_SPACE``,
+vLLM-CPU's fixed size in GiB, which would replace either.
+
 Colocation: with CUDA and ``enable_sleep_mode``, :meth:`sleep` frees the weights and KV
 cache (level 1) and :meth:`wake_up` restores them; a refit wakes the weights first. On
 CPU vLLM refuses sleep mode, so both are no-ops there.
@@ -26,6 +31,7 @@ CPU vLLM refuses sleep mode, so both are no-ops there.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from typing import Any
 
@@ -40,6 +46,13 @@ from posttrain_vllm.config import engine_lora_options
 
 #: Prompt tokens one CPU engine step may prefill (whole prompts; at least max_model_len).
 CPU_STEP_TOKENS = 8192
+#: Rows an engine runs at once unless ``engine_kwargs`` sets ``max_num_seqs``: vLLM's default
+#: for ``vllm.LLM`` on CPUs and GPUs below 70 GiB.
+DEFAULT_MAX_NUM_SEQS = 256
+#: Tokens per KV cache block on vLLM's CPU attention unless ``engine_kwargs`` sets ``block_size``.
+CPU_BLOCK_TOKENS = 128
+#: vLLM-CPU's KV cache size in GiB; when set it replaces ``kv_cache_memory_bytes``.
+KV_SPACE_VAR = "VLLM_CPU_KVCACHE_SPACE"
 
 
 class VllmEngineWorker(EngineWorker):
@@ -62,6 +75,7 @@ class VllmEngineWorker(EngineWorker):
         log_level: int,
         engine_kwargs: dict[str, Any],
         adapters: LoraConfig | None = None,
+        kv_cache_bytes: int | None = None,
     ):
         super().__init__()
         # vLLM is imported here, in the engine's process, never where this class is only
@@ -77,7 +91,10 @@ class VllmEngineWorker(EngineWorker):
 
         on_cuda = torch.cuda.is_available()
         if not on_cuda:
-            check_cpu_head_size(model_path)
+            shape = AttentionShape.of(model_path)
+            shape.check_cpu_head_size(model_path)
+            kv_cache_bytes = kv_cache_bytes or cpu_kv_cache_bytes(shape, dtype, max_model_len, engine_kwargs)
+            os.environ.pop(KV_SPACE_VAR, None)
         self.sleep_enabled = on_cuda and enable_sleep_mode
         self.detokenize = detokenize
         self.adapters = AdapterSlot(adapters, model_path) if adapters is not None else None
@@ -97,6 +114,7 @@ class VllmEngineWorker(EngineWorker):
             "max_model_len": max_model_len,
             "enforce_eager": enforce_eager,
             "gpu_memory_utilization": gpu_memory_utilization,
+            **({"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes is not None else {}),
             "skip_tokenizer_init": not detokenize,
             "logprobs_mode": "processed_logprobs",
             "worker_extension_cls": "posttrain_vllm.extension.RefitExtension",
@@ -156,6 +174,11 @@ class VllmEngineWorker(EngineWorker):
             logprobs = [step[token].logprob for token, step in zip(tokens, sample.logprobs, strict=True)]
             completions.append(Completion(tokens, logprobs, truncated=sample.finish_reason == "length"))
         return completions
+
+    def kv_cache_tokens(self) -> int:
+        """Tokens the engine's KV cache holds (its blocks times their size)."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        return cache.num_gpu_blocks * cache.block_size
 
     # ------------------------------------------------------------------ weights
 
@@ -240,16 +263,47 @@ class SkippedChatTemplateWarmup(logging.Filter):
         return True
 
 
-def check_cpu_head_size(model_path: str) -> None:
-    """Refuse, before the engine starts, a model whose head size vLLM's CPU attention lacks."""
-    from transformers import AutoConfig
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+@attrs.frozen
+class AttentionShape:
+    """What a model's KV cache holds per token: a key and a value of ``kv_heads x head_dim``
+    in each of ``layers`` layers (from its Hugging Face config)."""
 
-    config = AutoConfig.from_pretrained(model_path).get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    supported = CPUAttentionBackend.get_supported_head_sizes()
-    if head_dim not in supported:
-        raise ConfigError(
-            f"vLLM's CPU attention supports head sizes {supported}, but {model_path} has head_dim {head_dim} "
-            "(hidden_size / num_attention_heads); use generation.backend: hf, or a model with a supported head size"
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model_path: str) -> AttentionShape:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path).get_text_config()
+        heads = config.num_attention_heads
+        return cls(
+            layers=config.num_hidden_layers,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         )
+
+    def check_cpu_head_size(self, model_path: str) -> None:
+        """Refuse, before the engine starts, a model whose head size vLLM's CPU attention lacks."""
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+        if self.head_dim not in supported:
+            raise ConfigError(
+                f"vLLM's CPU attention supports head sizes {supported}, but {model_path} has head_dim {self.head_dim} "
+                "(hidden_size / num_attention_heads); use generation.backend: hf, or a model with a supported head size"
+            )
+
+
+def cpu_kv_cache_bytes(shape: AttentionShape, dtype: str, max_model_len: int, engine_kwargs: dict[str, Any]) -> int:
+    """The KV cache an engine on CPU needs to run its most rows at once without preempting
+    any: ``max_num_seqs`` rows (``engine_kwargs``, else :data:`DEFAULT_MAX_NUM_SEQS`) of
+    ``max_model_len`` tokens, rounded up to whole blocks (``engine_kwargs["block_size"]``,
+    else :data:`CPU_BLOCK_TOKENS`), at ``2 * layers * kv_heads * head_dim`` values of
+    ``dtype`` per token. E.g. the small benchmark model (8 layers, 4 KV heads of 64, float32,
+    128 tokens): 256 * 128 * 16 KiB = 512 MiB."""
+    rows = engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS
+    block = engine_kwargs.get("block_size") or CPU_BLOCK_TOKENS
+    tokens = -(-max_model_len // block) * block
+    return rows * tokens * 2 * shape.layers * shape.kv_heads * shape.head_dim * getattr(torch, dtype).itemsize
