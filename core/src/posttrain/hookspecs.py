@@ -37,12 +37,16 @@ hookspec = pluggy.HookspecMarker("posttrain")
 
 
 class PolicyBackendFactory(Protocol):
-    """``factory(config, cluster, name=...)``: start a policy backend's workers on ``cluster``
-    for the model ``config.policy`` describes, as the worker group ``name`` (its placement
-    group; ``"policy"`` for the run's policy, another name for a second model of the run, e.g.
-    a critic or a teacher), and return its :class:`~posttrain.interfaces.Policy`."""
+    """``factory(config, cluster, name=..., reference=...)``: start a policy backend's workers on
+    ``cluster`` for the model ``config.policy`` describes, as the worker group ``name`` (its
+    placement group; ``"policy"`` for the run's policy, another name for a second model of the
+    run, e.g. a critic or a teacher), and return its :class:`~posttrain.interfaces.Policy`.
+    ``reference`` False: the run never asks for reference logprobs, so the backend need not
+    keep the initial weights for them (asking then raises)."""
 
-    def __call__(self, config: RunConfig, cluster: VirtualCluster, /, *, name: str = "policy") -> Policy: ...
+    def __call__(
+        self, config: RunConfig, cluster: VirtualCluster, /, *, name: str = "policy", reference: bool = True
+    ) -> Policy: ...
 
 
 class GenerationBackendFactory(Protocol):

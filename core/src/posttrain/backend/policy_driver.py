@@ -36,7 +36,7 @@ from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
 from posttrain.config.validate import where_set
 from posttrain.distributed import WorkerGroup
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, PluginError
 from posttrain.interfaces.data_plane import PlaneSamples
 from posttrain.interfaces.generation import RefitStats, WeightEndpoint
 from posttrain.interfaces.loss import LossFunction, combine_metrics
@@ -55,7 +55,8 @@ class ShardedPolicy(Policy):
     ``dp_rank_of[r]`` is the data-parallel rank of worker ``r`` (it receives that rank's
     work); ``result_ranks[d]`` is the worker whose pass results stand for data-parallel
     rank ``d`` (the others return the same values, or None where only some ranks hold
-    them, e.g. pipeline stages before the last).
+    them, e.g. pipeline stages before the last). ``reference`` False: the workers keep no
+    initial weights (the factory's ``reference``), and a reference pass is refused.
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class ShardedPolicy(Policy):
         group: WorkerGroup[PolicyWorker],
         dp_rank_of: Sequence[int],
         result_ranks: Sequence[int],
+        reference: bool = True,
     ):
         head, inputs = config.policy.head, group.worker_cls.loss_inputs
         built = [name for name, needs in HEAD_INPUTS.items() if needs in inputs]
@@ -78,6 +80,7 @@ class ShardedPolicy(Policy):
         self.dp_rank_of = list(dp_rank_of)
         self.result_ranks = list(result_ranks)
         self.dp_size = len(self.result_ranks)
+        self.reference = reference
         self._weight_endpoint: tuple[WeightEndpoint, int] | None = None  # what the ranks are connected to
 
     # ------------------------------------------------------------------ passes
@@ -120,12 +123,21 @@ class ShardedPolicy(Policy):
             raise ConfigError(f"{what} needs policy.head '{head}'; this {self.config.policy.backend} policy was built "
                               f"with policy.head '{self.config.policy.head}'")
 
+    def _require_reference(self) -> None:
+        if not self.reference:
+            raise PluginError(
+                f"reference logprobs were asked of the worker group '{self.group.name}', which was built without "
+                "reference weights (its factory's reference=False, from RunContext.build_policy(reference=False)); "
+                "build it with reference=True to compute them"
+            )
+
     def get_logprobs(self, batch: Batch) -> Batch:
         self._require_head("lm", "get_logprobs")
         return self._inference_pass(PolicyWorker.logprobs, batch, False)
 
     def get_reference_policy_logprobs(self, batch: Batch) -> Batch:
         self._require_head("lm", "get_reference_policy_logprobs")
+        self._require_reference()
         return self._inference_pass(PolicyWorker.logprobs, batch, True)
 
     def get_topk_logits(self, batch: Batch, k: int) -> Batch:
@@ -138,6 +150,8 @@ class ShardedPolicy(Policy):
 
     def logprobs_into(self, samples: PlaneSamples, field: str, *, reference: bool = False) -> None:
         self._require_head("lm", "logprobs")
+        if reference:
+            self._require_reference()
         if samples.plane.worker_handle() is None:
             return super().logprobs_into(samples, field, reference=reference)
         source = "reference_logprobs" if reference else "logprobs"

@@ -124,7 +124,12 @@ class RunContext:
         check_shared_storage(folders)
 
     def build_policy(
-        self, *, schedule_steps: int | None = None, policy: PolicyConfig | None = None, name: str = "policy"
+        self,
+        *,
+        schedule_steps: int | None = None,
+        policy: PolicyConfig | None = None,
+        name: str = "policy",
+        reference: bool = True,
     ) -> Policy:
         """The ``policy.backend`` policy, its workers started on :attr:`cluster`.
 
@@ -136,14 +141,16 @@ class RunContext:
         ``head="value"`` for an algorithm that trains a reward model. A second model of the
         run (a critic, a teacher) is built under another worker-group ``name``; the backend
         checks its section as a policy of its own (the config it gets names no algorithm: the
-        algorithm's batch rules are about the run's policy)."""
+        algorithm's batch rules are about the run's policy). ``reference`` False: the run never
+        asks this model for reference logprobs, and its workers keep no copy of the initial
+        weights for them."""
         self.stop.check_startup()
         config = self.config if policy is None else attrs.evolve(self.config, policy=policy)
         if name != "policy":
             config = attrs.evolve(config, algorithm=None)
         config = config if schedule_steps is None else config.with_schedule_horizon(schedule_steps)
         factory: PolicyBackendFactory = self.host.policy_backends[config.policy.backend]
-        return factory(config, self.cluster, name=name)
+        return factory(config, self.cluster, name=name, reference=reference)
 
     def build_generation(self, generation: GenerationConfig | None = None) -> Generation:
         """The ``generation.backend`` generation backend, its engines started on :attr:`cluster`;

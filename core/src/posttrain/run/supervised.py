@@ -62,6 +62,11 @@ class SupervisedAlgorithm(Algorithm):
         section; by default nothing is added)."""
         return samples
 
+    def uses_reference(self, options: Any) -> bool:
+        """Whether :meth:`prepare_batch` asks the policy for reference logprobs (by default
+        not: the policy then keeps no copy of the initial weights)."""
+        return False
+
     def run(self, context: RunContext) -> dict[str, Any]:
         return SupervisedRun(self, context).fit()
 
@@ -124,7 +129,8 @@ class SupervisedRun(LoopSteps):
             context.start_cluster()
             startup = context.startup(cleanup)
             policy = startup.start("policy", lambda: context.build_policy(
-                schedule_steps=self.plan.schedule_steps, policy=self.algorithm.policy_config(context.config)
+                schedule_steps=self.plan.schedule_steps, policy=self.algorithm.policy_config(context.config),
+                reference=self.algorithm.uses_reference(self.options),
             ))
             plane = startup.start("data_plane", context.build_data_plane)
             startup.wait()

@@ -134,6 +134,34 @@ def test_reference_logprobs_stay_those_of_the_initial_weights(policy, setup, dt)
     torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], after, rtol=0, atol=0)
 
 
+def test_a_policy_built_without_reference_keeps_no_initial_weights(policy, setup, dt, tiny_model_path, virtual_cluster):
+    """reference=False (a run that never asks for reference logprobs): the worker holds no
+    copy of the initial weights, the policy computes the same logprobs, and a reference pass
+    is refused naming the worker group and the fix."""
+    import ray
+
+    from posttrain.errors import PluginError
+
+    def reference_tensors(p):
+        return ray.get(p.group.actors[0].__ray_call__.remote(lambda worker: len(worker._reference)))
+
+    config = dt.policy_config(tiny_model_path)
+    lean = plugin_host().policy_backends["dtensor"](config, virtual_cluster, name="policy-lean", reference=False)
+    try:
+        assert reference_tensors(policy) == len(setup["initial_weights"]) > 0
+        assert reference_tensors(lean) == 0
+        batch = setup["batch"]
+        torch.testing.assert_close(lean.get_logprobs(batch)["logprobs"], policy.get_logprobs(batch)["logprobs"],
+                                   rtol=0, atol=0)
+        with pytest.raises(PluginError, match=(
+            r"^reference logprobs were asked of the worker group 'policy-lean', which was built without reference "
+            r"weights \(its factory's reference=False, from RunContext\.build_policy\(reference=False\)\); build it "
+            r"with reference=True to compute them$")):
+            lean.get_reference_policy_logprobs(batch)
+    finally:
+        lean.shutdown()
+
+
 def test_eval_mode_reports_the_loss_without_stepping(policy, setup, dt):
     metrics = policy.train(setup["batch"], dt.nll, eval_mode=True)
     assert metrics["loss"] == pytest.approx(setup["ref_loss"], abs=1e-6)

@@ -20,12 +20,14 @@ if TYPE_CHECKING:
 BACKEND = "torch"
 
 
-def build_torch_policy(config: RunConfig, cluster: VirtualCluster, *, name: str = "policy") -> Policy:
+def build_torch_policy(
+    config: RunConfig, cluster: VirtualCluster, *, name: str = "policy", reference: bool = True
+) -> Policy:
     """The factory posttrain calls for ``policy.backend: torch``: one worker (the worker
-    group ``name``), driven by the kit."""
+    group ``name``), driven by the kit; with ``reference`` False it keeps no initial weights."""
     from posttrain_policy_torch.worker import start_policy
 
-    return start_policy(config, cluster, name=name)
+    return start_policy(config, cluster, name=name, reference=reference)
 
 
 @hookimpl

@@ -38,13 +38,14 @@ from posttrain.interfaces.loss import LossFunction, combine_metrics, global_vali
 CHECKPOINT_FILE = "policy.pt"
 
 
-def start_policy(config: RunConfig, cluster: VirtualCluster, name: str = "policy") -> ShardedPolicy:
+def start_policy(config: RunConfig, cluster: VirtualCluster, name: str = "policy", reference: bool = True) -> ShardedPolicy:
     """One worker on ``cluster`` (``policy.resources``), the worker group ``name``; it is
     data-parallel rank 0 and its results stand for the whole batch."""
     group = WorkerGroup(
-        cluster, TorchPolicyWorker, name=name, num_workers=1, resources=config.policy.resources, args=(config,)
+        cluster, TorchPolicyWorker, name=name, num_workers=1, resources=config.policy.resources,
+        args=(config, reference),
     )
-    return ShardedPolicy(config, group, dp_rank_of=[0], result_ranks=[0])
+    return ShardedPolicy(config, group, dp_rank_of=[0], result_ranks=[0], reference=reference)
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -59,7 +60,7 @@ class TorchPolicyWorker(PolicyWorker):
     """The only rank: the whole model, its optimizer and schedule, on one device (the GPU
     Ray gives the actor when ``policy.resources.gpus`` > 0, else the CPU)."""
 
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: RunConfig, reference: bool = True):
         super().__init__()
         from transformers import AutoModelForCausalLM
 
@@ -68,7 +69,8 @@ class TorchPolicyWorker(PolicyWorker):
         use_gpu = self.policy.resources.gpus > 0 and torch.cuda.is_available()
         self.device = torch.device("cuda" if use_gpu else "cpu")
         self.model = AutoModelForCausalLM.from_pretrained(self.policy.model, dtype=torch.float32).to(self.device)
-        self.reference = {name: t.detach().to("cpu", copy=True) for name, t in self.model.state_dict().items()}
+        # the initial weights, for reference logprobs (none when the run asks for none)
+        self.reference = {name: t.detach().to("cpu", copy=True) for name, t in self.model.state_dict().items()} if reference else {}
         self.optimizer = build_optimizer(self.model.parameters(), self.policy.optimizer)
         self.scheduler = build_scheduler(self.optimizer, self.policy.scheduler)
 

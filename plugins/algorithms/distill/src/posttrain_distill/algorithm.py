@@ -119,8 +119,8 @@ class DistillRun(LoopSteps):
             "environments", lambda: ctx.build_environments(self.environment_names, plugins=self.environment_plugins),
             shutdown_environments,
         )
-        student = startup.start("policy", lambda: ctx.build_policy(schedule_steps=self.plan.schedule_steps))
-        teacher = startup.start("teacher", lambda: ctx.build_policy(policy=self.options.teacher, name="teacher"))
+        student = startup.start("policy", lambda: ctx.build_policy(schedule_steps=self.plan.schedule_steps, reference=False))
+        teacher = startup.start("teacher", lambda: ctx.build_policy(policy=self.options.teacher, name="teacher", reference=False))
         generation = startup.start("generation", ctx.build_generation)
         plane = startup.start("data_plane", ctx.build_data_plane)
         startup.wait()

@@ -25,6 +25,9 @@ class DPO(SupervisedAlgorithm):
     data_kind = "preference"
     rows_per_example = 2
 
+    def uses_reference(self, options: DPOConfig) -> bool:
+        return not options.reference_free
+
     def prepare_batch(self, policy: Policy, samples: PlaneSamples, options: DPOConfig) -> PlaneSamples:
         if options.reference_free:
             return samples

@@ -108,7 +108,7 @@ def checkpoint_step(folder: str, config: Any) -> int:
 def load_checkpoint_weights(context: RunContext, generation: Generation, folder: str, step: int) -> None:
     """Send the policy weights of checkpoint ``folder`` to ``generation``'s engines: the policy
     backend loads them (its workers exist only for this) and refits the engines, then stops."""
-    policy = context.build_policy(schedule_steps=1)
+    policy = context.build_policy(schedule_steps=1, reference=False)
     try:
         policy.load_checkpoint(str(Path(folder) / POLICY_DIR))
         refit(policy, generation, context.config.generation.refit_bucket_bytes, version=step)

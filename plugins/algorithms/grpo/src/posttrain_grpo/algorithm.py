@@ -210,7 +210,9 @@ class GRPORun(LoopSteps):
             ctx.log.info("asynchronous GRPO on CPUs: idle OpenMP threads of the policy and the engines sleep",
                          OMP_WAIT_POLICY="PASSIVE", unless_set_in="policy|generation.resources.env_vars")
         policy = startup.start(
-            "policy", lambda: ctx.build_policy(schedule_steps=self.plan.schedule_steps, policy=policy_section)
+            "policy", lambda: ctx.build_policy(
+                schedule_steps=self.plan.schedule_steps, policy=policy_section, reference=self.needs_reference
+            )
         )
         generation = startup.start("generation", lambda: ctx.build_generation(generation_section))
         plane = startup.start("data_plane", lambda: SharedPlane(ctx.build_data_plane()))

@@ -94,7 +94,9 @@ class PPORun(GRPORun):
         super().start_services(cleanup)
         section = self.ppo.critic
         critic = attrs.evolve(section, head="value", model=section.model or self.config.policy.model)
-        self.critic = self.ctx.build_policy(schedule_steps=self.critic_schedule_steps, policy=critic, name="critic")
+        self.critic = self.ctx.build_policy(
+            schedule_steps=self.critic_schedule_steps, policy=critic, name="critic", reference=False
+        )
         cleanup.callback(self.critic.shutdown)
 
     def training_state(self) -> TrainingState:

@@ -14,11 +14,11 @@ if TYPE_CHECKING:
     from posttrain.interfaces import Policy
 
 
-def make_policy(config: RunConfig, cluster: VirtualCluster, *, name: str = "policy") -> Policy:
+def make_policy(config: RunConfig, cluster: VirtualCluster, *, name: str = "policy", reference: bool = True) -> Policy:
     """Factory of the ``dtensor`` backend: start the worker group ``name`` and load the model."""
     from posttrain_dtensor.policy import DTensorPolicy
 
-    return DTensorPolicy(config, cluster, name=name)
+    return DTensorPolicy(config, cluster, name=name, reference=reference)
 
 
 @hookimpl

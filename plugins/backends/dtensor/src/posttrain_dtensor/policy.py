@@ -19,7 +19,7 @@ from posttrain_dtensor.worker import DTensorPolicyWorker
 class DTensorPolicy(ShardedPolicy):
     """A :class:`~posttrain.interfaces.Policy` trained with FSDP2 / tensor parallel."""
 
-    def __init__(self, config: RunConfig, cluster: VirtualCluster, *, name: str = "policy"):
+    def __init__(self, config: RunConfig, cluster: VirtualCluster, *, name: str = "policy", reference: bool = True):
         validate_config(config)  # what a run checks, for policies built directly from a RunConfig
         options = config.sections.get(SECTION) or DTensorConfig()
         p = config.policy
@@ -27,8 +27,8 @@ class DTensorPolicy(ShardedPolicy):
         group = WorkerGroup(
             cluster, DTensorPolicyWorker, name=name, num_workers=p.num_workers, resources=p.resources,
             ranks_per_bundle=tp,  # a tensor-parallel group (consecutive ranks) on one node
-            args=(config, options),
+            args=(config, options, reference),
         )
         super().__init__(config, group, dp_rank_of=[r // tp for r in range(p.num_workers)],
-                         result_ranks=list(range(0, p.num_workers, tp)))
+                         result_ranks=list(range(0, p.num_workers, tp)), reference=reference)
         self.tp_size = tp

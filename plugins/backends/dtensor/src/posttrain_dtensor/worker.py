@@ -93,7 +93,7 @@ class DTensorPolicyWorker(PolicyWorker):
 
     loss_inputs = ("logprobs", "topk_logprobs", "values")
 
-    def __init__(self, config: RunConfig, options: DTensorConfig):
+    def __init__(self, config: RunConfig, options: DTensorConfig, reference: bool = True):
         super().__init__()
         policy = config.policy
         self.config = config
@@ -117,8 +117,9 @@ class DTensorPolicyWorker(PolicyWorker):
         self.scheduler = build_scheduler(self.optimizer, policy.scheduler)
         self.step = 0
         # The frozen reference: the base model with its adapters off under LoRA; otherwise
-        # this rank's shards of the initial weights, on CPU.
-        self._reference = {} if self.adapter_scales else {
+        # this rank's shards of the initial weights, on CPU (none when the run asks for no
+        # reference logprobs: ``reference`` False).
+        self._reference = {} if self.adapter_scales or not reference else {
             name: _local(p).detach().to("cpu", self.compute_dtype, copy=True) for name, p in self.model.named_parameters()
         }
         self.synced = self._synced_view()

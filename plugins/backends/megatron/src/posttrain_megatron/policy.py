@@ -21,13 +21,13 @@ class MegatronPolicy(ShardedPolicy):
     """A :class:`~posttrain.interfaces.Policy` trained with megatron-core: tensor, pipeline,
     context and data parallel, sequence parallel, the distributed optimizer."""
 
-    def __init__(self, config: RunConfig, cluster: VirtualCluster, *, name: str = "policy"):
+    def __init__(self, config: RunConfig, cluster: VirtualCluster, *, name: str = "policy", reference: bool = True):
         validate_config(config)  # what a run checks, for policies built directly from a RunConfig
         p = config.policy
         group = WorkerGroup(
             cluster, MegatronPolicyWorker, name=name, num_workers=p.num_workers, resources=p.resources,
             ranks_per_bundle=p.tensor_parallel_size,  # a tensor-parallel group (consecutive ranks) on one node
-            args=(config, options_of(config)),
+            args=(config, options_of(config), reference),
         )
         try:
             coordinates = group.run_all(MegatronPolicyWorker.coordinates)
@@ -36,5 +36,5 @@ class MegatronPolicy(ShardedPolicy):
             raise
         holders = sorted((c["dp"], rank) for rank, c in enumerate(coordinates) if c["holds_results"])
         super().__init__(config, group, dp_rank_of=[c["dp"] for c in coordinates],
-                         result_ranks=[rank for _, rank in holders])
+                         result_ranks=[rank for _, rank in holders], reference=reference)
         self.coordinates = coordinates

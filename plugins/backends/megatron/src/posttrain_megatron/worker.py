@@ -66,8 +66,9 @@ class MegatronPolicyWorker(PolicyWorker):
     """One rank. Public methods are called by the driver through the worker group; passes,
     checkpoints and weight gathering are collectives: every rank is called."""
 
-    def __init__(self, config: RunConfig, options: MegatronConfig):
+    def __init__(self, config: RunConfig, options: MegatronConfig, reference: bool = True):
         super().__init__()
+        self._keeps_reference = reference
         cpu_compat.apply()
         adam_fallback.apply()
         with cpu_compat.cuda_as_cpu():
@@ -132,8 +133,11 @@ class MegatronPolicyWorker(PolicyWorker):
         )
         adam_fallback.create_state(self.optimizer)
         self.step = 0
-        # The frozen reference: this rank's slices of the initial weights, on CPU.
-        self._reference = {name: p.detach().to("cpu", copy=True) for name, p in named_parameters(self.model)}
+        # The frozen reference: this rank's slices of the initial weights, on CPU (none when
+        # the run asks for no reference logprobs).
+        self._reference = {
+            name: p.detach().to("cpu", copy=True) for name, p in named_parameters(self.model)
+        } if self._keeps_reference else {}
         self.holds_results = (
             parallel_state.is_pipeline_last_stage()
             and parallel_state.get_tensor_model_parallel_rank() == 0
