@@ -93,6 +93,8 @@ def test_launch_slurm_writes_the_script_and_submits_it_with_sbatch(capsys, tmp_p
     sbatch.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/submitted\necho "Submitted batch job 7"\n')
     sbatch.chmod(sbatch.stat().st_mode | stat.S_IEXEC)
     script = tmp_path / "grpo.sbatch"
+    monkeypatch.chdir(tmp_path)  # where the job starts, and where its config is checked first
+    (tmp_path / "sft.yaml").write_text("policy:\n  model: /shared/models/tiny\n")
     argv = ["launch", "slurm", "--nodes", "3", "--script", str(script), "--",
             "posttrain", "run", "sft", "--config", "sft.yaml"]
 
@@ -109,6 +111,31 @@ def test_launch_slurm_writes_the_script_and_submits_it_with_sbatch(capsys, tmp_p
     assert (tmp_path / "submitted").read_text() == f"{script}\n"
     assert script.read_text().endswith("posttrain run sft --config sft.yaml \\\n  cluster.num_nodes=3\n")
     assert "#SBATCH --nodes=3" in script.read_text()
+
+
+def test_launch_slurm_checks_the_run_config_before_writing_anything(capsys, tmp_path, monkeypatch):
+    """A mistake the run would refuse (here a negative learning rate, then an unknown
+    algorithm) fails the launch at once, naming the key and where it was set; --no-check
+    writes the script anyway."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sft.yaml").write_text("policy:\n  model: /shared/models/tiny\n  optimizer:\n    lr: -0.001\n")
+    script = tmp_path / "sft.sbatch"
+    argv = ["launch", "slurm", "--nodes", "2", "--script", str(script), "--",
+            "posttrain", "run", "sft", "--config", "sft.yaml"]
+    code, out, err = launch(argv, capsys)
+    assert (code, out) == (2, "")
+    assert err == (
+        f"error: posttrain launch slurm: nothing was written or submitted: the run's config, loaded here ({tmp_path}) "
+        "as the job will load it, is refused (--no-check skips this check): policy.optimizer.lr: expected a learning "
+        "rate >= 0, e.g. 1e-05, found -0.001. Where set: policy.optimizer.lr at sft.yaml:4.\n"
+    )
+    assert not script.exists()
+    code, _, err = launch([*argv[:-5], "posttrain", "run", "stf", "--config", "sft.yaml"], capsys)
+    assert code == 2 and "is refused (--no-check skips this check): unknown algorithm 'stf'" in err
+    assert err.endswith("Did you mean 'sft'?\n")
+
+    code, out, _ = launch(["launch", "slurm", "--nodes", "2", "--dry-run", "--no-check", *argv[6:]], capsys)
+    assert code == 0 and out.endswith("posttrain run sft --config sft.yaml \\\n  cluster.num_nodes=2\n")
 
 
 def test_ranks_are_ordered_by_node_and_share_bundles_in_groups():

@@ -164,6 +164,31 @@ def _terminate_as_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``argv`` parsed by ``parser`` (:func:`_parser`'s), as the command line reads it; a
+    mistake exits 2 with the usage."""
+    args, extra = parser.parse_known_args(argv)
+    # argparse leaves positionals that follow an option (`run sft --config f a=1`) unparsed:
+    # take such key=value words as overrides, in order.
+    if extra and hasattr(args, "overrides") and all("=" in word and not word.startswith("-") for word in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def check_run_config(words: Sequence[str]) -> None:
+    """Load the config of ``posttrain run WORDS...`` (``words`` start at ``run``) in this
+    directory, as the run will load it: its algorithm, keys, values and plugin options are
+    checked (files and the cluster are checked when it runs). Raises what the run would."""
+    from posttrain.config import load_config
+    from posttrain.plugins import plugin_host
+
+    args = parse_arguments(_parser(), words)
+    plugin_host().algorithms[args.algorithm]  # an unknown name is refused as `posttrain run` refuses it
+    load_config(args.config, [*args.overrides, f"algorithm={args.algorithm}"])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -175,13 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PosttrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    args, extra = parser.parse_known_args(argv)
-    # argparse leaves positionals that follow an option (`run sft --config f a=1`) unparsed:
-    # take such key=value words as overrides, in order.
-    if extra and hasattr(args, "overrides") and all("=" in word and not word.startswith("-") for word in extra):
-        args.overrides = [*args.overrides, *extra]
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args = parse_arguments(parser, argv)
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:
         return args.func(args)

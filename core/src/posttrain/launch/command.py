@@ -1,8 +1,9 @@
 """``posttrain launch``: the command line of the launchers.
 
     posttrain launch slurm --nodes N [options] [--dry-run] -- posttrain run ALGORITHM --config FILE ...
-                              write the sbatch script and submit it with sbatch
-                              (--dry-run: print the script instead)
+                              check the run's config here, write the sbatch script and
+                              submit it with sbatch (--dry-run: print the script instead;
+                              --no-check: skip the check)
     posttrain launch kuberay --nodes N --image IMAGE --cpus-per-node C --memory-per-node M [options]
                               -- posttrain run ...
                               print a KubeRay RayJob manifest (apply it with kubectl)
@@ -23,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from posttrain.errors import ClusterError, ConfigError
+from posttrain.errors import ClusterError, ConfigError, PosttrainError
 from posttrain.launch.kuberay import RayJobSpec, rayjob_manifest
 from posttrain.launch.slurm import SlurmJob, sbatch_script
 
@@ -48,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seconds to wait for every node to join (default: 600)")
     slurm.add_argument("--script", type=Path, help="where to write the script (default: ./JOB_NAME.sbatch)")
     slurm.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    slurm.add_argument("--no-check", action="store_true",
+                       help="do not load the run's config here first (e.g. when a --setup line changes directory)")
     slurm.set_defaults(func=_cmd_slurm)
 
     kuberay = sub.add_parser("kuberay", help="print a KubeRay RayJob manifest that runs the command")
@@ -106,9 +109,26 @@ def env_pairs(items: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def check_in_launch_directory(command: tuple[str, ...]) -> None:
+    """Load the run's config in this directory, where the Slurm job starts, so that a mistake
+    in it fails now rather than once the job left the queue (:func:`posttrain.cli.check_run_config`)."""
+    from posttrain.cli import check_run_config
+
+    try:
+        check_run_config(command[1:])
+    except PosttrainError as error:
+        raise ConfigError(
+            f"posttrain launch slurm: nothing was written or submitted: the run's config, loaded here "
+            f"({Path.cwd()}) as the job will load it, is refused (--no-check skips this check): {error}"
+        ) from None
+
+
 def _cmd_slurm(args: argparse.Namespace) -> int:
+    command = run_command(args.run_words, args.nodes)
+    if not args.no_check:
+        check_in_launch_directory(command)
     job = SlurmJob(
-        nodes=args.nodes, command=run_command(args.run_words, args.nodes), job_name=args.job_name,
+        nodes=args.nodes, command=command, job_name=args.job_name,
         gpus_per_node=args.gpus_per_node, cpus_per_node=args.cpus_per_node, partition=args.partition,
         account=args.account, time_limit=args.time_limit, output=args.output, setup=tuple(args.setup),
         env=env_pairs(args.env), port=args.port, node_wait_s=args.node_wait_s,
