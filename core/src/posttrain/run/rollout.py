@@ -42,6 +42,7 @@ come from different versions when weights change between turns).
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -91,7 +92,9 @@ def run_rollout(
     ``rollout/truncation_rate``,
     ``rollout/mean_reward``, ``rollout/mean_sequence_length``, and per environment
     ``env/<name>/<metric>`` from its ``metrics()`` plus ``env/<name>/errors`` and
-    ``env/<name>/timeouts`` (samples lost to failures, see :mod:`posttrain.run.environments`).
+    ``env/<name>/timeouts`` (samples lost to failures, see :mod:`posttrain.run.environments`);
+    ``timing/generation`` and ``timing/environment``: seconds spent in ``generate`` calls and in
+    environment steps, over every turn (the rest of a rollout's time is the driver's own work).
     """
     if max_turns < 1:
         raise ConfigError(f"max_turns must be at least 1, got {max_turns}")
@@ -100,19 +103,24 @@ def run_rollout(
     errors: dict[str, int] = defaultdict(int)
     timeouts: dict[str, int] = defaultdict(int)
     versions_known = True
+    seconds = {"generation": 0.0, "environment": 0.0}
 
     for turn in range(1, max_turns + 1):
         active = [c for c in conversations if not c.done]
         if not active:
             break
+        began = time.perf_counter()
         outputs = generation.generate(generation_batch(active, chat.pad_token_id), greedy=greedy)
+        seconds["generation"] += time.perf_counter() - began
         versions_known = versions_known and "weight_versions" in outputs
         for row, conversation in enumerate(active):
             conversation.add_assistant_turn(outputs, row, chat, max_total_length)
 
         for task, indices in _by_task(active).items():
             group = [active[i] for i in indices]
+            began = time.perf_counter()
             step = step_contained(task, environments[task], [c.messages for c in group], [c.metadata for c in group])
+            seconds["environment"] += time.perf_counter() - began
             errors[task] += step.errors
             timeouts[task] += step.timeouts
             for k, conversation in enumerate(group):
@@ -126,6 +134,7 @@ def run_rollout(
         metrics.update({f"env/{task}/{name}": value for name, value in env_metrics.items()})
         metrics[f"env/{task}/errors"] = float(errors[task])
         metrics[f"env/{task}/timeouts"] = float(timeouts[task])
+    metrics.update({f"timing/{stage}": value for stage, value in seconds.items()})
     return batch, metrics
 
 

@@ -134,15 +134,15 @@ class StageTimer:
 
 def rollout_summary(rollouts: Sequence[tuple[Batch, Mapping[str, float]]]) -> dict[str, float]:
     """The step's rollout metrics over every rollout it ran (one, or several with dynamic
-    sampling): counts (``.../errors``, ``.../timeouts``, ``rollout/generated_tokens``) are
-    summed, other metrics averaged weighted by each rollout's samples; ``reward`` is the mean
+    sampling): counts (``.../errors``, ``.../timeouts``, ``rollout/generated_tokens``) and
+    seconds (``timing/...``) are summed, other metrics averaged weighted by each rollout's samples; ``reward`` is the mean
     environment reward over every generated sample."""
     sizes = [len(batch) for batch, _ in rollouts]
     total = sum(sizes)
     out: dict[str, float] = {}
     for name in dict.fromkeys(n for _, metrics in rollouts for n in metrics):
         present = [(size, metrics[name]) for size, (_, metrics) in zip(sizes, rollouts, strict=True) if name in metrics]
-        if name.endswith(_COUNT_SUFFIXES):
+        if name.endswith(_COUNT_SUFFIXES) or name.startswith("timing/"):
             out[name] = float(sum(value for _, value in present))
         else:
             out[name] = sum(size * value for size, value in present) / sum(size for size, _ in present)
