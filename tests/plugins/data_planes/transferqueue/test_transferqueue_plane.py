@@ -132,8 +132,15 @@ def test_start_fails_naming_what_it_asked_for_instead_of_hanging(ray_cluster: An
     if controller_running():
         pytest.skip("a TransferQueue controller already runs in this Ray cluster; this test must start one")
     total = ray.cluster_resources()["CPU"]
-    with pytest.raises(ConfigError, match=rf"needs 10 Ray CPUs .* whole Ray cluster has {total:g}\b"):
+    with pytest.raises(ConfigError, match=rf"needs 10 Ray CPUs .* whole Ray cluster has {total:g}\. Lower "
+                                          r"data_plane\.transferqueue\.num_storage_units or start Ray with more logical CPUs "
+                                          r"\(cluster\.num_cpus\)\.$"):
         TransferQueueDataPlane(TransferQueueConfig(num_storage_units=9), "never")
+    # a run that joined a cluster cannot size it: cluster.num_cpus is not the fix there
+    with pytest.raises(ConfigError, match=r"Lower data_plane\.transferqueue\.num_storage_units or add nodes with more CPUs to the "
+                                          r"Ray cluster at 10\.0\.0\.1:6379 \(cluster\.num_cpus only sizes a cluster "
+                                          r"the run starts itself\)\.$"):
+        TransferQueueDataPlane(TransferQueueConfig(num_storage_units=9), "never", joined="10.0.0.1:6379")
 
     holder = placement_group([{"CPU": total - 1}])  # leave 1 CPU: the controller fits, the storage unit waits
     ray.get(holder.ready(), timeout=120)

@@ -48,17 +48,18 @@ class TransferQueueDataPlane(DataPlane):
     one (a Ray worker creating a plane with the driver's ``namespace`` and
     ``exclusive=False`` reads the driver's partitions). ``exclusive`` marks the namespace's
     only writer (the run's driver): it clears the namespace's leftover partitions when
-    created, and its own partitions at :meth:`shutdown`.
+    created, and its own partitions at :meth:`shutdown`. ``joined``: the address of the Ray
+    cluster the run joined, None when it started Ray (for what a failed start suggests).
     """
 
-    def __init__(self, options: TransferQueueConfig, namespace: str, *, exclusive: bool = True):
+    def __init__(self, options: TransferQueueConfig, namespace: str, *, exclusive: bool = True, joined: str | None = None):
         import transfer_queue as tq
 
         self.options = options
         self.namespace = namespace
         self.exclusive = exclusive
         self._prefix = f"{namespace}:"
-        self._started = runtime.connect(options)
+        self._started = runtime.connect(options, joined)
         self._client = tq.get_client()
         # partition -> field -> kind: TransferQueue fixes a field's dtype within a partition.
         self._kinds: dict[str, dict[str, str]] = {}

@@ -16,11 +16,13 @@ def create_transferqueue_plane(config: RunConfig) -> Any:
     attaches to TransferQueue, and clears partitions an earlier crashed process of this run
     left behind."""
     from posttrain.distributed import init_ray
+    from posttrain.distributed.cluster import joined_address
     from posttrain_transferqueue.plane import TransferQueueDataPlane, run_namespace
 
     init_ray(config.cluster)
     options = config.sections.get(SECTION) or TransferQueueConfig()
-    return TransferQueueDataPlane(options, options.namespace or run_namespace(config.run_dir), exclusive=True)
+    namespace = options.namespace or run_namespace(config.run_dir)
+    return TransferQueueDataPlane(options, namespace, exclusive=True, joined=joined_address(config.cluster))
 
 
 @hookimpl

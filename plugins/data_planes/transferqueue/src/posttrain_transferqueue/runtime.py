@@ -56,14 +56,15 @@ def controller_running() -> bool:
     return True
 
 
-def connect(options: TransferQueueConfig) -> bool:
+def connect(options: TransferQueueConfig, joined: str | None = None) -> bool:
     """Attach this process to TransferQueue, starting it when no controller runs.
 
     Ray must already be initialised. Returns True when this call started TransferQueue
     (this process then owns its actors; :func:`stop` ends them). Raises
     :class:`ConfigError` when the cluster can never hold the actors and
     :class:`WorkerError` when starting or attaching takes longer than
-    ``options.init_timeout_s``.
+    ``options.init_timeout_s``. ``joined``: the address of the Ray cluster the run joined
+    (None: the run started Ray), for what the errors suggest.
     """
     import transfer_queue as tq
     from transfer_queue import interface as tq_state
@@ -76,7 +77,7 @@ def connect(options: TransferQueueConfig) -> bool:
     owned_before = tq_state._TQ_STORAGE is not None
     starting = not controller_running()
     if starting:
-        _check_cluster_can_hold(options)
+        _check_cluster_can_hold(options, joined)
     failure: list[BaseException] = []
 
     def init() -> None:
@@ -89,7 +90,7 @@ def connect(options: TransferQueueConfig) -> bool:
     thread.start()
     thread.join(options.init_timeout_s)
     if thread.is_alive():
-        message = _timeout_message(options, starting)
+        message = _timeout_message(options, starting, joined)
         if starting:
             _abandon_start(options, thread)
         raise WorkerError(message)
@@ -108,18 +109,25 @@ def stop() -> None:
     tq.close()
 
 
-def _check_cluster_can_hold(options: TransferQueueConfig) -> None:
+def _more_cpus(joined: str | None) -> str:
+    """How to get more Ray CPUs: ``cluster.num_cpus`` sizes only a cluster the run starts."""
+    if joined is None:
+        return "start Ray with more logical CPUs (cluster.num_cpus)"
+    return f"add nodes with more CPUs to the Ray cluster at {joined} (cluster.num_cpus only sizes a cluster the run starts itself)"
+
+
+def _check_cluster_can_hold(options: TransferQueueConfig, joined: str | None) -> None:
     check(options)
     total = ray.cluster_resources().get("CPU", 0.0)
     if cpus_needed(options) > total + 1e-9:
         raise ConfigError(
             f"TransferQueue needs {cpus_needed(options)} Ray CPUs (1 controller + {SECTION}.num_storage_units="
             f"{options.num_storage_units} storage units, 1 CPU each), but the whole Ray cluster has {total:g}. "
-            f"Lower {SECTION}.num_storage_units or start Ray with more logical CPUs (cluster.num_cpus)."
+            f"Lower {SECTION}.num_storage_units or {_more_cpus(joined)}."
         )
 
 
-def _timeout_message(options: TransferQueueConfig, starting: bool) -> str:
+def _timeout_message(options: TransferQueueConfig, starting: bool, joined: str | None) -> str:
     waited = f"within {options.init_timeout_s:g} s ({SECTION}.init_timeout_s)"
     if not starting:
         return (
@@ -131,7 +139,7 @@ def _timeout_message(options: TransferQueueConfig, starting: bool) -> str:
         f"TransferQueue did not start {waited}. It asked Ray for {cpus_needed(options)} CPUs (1 controller + "
         f"{options.num_storage_units} storage units, 1 CPU each); the Ray cluster has {resources[0]:g} CPUs, "
         f"{resources[1]:g} free now. Free CPUs held by other worker groups or tasks, lower "
-        f"{SECTION}.num_storage_units, or start Ray with more logical CPUs (cluster.num_cpus)."
+        f"{SECTION}.num_storage_units, or {_more_cpus(joined)}."
     )
 
 
