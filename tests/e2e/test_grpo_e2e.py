@@ -196,7 +196,8 @@ def test_generation_on_its_own_workers_logs_the_colocated_runs_metrics(ray_clust
     assert [r["step"] for r in runs[False]] == [r["step"] for r in runs[True]] == [1, 2, 3]
     for together, apart in zip(runs[True], runs[False], strict=True):
         assert comparable(apart) == comparable(together), f"step {together['step']}"
-    assert runs[True][-1]["grad_norm"] > 0 and runs[True][-1]["refit/bytes"] > 0
+    # the runs trained (a step whose groups all scored alike has no gradient) and refit
+    assert max(r["grad_norm"] for r in runs[True]) > 0 and runs[True][-1]["refit/bytes"] > 0
 
 
 class RecordingPlane(MemoryDataPlane):

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from posttrain.errors import PluginError, PosttrainError, RunStopped
+from posttrain.run_command import add_run_arguments, parse_arguments
 
 #: Commands core defines itself; a plugin cannot register these names.
 CORE_COMMANDS = ("run", "config", "launch", "plugins")
@@ -111,9 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run an algorithm from a YAML config")
-    run.add_argument("algorithm", help="algorithm name, e.g. grpo, sft, dpo (see `posttrain plugins`)")
-    run.add_argument("--config", "-c", required=True, help="YAML config file")
-    run.add_argument("overrides", nargs="*", help="config overrides, e.g. policy.optimizer.lr=1e-5")
+    add_run_arguments(run)
     run.set_defaults(func=_cmd_run)
 
     config = sub.add_parser("config", help="inspect configs").add_subparsers(dest="config_command", required=True)
@@ -162,31 +161,6 @@ def _plugin_commands() -> dict[str, Command]:
 
 def _terminate_as_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
-    """``argv`` parsed by ``parser`` (:func:`_parser`'s), as the command line reads it; a
-    mistake exits 2 with the usage."""
-    args, extra = parser.parse_known_args(argv)
-    # argparse leaves positionals that follow an option (`run sft --config f a=1`) unparsed:
-    # take such key=value words as overrides, in order.
-    if extra and hasattr(args, "overrides") and all("=" in word and not word.startswith("-") for word in extra):
-        args.overrides = [*args.overrides, *extra]
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return args
-
-
-def check_run_config(words: Sequence[str]) -> None:
-    """Load the config of ``posttrain run WORDS...`` (``words`` start at ``run``) in this
-    directory, as the run will load it: its algorithm, keys, values and plugin options are
-    checked (files and the cluster are checked when it runs). Raises what the run would."""
-    from posttrain.config import load_config
-    from posttrain.plugins import plugin_host
-
-    args = parse_arguments(_parser(), words)
-    plugin_host().algorithms[args.algorithm]  # an unknown name is refused as `posttrain run` refuses it
-    load_config(args.config, [*args.overrides, f"algorithm={args.algorithm}"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,6 +27,7 @@ from pathlib import Path
 from posttrain.errors import ClusterError, ConfigError, PosttrainError
 from posttrain.launch.kuberay import RayJobSpec, rayjob_manifest
 from posttrain.launch.slurm import SlurmJob, sbatch_script
+from posttrain.run_command import check_run_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,11 +112,9 @@ def env_pairs(items: list[str]) -> tuple[tuple[str, str], ...]:
 
 def check_in_launch_directory(command: tuple[str, ...]) -> None:
     """Load the run's config in this directory, where the Slurm job starts, so that a mistake
-    in it fails now rather than once the job left the queue (:func:`posttrain.cli.check_run_config`)."""
-    from posttrain.cli import check_run_config
-
+    in it fails now rather than once the job left the queue (:func:`posttrain.run_command.check_run_config`)."""
     try:
-        check_run_config(command[1:])
+        check_run_config(command[2:])
     except PosttrainError as error:
         raise ConfigError(
             f"posttrain launch slurm: nothing was written or submitted: the run's config, loaded here "
