@@ -2,11 +2,9 @@
 
 Prompts are left-padded inside (so every row's next token sits in the last column) and
 rows leave the batch, and the cache, as soon as they finish. What is sampled and which
-logprob is reported is :func:`posttrain.backend.sampling.sampling_logprobs`. Each row draws
-its uniform numbers, one per token, up front from its own ``torch.Generator`` seeded with the
-request's seed for that row, so a row's sample does not depend on the other rows or on how
-the batch is chunked; each step then samples every row at once by inverting its cumulative
-distribution (:func:`sample_rows`) instead of one ``torch.multinomial`` call per row.
+logprob is reported is :func:`posttrain.backend.sampling.sampling_logprobs`; each row draws from its
+own ``torch.Generator`` seeded with the request's seed for that row, so a row's sample
+does not depend on the other rows or on how the batch is chunked.
 """
 
 from __future__ import annotations
@@ -49,12 +47,7 @@ def decode(
     input_ids, attention, positions = input_ids.to(device), attention.to(device), positions.to(device)
 
     greedy = request.temperature == 0
-    # uniforms[row, t]: what the row's t-th token is drawn with (its own generator and seed;
-    # as many as its own budget, so the draws do not depend on the other rows)
-    uniforms = None if greedy else torch.nn.utils.rnn.pad_sequence([
-        torch.rand(budget, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        for seed, budget in zip(request.seeds, request.max_new_tokens, strict=True)
-    ], batch_first=True).to(device)
+    generators = None if greedy else [torch.Generator(device=device).manual_seed(s) for s in request.seeds]
     stop_ids = torch.tensor(sorted(set(request.stop_token_ids)), dtype=torch.long, device=device)
     cache = DynamicCache(config=model.config)
     logits = model(
@@ -67,7 +60,6 @@ def decode(
     ).logits[:, -1]
     next_position = positions[:, -1] + 1
     live = list(range(num_rows))  # the original row of each batch row still decoding
-    live_index = torch.arange(num_rows, device=device)  # the same, as a tensor
     tokens: list[list[int]] = [[] for _ in range(num_rows)]
     logprobs: list[list[float]] = [[] for _ in range(num_rows)]
     truncated = [False] * num_rows
@@ -77,8 +69,9 @@ def decode(
         if greedy:
             chosen = logits.argmax(dim=-1)
         else:
-            assert uniforms is not None
-            chosen = sample_rows(step_logprobs, uniforms[live_index, len(tokens[live[0]])])
+            chosen = torch.cat(
+                [torch.multinomial(step_logprobs[i].exp(), 1, generator=generators[row]) for i, row in enumerate(live)]
+            )
         chosen_logprobs = step_logprobs.gather(-1, chosen[:, None])[:, 0].tolist()
         stopped = torch.isin(chosen, stop_ids).tolist()
         keep = []
@@ -97,7 +90,7 @@ def decode(
             index = torch.tensor(keep, device=device)
             cache.batch_select_indices(index)
             attention, next_position, chosen = attention[index], next_position[index], chosen[index]
-            live, live_index = [live[i] for i in keep], live_index[index]
+            live = [live[i] for i in keep]
         attention = torch.cat([attention, attention.new_ones((len(live), 1))], dim=1)
         logits = model(
             input_ids=chosen[:, None],
@@ -108,14 +101,3 @@ def decode(
         ).logits[:, -1]
         next_position = next_position + 1
     return [Completion(tokens[row], logprobs[row], truncated[row]) for row in range(num_rows)]
-
-
-def sample_rows(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``logprobs`` [rows, vocab] (log-probabilities; -inf for tokens
-    filtered out), drawn by inverse transform with ``uniforms`` [rows] in [0, 1): the first
-    token whose cumulative probability exceeds ``u`` times the row's total. A token of
-    probability 0 is never drawn."""
-    cumulative = logprobs.double().exp().cumsum(dim=-1)
-    targets = (uniforms.double() * cumulative[:, -1])[:, None]
-    chosen = torch.searchsorted(cumulative, targets, right=True)[:, 0]
-    return chosen.clamp(max=logprobs.shape[-1] - 1)
