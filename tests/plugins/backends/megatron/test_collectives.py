@@ -59,7 +59,9 @@ RANKS = textwrap.dedent(
         assert torch.equal(gathered, full), "cp gather"
         (gathered * full).sum().backward()
         assert torch.equal(local.grad, full[:, positions]), "cp gather backward"
-        print(f"rank {rank} ok", flush=True)  # one write: the two ranks share the pipe
+        # one write of the whole line: the two ranks share the pipe, and print() writes the
+        # line and its newline apart, which interleave when stdout is unbuffered (PYTHONUNBUFFERED)
+        os.write(1, f"rank {rank} ok\\n".encode())
 
     if __name__ == "__main__":
         sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]; sock.close()
