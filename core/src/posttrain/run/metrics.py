@@ -8,8 +8,10 @@ The sinks are plugins (``posttrain_metric_sinks``, :mod:`posttrain.hookspecs`); 
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -106,6 +108,26 @@ def read_metrics(path: str | Path, phase: str | None = None) -> list[dict[str, A
     """Read a run's ``metrics.jsonl`` (optionally one phase), in file order."""
     records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     return [r for r in records if phase is None or r["phase"] == phase]
+
+
+class StageTimer:
+    """Wall-clock seconds per named stage; ``with timer("generation"): ...`` adds to it.
+    ``stages`` start at 0 s, so that they are reported even when never entered."""
+
+    def __init__(self, *stages: str) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(stages, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """``timing/<stage>`` in seconds."""
+        return {f"timing/{stage}": seconds for stage, seconds in self.seconds.items()}
 
 
 class ProgressBar:

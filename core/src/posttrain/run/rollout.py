@@ -42,7 +42,6 @@ come from different versions when weights change between turns).
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -54,6 +53,7 @@ from posttrain.batch import Batch
 from posttrain.errors import ConfigError
 from posttrain.interfaces import Environment, EnvironmentReturn, Generation, Message
 from posttrain.run.environments import metrics_contained, step_contained
+from posttrain.run.metrics import StageTimer
 
 
 def run_rollout(
@@ -103,24 +103,22 @@ def run_rollout(
     errors: dict[str, int] = defaultdict(int)
     timeouts: dict[str, int] = defaultdict(int)
     versions_known = True
-    seconds = {"generation": 0.0, "environment": 0.0}
+    timer = StageTimer("generation", "environment")
 
     for turn in range(1, max_turns + 1):
         active = [c for c in conversations if not c.done]
         if not active:
             break
-        began = time.perf_counter()
-        outputs = generation.generate(generation_batch(active, chat.pad_token_id), greedy=greedy)
-        seconds["generation"] += time.perf_counter() - began
+        with timer("generation"):
+            outputs = generation.generate(generation_batch(active, chat.pad_token_id), greedy=greedy)
         versions_known = versions_known and "weight_versions" in outputs
         for row, conversation in enumerate(active):
             conversation.add_assistant_turn(outputs, row, chat, max_total_length)
 
         for task, indices in _by_task(active).items():
             group = [active[i] for i in indices]
-            began = time.perf_counter()
-            step = step_contained(task, environments[task], [c.messages for c in group], [c.metadata for c in group])
-            seconds["environment"] += time.perf_counter() - began
+            with timer("environment"):
+                step = step_contained(task, environments[task], [c.messages for c in group], [c.metadata for c in group])
             errors[task] += step.errors
             timeouts[task] += step.timeouts
             for k, conversation in enumerate(group):
@@ -134,7 +132,7 @@ def run_rollout(
         metrics.update({f"env/{task}/{name}": value for name, value in env_metrics.items()})
         metrics[f"env/{task}/errors"] = float(errors[task])
         metrics[f"env/{task}/timeouts"] = float(timeouts[task])
-    metrics.update({f"timing/{stage}": value for stage, value in seconds.items()})
+    metrics.update(timer.metrics())
     return batch, metrics
 
 

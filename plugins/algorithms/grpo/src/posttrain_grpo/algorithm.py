@@ -71,7 +71,7 @@ from posttrain.run.endpoint import ChatEndpoint
 from posttrain.run.environments import environment_names, shutdown_environments
 from posttrain.run.finished import finished_run
 from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
-from posttrain.run.metrics import combine_train_passes
+from posttrain.run.metrics import StageTimer, combine_train_passes
 from posttrain.run.refit import refit
 from posttrain.run.rounds import RoundProducer, SharedPlane
 from posttrain_eval.evaluate import PromptRollout, validate_greedy
@@ -85,7 +85,6 @@ from posttrain_grpo.step import (
     SIGNAL_TAG,
     TRAIN_FIELDS,
     VERSION_TAG,
-    StageTimer,
     TrainingDiverged,
     batch_metrics,
     first_nonfinite,

@@ -9,11 +9,9 @@ core's :func:`~posttrain.run.metrics.combine_train_passes` for the training pass
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -111,25 +109,6 @@ def step_seed(seed: int, phase: str, step: int) -> int:
     derived from the run's seed alone, so a resumed run draws what an uninterrupted one would."""
     digest = hashlib.blake2b(f"{seed}:{phase}:{step}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
-
-
-class StageTimer:
-    """Wall-clock seconds per named stage; ``with timer("generation"): ...`` adds to it."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, stage: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
-
-    def metrics(self) -> dict[str, float]:
-        """``timing/<stage>`` in seconds."""
-        return {f"timing/{stage}": seconds for stage, seconds in self.seconds.items()}
 
 
 def rollout_summary(rollouts: Sequence[tuple[Batch, Mapping[str, float]]]) -> dict[str, float]:
