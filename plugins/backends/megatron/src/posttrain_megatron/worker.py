@@ -68,13 +68,12 @@ class MegatronPolicyWorker(PolicyWorker):
 
     def __init__(self, config: RunConfig, options: MegatronConfig, reference: bool = True):
         super().__init__()
-        self._keeps_reference = reference
         cpu_compat.apply()
         adam_fallback.apply()
         with cpu_compat.cuda_as_cpu():
-            self._setup(config, options)
+            self._setup(config, options, reference)
 
-    def _setup(self, config: RunConfig, options: MegatronConfig) -> None:
+    def _setup(self, config: RunConfig, options: MegatronConfig, reference: bool) -> None:
         from transformers import AutoConfig
 
         policy = config.policy
@@ -137,7 +136,7 @@ class MegatronPolicyWorker(PolicyWorker):
         # the run asks for no reference logprobs).
         self._reference = {
             name: p.detach().to("cpu", copy=True) for name, p in named_parameters(self.model)
-        } if self._keeps_reference else {}
+        } if reference else {}
         self.holds_results = (
             parallel_state.is_pipeline_last_stage()
             and parallel_state.get_tensor_model_parallel_rank() == 0
