@@ -150,10 +150,10 @@ class ShardedPolicy(Policy):
 
     def logprobs_into(self, samples: PlaneSamples, field: str, *, reference: bool = False) -> None:
         self._require_head("lm", "logprobs")
+        if samples.plane.worker_handle() is None:  # through get_(reference_policy_)logprobs, which check
+            return super().logprobs_into(samples, field, reference=reference)
         if reference:
             self._require_reference()
-        if samples.plane.worker_handle() is None:
-            return super().logprobs_into(samples, field, reference=reference)
         source = "reference_logprobs" if reference else "logprobs"
         self._pass_into(samples, self.config.policy.logprob_micro_batch_size, {field: source},
                         PolicyWorker.logprobs, reference)
