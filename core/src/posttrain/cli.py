@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from posttrain.errors import PluginError, PosttrainError, RunStopped
-from posttrain.run_command import add_run_arguments, parse_arguments
+from posttrain.run_command import add_run_arguments, load_checked_config, parse_arguments
 
 #: Commands core defines itself; a plugin cannot register these names.
 CORE_COMMANDS = ("run", "config", "launch", "plugins")
@@ -91,12 +91,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
-    from posttrain.config import load_config
     from posttrain.config.reference import annotated_config
-    from posttrain.plugins import plugin_host
 
-    plugin_host().algorithms[args.algorithm]  # an unknown name is refused as `posttrain run` refuses it
-    config = load_config(args.config, [*args.overrides, f"algorithm={args.algorithm}"])
+    config = load_checked_config(args.algorithm, args.config, args.overrides)
     sys.stdout.write(annotated_config(config))
     return 0
 

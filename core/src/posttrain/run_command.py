@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from posttrain.config import RunConfig
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,11 +36,18 @@ def check_run_config(words: Sequence[str]) -> None:
     """Load the config of ``posttrain run WORDS...`` (``words`` follow ``run``) in this
     directory, as the run will load it: its algorithm, keys, values and plugin options are
     checked (files and the cluster are checked when it runs). Raises what the run would."""
-    from posttrain.config import load_config
-    from posttrain.plugins import plugin_host
-
     parser = argparse.ArgumentParser(prog="posttrain run")
     add_run_arguments(parser)
     args = parse_arguments(parser, words)
-    plugin_host().algorithms[args.algorithm]  # an unknown name is refused as `posttrain run` refuses it
-    load_config(args.config, [*args.overrides, f"algorithm={args.algorithm}"])
+    load_checked_config(args.algorithm, args.config, args.overrides)
+
+
+def load_checked_config(algorithm: str, path: str | None, overrides: Sequence[str]) -> RunConfig:
+    """The config of ``posttrain run ALGORITHM --config PATH OVERRIDES...`` (``path`` None:
+    every key at its default), for a command that checks or shows it without running it: an
+    algorithm no installed plugin registers is refused as the run refuses it."""
+    from posttrain.config import load_config
+    from posttrain.plugins import plugin_host
+
+    plugin_host().algorithms[algorithm]
+    return load_config(path, [*overrides, f"algorithm={algorithm}"])
