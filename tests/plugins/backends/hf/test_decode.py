@@ -1,5 +1,6 @@
 """The hf backend's decode loop on a transformers model, without Ray: sampling filters,
-stop criteria and their precedence, and independence of a row's sample from its batch."""
+stop criteria and their precedence, independence of a row's sample from its batch, and the
+row sampler against ``torch.multinomial``."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import pytest
 import torch
 
 from posttrain.backend.generation_group import GenerationRequest
+from posttrain.errors import WorkerError
 from posttrain.testing.generation import stop_string_prefix
-from posttrain_hf.decode import decode
+from posttrain_hf.decode import RowSampler, decode
 from posttrain_hf.stop_strings import StopStringMatcher
 
 PROMPTS = [[1, 40, 41, 42, 43, 44, 45], [1, 50, 51], [1, 60, 61, 62, 63, 7, 8, 9, 10, 11]]
@@ -81,6 +83,36 @@ def test_row_sample_does_not_depend_on_the_rest_of_the_batch(model):
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
     reseeded = decode(model, request(temperature=1.0, seeds=[7, 8, 9]), pad_token_id=0)
     assert [c.token_ids for c in reseeded] != [c.token_ids for c in together]
+
+
+@pytest.mark.parametrize("vocab", [7, 103, 4099, 32000])
+def test_row_sampler_draws_what_multinomial_draws_from_each_rows_generator(vocab):
+    """The decode loop's sampler makes torch.multinomial's draws, token for token, and leaves
+    every generator as multinomial does, while rows leave the batch; on several vocabulary
+    sizes (vectorised and scalar tails) and distributions from flat to peaked, with zeros."""
+    seeds = list(range(40, 72))
+    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+    sampler = RowSampler(seeds, torch.device("cpu"))
+    rows = list(range(len(seeds)))
+    random = torch.Generator().manual_seed(vocab)
+    for step in range(24):
+        logits = torch.randn(len(rows), vocab, generator=random) * (0.5 + step % 4 * 3)
+        if step % 3 == 2:
+            logits[:, ::3] = float("-inf")  # top-k/top-p filtered tokens: probability 0
+        logprobs = logits.log_softmax(dim=-1)
+        expected = [int(torch.multinomial(logprobs[i].exp(), 1, generator=generators[row])) for i, row in enumerate(rows)]
+        assert sampler.draw(logprobs, rows).tolist() == expected, step
+        if step % 5 == 4:
+            rows = rows[1::2]  # rows finish and leave the batch
+    for mine, theirs in zip(sampler.generators, generators, strict=True):
+        assert torch.equal(mine.get_state(), theirs.get_state())
+
+
+def test_row_sampler_refuses_a_distribution_that_is_not_finite():
+    logprobs = torch.zeros(2, 5).log_softmax(dim=-1)
+    logprobs[1, 3] = float("nan")
+    with pytest.raises(WorkerError, match=r"next-token probabilities are not finite \(NaN or inf logits\)"):
+        RowSampler([1, 2], torch.device("cpu")).draw(logprobs, [0, 1])
 
 
 def test_budget_truncates_and_a_stop_token_on_the_last_step_is_a_stop(model):
