@@ -111,7 +111,6 @@ class RowSampler:
 
     def __init__(self, seeds: list[int], device: torch.device):
         self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
-        self.device = device
         self.probs = self.noise = torch.empty(0)
 
     def draw(self, logprobs: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -119,7 +118,7 @@ class RowSampler:
         being request row ``rows[i]``. Raises :class:`WorkerError` on a non-finite distribution."""
         live, vocab = logprobs.shape
         if self.noise.shape[-1] != vocab:  # the first step has every row
-            self.probs, self.noise = (torch.empty((len(self.generators), vocab), device=self.device) for _ in range(2))
+            self.probs, self.noise = (logprobs.new_empty((len(self.generators), vocab)) for _ in range(2))
         probs, noise = self.probs[:live], self.noise[:live]
         for i, row in enumerate(rows):  # row by row, as torch.multinomial's callers did: the same rounding
             torch.exp(logprobs[i], out=probs[i])
