@@ -31,6 +31,14 @@ def _head_inputs(n: int = 9, seed: int = 0):
     return hidden, weight, targets
 
 
+def assert_grads_match(h32, h64, w32, w64) -> None:
+    """The float32 gradients of hidden and weight against float64's. They reach about 7 here:
+    float32 sums over a chunk leave a few parts in 1e6 of that, which depends on the machine's
+    kernels (1.02e-5 seen against 1e-5 of absolute tolerance)."""
+    torch.testing.assert_close(h32.grad.double(), h64.grad, rtol=2e-6, atol=1e-5)
+    torch.testing.assert_close(w32.grad.double(), w64.grad, rtol=2e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize("chunk", [1, 8, VOCAB, VOCAB + 5])
 def test_chunked_logprobs_and_grads_match_float64_log_softmax(chunk):
     hidden, weight, targets = _head_inputs()
@@ -45,10 +53,7 @@ def test_chunked_logprobs_and_grads_match_float64_log_softmax(chunk):
 
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want.detach(), rtol=0, atol=1e-5)
-    # gradients reach about 7 here: float32 sums over a chunk leave a few parts in 1e6 of that,
-    # which depends on the machine's kernels (1.02e-5 seen against 1e-5 of absolute tolerance)
-    torch.testing.assert_close(h32.grad.double(), h64.grad, rtol=2e-6, atol=1e-5)
-    torch.testing.assert_close(w32.grad.double(), w64.grad, rtol=2e-6, atol=1e-5)
+    assert_grads_match(h32, h64, w32, w64)
 
 
 def test_chunked_logprob_backward_passes_gradcheck():
@@ -70,10 +75,7 @@ def test_tempered_logprobs_and_grads_match_float64_log_softmax_of_scaled_logits(
     (want * coef.double()).sum().backward()
 
     torch.testing.assert_close(got.double(), want.detach(), rtol=0, atol=1e-5)
-    # gradients reach about 7 here: float32 sums over a chunk leave a few parts in 1e6 of that,
-    # which depends on the machine's kernels (1.02e-5 seen against 1e-5 of absolute tolerance)
-    torch.testing.assert_close(h32.grad.double(), h64.grad, rtol=2e-6, atol=1e-5)
-    torch.testing.assert_close(w32.grad.double(), w64.grad, rtol=2e-6, atol=1e-5)
+    assert_grads_match(h32, h64, w32, w64)
     untempered = target_logprobs(hidden, weight, targets, 8)
     assert (got.detach() - untempered).abs().max() > 0.1  # the temperature did change them
 
@@ -100,10 +102,7 @@ def test_logprobs_of_several_targets_per_row_and_grads_match_float64(chunk):
 
     assert got.shape == targets.shape
     torch.testing.assert_close(got.double(), want.detach(), rtol=0, atol=1e-5)
-    # gradients reach about 7 here: float32 sums over a chunk leave a few parts in 1e6 of that,
-    # which depends on the machine's kernels (1.02e-5 seen against 1e-5 of absolute tolerance)
-    torch.testing.assert_close(h32.grad.double(), h64.grad, rtol=2e-6, atol=1e-5)
-    torch.testing.assert_close(w32.grad.double(), w64.grad, rtol=2e-6, atol=1e-5)
+    assert_grads_match(h32, h64, w32, w64)
     inputs = (hidden[:4].double().requires_grad_(), weight.double().requires_grad_())
     assert torch.autograd.gradcheck(lambda h, w: target_logprobs(h, w, targets[:4], 8), inputs)
 
