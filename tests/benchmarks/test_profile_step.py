@@ -1,0 +1,67 @@
+"""benchmarks/profile_step.py, run as a user runs it on a GRPO benchmark's spec (tiny model, a
+subprocess): it times the steps without the profiler and under it, and refuses more steps
+than the spec's data holds instead of dividing by steps that never ran."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import grpo  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def spec_path(tmp_path_factory) -> Path:
+    """A GRPO benchmark spec as ``benchmarks/grpo.py --model tiny --steps 2`` writes it: one
+    warm-up and two timed steps, so its data holds three batches."""
+    from posttrain.models.tiny import build_tiny_model
+
+    folder = tmp_path_factory.mktemp("profile_step")
+    spec = {"workload": "grpo", "model": "tiny", "steps": 2, "warmup": 1, "max_len": 128, "lr": 1e-6, "seed": 0,
+            "rows_per_step": grpo.SAMPLES, "threads": 2, "workdir": str(folder), "form": "skewed",
+            "model_dir": str(build_tiny_model(folder / "model", size="tiny", seed=0)),
+            "data": str(folder / "train.jsonl")}
+    grpo.write_prompts(spec, Path(spec["data"]))
+    path = folder / "spec.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def profile_step(spec_path: Path, steps: int) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / "profile_step.py"), "--spec", str(spec_path), "--steps", str(steps)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+
+
+def test_steps_are_timed_without_the_profiler_and_under_it(spec_path):
+    run = profile_step(spec_path, 2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(line for line in run.stdout.splitlines() if line.startswith("mode:"))
+    found = re.fullmatch(
+        r"mode: packed; step ([\d.]+) s \(([\d.]+)x the floor ([\d.]+) s: [\d.]+ GFLOP at [\d.]+ GFLOP/s\); "
+        r"([\d.]+) s under the profiler; load [\d.]+", line,
+    )
+    assert found, line
+    step, ratio, floor, profiled = (float(found.group(i)) for i in range(1, 5))
+    assert step > 0 and profiled > 0 and floor > 0
+    assert ratio == pytest.approx(step / floor, rel=0.01)  # as printed, to 3 decimals
+    assert "aten::mm" in run.stdout  # the profiled steps' operator table
+
+
+def test_more_steps_than_the_data_holds_are_refused(spec_path):
+    run = profile_step(spec_path, 3)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"{spec_path}: its data holds 3 batches of 128 rows; --steps 3 needs 4 (one warm-up step first). "
+        "Use --steps 2 or less."
+    )
