@@ -158,6 +158,12 @@ class ShardedPolicy(Policy):
         self._pass_into(samples, self.config.policy.logprob_micro_batch_size, {field: source},
                         PolicyWorker.logprobs, reference)
 
+    def values_into(self, samples: PlaneSamples, field: str) -> None:
+        self._require_head("value", "get_values")
+        if samples.plane.worker_handle() is None:
+            return super().values_into(samples, field)
+        self._pass_into(samples, self.config.policy.logprob_micro_batch_size, {field: "values"}, PolicyWorker.values)
+
     def topk_into(self, samples: PlaneSamples, k: int, fields: Mapping[str, str]) -> None:
         self._require_head("lm", "get_topk_logits")
         if samples.plane.worker_handle() is None:

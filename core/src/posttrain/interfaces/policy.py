@@ -100,6 +100,13 @@ class Policy(abc.ABC):
             values = self.get_logprobs(batch)["logprobs"]
         samples.put({field: values})
 
+    def values_into(self, samples: PlaneSamples, field: str) -> None:
+        """Write the values of ``samples`` (:meth:`get_values`) into their data plane as
+        ``field``; ``samples.fields`` name the inputs. This default runs :meth:`get_values` on
+        ``samples.get()`` in the calling process, then puts; a policy whose workers can reach
+        the plane lets them write their shards themselves."""
+        samples.put({field: self.get_values(samples.get())["values"]})
+
     def topk_into(self, samples: PlaneSamples, k: int, fields: Mapping[str, str]) -> None:
         """Write the top-``k`` pass of ``samples`` (:meth:`get_topk_logits`) into their data
         plane: ``fields`` maps each plane field to the result field it gets (e.g.

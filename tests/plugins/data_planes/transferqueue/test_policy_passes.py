@@ -46,19 +46,23 @@ def samples_batch() -> Batch:
     )
 
 
-@pytest.fixture(scope="module")
-def policy(ray_cluster: Any, tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DTensorPolicy]:
+def two_worker_policy(model: str, run_dir: str, head: str = "lm") -> tuple[DTensorPolicy, VirtualCluster]:
     config = RunConfig(
         seed=0,
-        run_dir=str(tmp_path_factory.mktemp("run")),
+        run_dir=run_dir,
         policy=PolicyConfig(
-            model=tiny_model_path, num_workers=2, train_global_batch_size=4, train_micro_batch_size=2,
+            model=model, head=head, num_workers=2, train_global_batch_size=4, train_micro_batch_size=2,
             logprob_micro_batch_size=2, max_total_sequence_length=32, optimizer=OptimizerConfig(name="sgd", lr=0.5),
             resources=WorkerResources(cpus=0.5),
         ),
     )
     cluster = VirtualCluster(ClusterConfig())
-    policy = DTensorPolicy(config, cluster)
+    return DTensorPolicy(config, cluster, name="critic" if head == "value" else "policy"), cluster
+
+
+@pytest.fixture(scope="module")
+def policy(ray_cluster: Any, tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DTensorPolicy]:
+    policy, cluster = two_worker_policy(tiny_model_path, str(tmp_path_factory.mktemp("run")))
     yield policy
     policy.shutdown()
     cluster.shutdown()
@@ -138,3 +142,29 @@ def test_workers_write_a_teachers_top_k_into_the_plane(policy: DTensorPolicy, qu
     for name in fields:
         assert torch.equal(found[name], expected[name]), name
     queue.clear("train/2")
+
+
+def test_a_critics_workers_write_its_values_into_the_plane(
+    ray_cluster: Any, tiny_model_path: str, queue: Any, tmp_path: Path, monkeypatch
+) -> None:
+    """``values_into`` (PPO's critic pass): the workers write the values, the driver receives
+    none of them; equal to the in-memory path and to ``get_values`` on the batch."""
+    critic, cluster = two_worker_policy(tiny_model_path, str(tmp_path / "run"), head="value")
+    try:
+        batch = samples_batch()
+        keys = [f"p{i}" for i in range(len(batch))]
+        memory = MemoryDataPlane()
+        returned = record_sharded_results(critic, monkeypatch)
+        for plane in (memory, queue):
+            plane.put("train/3", keys, batch.fields(FIELDS))
+            critic.values_into(PlaneSamples(plane, "train/3", keys, FIELDS), "critic_values")
+        assert returned[1] == [None, None], "the TransferQueue pass returned results to the driver"
+        expected, found = memory.get("train/3", keys, ["critic_values"]), queue.get("train/3", keys, ["critic_values"])
+        direct = critic.get_values(batch)["values"]
+        assert torch.equal(expected["critic_values"], direct)
+        assert direct.abs().sum() > 0
+        assert torch.equal(found["critic_values"], expected["critic_values"])
+        queue.clear("train/3")
+    finally:
+        critic.shutdown()
+        cluster.shutdown()

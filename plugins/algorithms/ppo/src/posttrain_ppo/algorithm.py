@@ -5,7 +5,8 @@ sampling, the clipped policy loss with ``grpo.loss``, refit, validation), with t
 added::
 
     ... step s: after the policy's logprob passes
-      -> critic (its own worker group, a value head): values of the step's samples
+      -> critic (its own worker group, a value head): values of the step's samples, written
+         into the partition (by the critic's workers, where they reach the data plane)
       -> GAE (ppo.gamma, ppo.lam) over the generated tokens, the reward (grpo's scaled and
          shaped reward) at each sample's last token -> per-token advantages (whitened with
          ppo.normalize_advantages) and returns -> the data plane, in place of GRPO's group
@@ -39,6 +40,8 @@ from posttrain_ppo.loss import ValueLoss
 
 #: Where a checkpoint keeps the critic.
 CRITIC_DIR = "critic"
+#: The partition field the critic's value pass writes (its output at every position).
+CRITIC_OUTPUT = "critic_values"
 #: What the critic's training pass reads.
 CRITIC_FIELDS = (*LOGPROB_FIELDS, "returns", "old_values")
 
@@ -106,8 +109,10 @@ class PPORun(GRPORun):
         """GRPO's logprob passes, then the critic's values and the GAE advantages and returns,
         written into the partition (the advantages replace GRPO's)."""
         super().add_logprobs(partition, keys)
-        batch = self.plane.get(partition, keys, [*LOGPROB_FIELDS, "shaped_rewards"])
-        values = state_values(self.critic.get_values(batch)["values"])
+        # the critic's workers read the samples from the plane themselves where they can reach it
+        self.critic.values_into(PlaneSamples(self.plane, partition, keys, LOGPROB_FIELDS), CRITIC_OUTPUT)
+        batch = self.plane.get(partition, keys, [CRITIC_OUTPUT, "shaped_rewards", "token_mask", "sample_mask"])
+        values = state_values(batch[CRITIC_OUTPUT])
         ppo = self.ppo
         advantages, returns = gae(values, batch["shaped_rewards"], batch["token_mask"], ppo.gamma, ppo.lam)
         valid = batch["token_mask"] * batch["sample_mask"][:, None]
