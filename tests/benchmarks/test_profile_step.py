@@ -54,7 +54,12 @@ def test_steps_are_timed_without_the_profiler_and_under_it(spec_path):
     assert found, line
     step, ratio, floor, profiled = (float(found.group(i)) for i in range(1, 5))
     assert step > 0 and profiled > 0 and floor > 0
-    assert ratio == pytest.approx(step / floor, rel=0.01)  # as printed, to 3 decimals
+    # step / floor, from the three numbers as printed (seconds to 3 decimals, the ratio to 2):
+    # the tiny model's floor is about 0.012 s, so its rounding alone moves the ratio by 4%
+    half_ms, half_hundredth = 5e-4, 5e-3
+    low = (step - half_ms) / (floor + half_ms) - half_hundredth
+    high = (step + half_ms) / (floor - half_ms) + half_hundredth
+    assert low <= ratio <= high, (ratio, step, floor)
     assert "aten::mm" in run.stdout  # the profiled steps' operator table
 
 
