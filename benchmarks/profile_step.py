@@ -96,16 +96,16 @@ def main() -> None:
             work.batch["reference_logprobs"] = worker.logprobs(work, reference=True)["reference_logprobs"]
         return worker.train(work, loss_fn)
 
-    step(batches[0])
-    start = time.perf_counter()
-    for batch in batches[1:]:
-        step(batch)
-    elapsed = (time.perf_counter() - start) / args.steps
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    def seconds_per_step() -> float:
         start = time.perf_counter()
         for batch in batches[1:]:
             step(batch)
-        profiled = (time.perf_counter() - start) / args.steps
+        return (time.perf_counter() - start) / args.steps
+
+    step(batches[0])
+    elapsed = seconds_per_step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        profiled = seconds_per_step()
     hf = AutoConfig.from_pretrained(spec["model_dir"])
     passes = 4 if reference else 3  # training, plus DPO's reference forward
     flops = sum(passes * forward_flops(hf, b["input_lengths"].tolist()) for b in batches[1:]) / args.steps
