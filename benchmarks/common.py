@@ -424,7 +424,8 @@ class Workload:
     baseline: str
     write_data: Callable[[dict[str, Any], Path], None]
     step_flops: Callable[[Any, list[int]], float]
-    rows_per_step: int
+    #: Rows (samples) per step: a number, or a function of the spec (workload options included).
+    rows_per_step: int | Callable[[Mapping[str, Any]], int]
     flops_rule: str
     options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     rate: Callable[[int], float] = lambda threads: matmul_flops_per_s(threads=threads)
@@ -482,10 +483,12 @@ def make_spec(workload: Workload, args: argparse.Namespace, workdir: Path) -> di
 
     spec = {
         "workload": workload.name, "model": args.model, "steps": args.steps, "warmup": args.warmup,
-        "max_len": args.max_len, "lr": args.lr, "seed": args.seed, "rows_per_step": workload.rows_per_step,
+        "max_len": args.max_len, "lr": args.lr, "seed": args.seed,
         "threads": os.cpu_count() or 1, "workdir": str(workdir), **{name: getattr(args, name) for name in workload.options},
         "model_dir": str(build_tiny_model(workdir / "model", size=args.model, seed=args.seed)),
     }
+    rows = workload.rows_per_step
+    spec["rows_per_step"] = rows(spec) if callable(rows) else rows
     if workload.prepare_model is not None:
         workload.prepare_model(spec, Path(spec["model_dir"]))
     data = workdir / "train.jsonl"

@@ -33,6 +33,8 @@ Sides (alternating, each in its own process):
 remote-reward environments do: every environment call waits ``S`` seconds and an episode lasts
 ``N`` assistant turns (:mod:`grpo_reward`); TRL's side does not take them. E.g. the
 asynchronous comparison: ``--sides posttrain-apart,posttrain-async --latency 1.5 --turns 3``.
+``--prompts N`` (default 16, the TRL comparison's) sets the prompts per step, 8 generations
+each: fewer make the training stage shorter against a fixed environment latency.
 
 ``--activation-checkpointing``: posttrain's sides recompute each decoder layer in the
 backward pass, as TRL's defaults do (``gradient_checkpointing``): the setting to compare peak
@@ -78,8 +80,9 @@ sys.path.insert(0, str(BENCHMARKS))
 
 from common import Workload, child_result, forward_flops, length_stats, main, random_text, set_eos_rate  # noqa: E402
 
+#: Prompts per step (``--prompts`` sets another count; 16 is the TRL comparison's), generations
+#: per prompt, new tokens per completion (per assistant turn with ``--turns``).
 PROMPTS, GENERATIONS, MAX_NEW_TOKENS = 16, 8, 64
-SAMPLES = PROMPTS * GENERATIONS
 #: Per-token EOS probability of the skewed form's model: geometric lengths, mean about 19 tokens
 #: within the 64-token budget, about 4% of completions reach it.
 EOS_RATE = 0.05
@@ -112,11 +115,11 @@ def prepare_model(spec: dict[str, Any], model_dir: Path) -> None:
 
 
 def write_prompts(spec: dict[str, Any], path: Path) -> None:
-    """``PROMPTS x (warmup + steps)`` one-message chat prompts of random text (rows
+    """``prompts x (warmup + steps)`` one-message chat prompts of random text (rows
     ``{"messages": [{"role": "user", "content": ...}]}``), in the order every side uses them."""
     g = torch.Generator().manual_seed(spec["seed"])
     with path.open("w") as f:
-        for _ in range(PROMPTS * (spec["warmup"] + spec["steps"])):
+        for _ in range(spec["prompts"] * (spec["warmup"] + spec["steps"])):
             chars = int(torch.randint(PROMPT_CHARS[0], PROMPT_CHARS[1] + 1, (1,), generator=g))
             f.write(json.dumps({"messages": [{"role": "user", "content": random_text(chars, g)}]}) + "\n")
 
@@ -125,7 +128,7 @@ def write_prompts(spec: dict[str, Any], path: Path) -> None:
 
 
 def grpo_step_record(prompt_ids: list[list[int]], completion_lengths: list[int]) -> dict[str, Any]:
-    """One GRPO step's record from its ``SAMPLES`` rows in generation order: the prompts'
+    """One GRPO step's record from its rows in generation order: the prompts'
     digest (ordered; each prompt appears ``GENERATIONS`` times in a row), prompt and
     completion token counts, the sorted sequence lengths (prompt + completion, what the
     floor counts) and the sorted completion lengths."""
@@ -148,9 +151,13 @@ def check_completions(steps: list[dict[str, Any]], form: str) -> None:
             raise AssertionError(f"dense form: completions shorter than {MAX_NEW_TOKENS} tokens (step, shortest): {bad}")
 
 
-def common_settings(form: str) -> dict[str, Any]:
+def common_settings(spec: dict[str, Any]) -> dict[str, Any]:
     """Settings both sides hold by construction of this module (the rest is read back)."""
-    return {"form": form, "reward": "grpo_reward.vowel_share", "num_prompts": PROMPTS}
+    return {"form": spec["form"], "reward": "grpo_reward.vowel_share", "num_prompts": spec["prompts"]}
+
+
+def samples_per_step(spec: dict[str, Any]) -> int:
+    return spec["prompts"] * GENERATIONS
 
 
 # ---------------------------------------------------------------------- posttrain
@@ -173,7 +180,7 @@ def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, co
     from posttrain.run.rollout import ChatFormat
 
     _install_reward_plugin(Path(spec["workdir"]) / "plugin")
-    threads, dense = spec["threads"], spec["form"] == "dense"
+    threads, dense, samples = spec["threads"], spec["form"] == "dense", samples_per_step(spec)
     # the colocated policy and engine take turns on all the cores (twice the logical CPUs for Ray);
     # split, each has half of them: OpenMP threads of two processes on the same cores thrash
     policy_threads = threads // 2 if split_cores else threads
@@ -186,9 +193,9 @@ def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, co
         "cluster": {"num_cpus": threads if split_cores else 2 * threads},
         "policy": {
             "backend": "dtensor", "model": spec["model_dir"], "dtype": "float32", "num_workers": 1,
-            "train_global_batch_size": SAMPLES, "train_micro_batch_size": SAMPLES, "logprob_micro_batch_size": SAMPLES,
+            "train_global_batch_size": samples, "train_micro_batch_size": samples, "logprob_micro_batch_size": samples,
             "max_total_sequence_length": spec["max_len"], "max_grad_norm": 1.0,
-            "sequence_packing": {"enabled": True, "max_tokens_per_row": SAMPLES * spec["max_len"]},
+            "sequence_packing": {"enabled": True, "max_tokens_per_row": samples * spec["max_len"]},
             "optimizer": {"name": "adamw", "lr": spec["lr"]}, "scheduler": {"name": "constant"},
             "resources": {"cpus": policy_threads, "env_vars": {"OMP_NUM_THREADS": str(policy_threads), **wait}},
             "dtensor": {"activation_checkpointing": spec["activation_checkpointing"]},
@@ -197,12 +204,12 @@ def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, co
             "backend": generation_backend, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0,
             "top_k": None, "ignore_eos": dense, "colocated": colocated,
             "resources": {"cpus": threads - policy_threads if split_cores else threads, "env_vars": {**engine_env, **wait}},
-            **({"hf": {"max_batch_size": SAMPLES}} if generation_backend == "hf" else {}),
+            **({"hf": {"max_batch_size": samples}} if generation_backend == "hf" else {}),
         },
         "data": {"train": spec["data"], "shuffle": False},
         "environments": {"bench_reward": {"record": str(record), "latency_s": spec["latency"], "turns": spec["turns"]}},
         "grpo": {
-            "num_prompts_per_step": PROMPTS, "num_generations_per_prompt": GENERATIONS, "max_rollout_turns": spec["turns"],
+            "num_prompts_per_step": spec["prompts"], "num_generations_per_prompt": GENERATIONS, "max_rollout_turns": spec["turns"],
             "asynchronous": {"max_staleness_steps": max_staleness_steps},
             "max_num_steps": spec["warmup"] + spec["steps"], "val_period": 0, "baseline": "mean", "normalize_rewards": True,
             "loss": {"ratio_clip_low": 0.2, "ratio_clip_high": 0.2, "token_level_loss": True, "kl_penalty": 0.0},
@@ -227,7 +234,7 @@ def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, co
     check_completions(steps, spec["form"])
     p, g, grpo = config.policy, config.generation, config.section("grpo")
     settings = {
-        **common_settings(spec["form"]),
+        **common_settings(spec),
         "optimizer": p.optimizer.name, "lr": p.optimizer.lr, "betas": list(p.optimizer.betas), "eps": p.optimizer.eps,
         "weight_decay": p.optimizer.weight_decay, "scheduler": p.scheduler.name, "warmup_steps": p.scheduler.warmup_steps,
         "max_grad_norm": p.max_grad_norm, "dtype": p.dtype,
@@ -262,7 +269,7 @@ def _install_reward_plugin(folder: Path) -> None:
 
 def trl_grpo(spec: dict[str, Any], best: bool) -> dict[str, Any]:
     """Run ``warmup + steps`` steps of ``trl.GRPOTrainer`` on CPU in float32, prompts in file
-    order, one optimizer step of all ``SAMPLES`` completions per generation; TRL's defaults
+    order, one optimizer step of all the step's completions per generation; TRL's defaults
     or, with ``best``, the :data:`TRL_BEST` options named by ``--trl-best``."""
     import trl
     from datasets import Dataset
@@ -277,7 +284,7 @@ def trl_grpo(spec: dict[str, Any], best: bool) -> dict[str, Any]:
         options["generation_kwargs"] = {"min_tokens" if options.get("use_vllm") else "min_new_tokens": MAX_NEW_TOKENS}
     args = trl.GRPOConfig(
         output_dir=str(Path(spec["workdir"]) / f"trl_grpo_{time.time_ns()}"), report_to=[], use_cpu=True, bf16=False,
-        per_device_train_batch_size=SAMPLES, gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        per_device_train_batch_size=samples_per_step(spec), gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
         num_generations=GENERATIONS, max_completion_length=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=spec["lr"], lr_scheduler_type="constant", max_grad_norm=1.0, max_steps=spec["warmup"] + spec["steps"],
         beta=0.0, epsilon=0.2, epsilon_high=0.2, loss_type="dapo", scale_rewards="group", shuffle_dataset=False,
@@ -320,7 +327,7 @@ def trl_grpo(spec: dict[str, Any], best: bool) -> dict[str, Any]:
     group = trainer.optimizer.param_groups[0]
     top_k = args.top_k or None
     settings = {
-        **common_settings(spec["form"]),
+        **common_settings(spec),
         "optimizer": "adamw" if "adamw" in str(args.optim).lower() else str(args.optim), "lr": group["lr"],
         "betas": list(group["betas"]), "eps": group["eps"], "weight_decay": group["weight_decay"],
         "scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)), "warmup_steps": int(args.warmup_steps),
@@ -402,12 +409,13 @@ WORKLOAD = Workload(
     baseline="posttrain",
     write_data=write_prompts,
     step_flops=step_flops,
-    rows_per_step=SAMPLES,
+    rows_per_step=samples_per_step,
     flops_rule="4 x forward over every sequence's prompt + completion tokens: generation 1x, training 3x "
                "(on policy: no previous-policy pass)",
     options={"form": {"choices": ("skewed", "dense"), "default": "skewed",
                       "help": f"skewed: completions stop at EOS (rate {EOS_RATE} per token); dense: all 64 tokens"},
              "trl_best": {"choices": tuple(TRL_BEST), "default": "cpu", "help": "trl-best's options (grpo.TRL_BEST)"},
+             "prompts": {"type": int, "default": PROMPTS, "help": f"prompts per step ({GENERATIONS} generations each)"},
              "latency": {"type": float, "default": 0.0, "help": "seconds every environment call waits (posttrain sides)"},
              "turns": {"type": int, "default": 1, "help": "assistant turns per episode (posttrain sides)"},
              "activation_checkpointing": {"action": "store_true",

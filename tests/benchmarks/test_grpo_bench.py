@@ -1,7 +1,7 @@
 """The GRPO benchmark's own pieces (benchmarks/grpo.py, grpo_reward.py, common.set_eos_rate):
 the EOS-rate edit gives the intended rate, the settings check catches different prompts but
 not the different samples each side draws, the floor rule is 4 forward passes, the reward
-varies within a group. Fast: the tiny model, no Ray, no TRL run."""
+varies within a group, ``--prompts`` sizes the steps and the data. Fast: the tiny model, no Ray, no TRL run."""
 
 from __future__ import annotations
 
@@ -119,3 +119,13 @@ def test_reward_plugin_folder_declares_the_entry_point(tmp_path):
     dist = next(importlib.metadata.distributions(path=[str(folder)]))
     (entry,) = dist.entry_points
     assert (entry.group, entry.name, entry.value) == ("posttrain", "bench_reward", "grpo_reward")
+
+
+def test_prompts_option_sets_the_rows_per_step_and_the_data(tmp_path):
+    """``--prompts 3``: 3 x 8 rows per step in the spec, and 3 prompts for each of the warm-up
+    and timed steps in the data file."""
+    args = common.parse_args(grpo.WORKLOAD, ["--model", "tiny", "--prompts", "3", "--steps", "2"])
+    spec = common.make_spec(grpo.WORKLOAD, args, tmp_path)
+    assert (spec["prompts"], spec["rows_per_step"]) == (3, 3 * grpo.GENERATIONS)
+    assert len(Path(spec["data"]).read_text().splitlines()) == 3 * (1 + 2)
+    assert grpo.common_settings(spec)["num_prompts"] == 3

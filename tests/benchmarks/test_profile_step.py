@@ -27,9 +27,10 @@ def spec_path(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("profile_step")
     spec = {"workload": "grpo", "model": "tiny", "steps": 2, "warmup": 1, "max_len": 128, "lr": 1e-6, "seed": 0,
-            "rows_per_step": grpo.SAMPLES, "threads": 2, "workdir": str(folder), "form": "skewed",
+            "prompts": grpo.PROMPTS, "threads": 2, "workdir": str(folder), "form": "skewed",
             "model_dir": str(build_tiny_model(folder / "model", size="tiny", seed=0)),
             "data": str(folder / "train.jsonl")}
+    spec["rows_per_step"] = grpo.samples_per_step(spec)
     grpo.write_prompts(spec, Path(spec["data"]))
     path = folder / "spec.json"
     path.write_text(json.dumps(spec))
