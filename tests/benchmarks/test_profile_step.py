@@ -16,24 +16,18 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import common  # noqa: E402
 import grpo  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def spec_path(tmp_path_factory) -> Path:
-    """A GRPO benchmark spec as ``benchmarks/grpo.py --model tiny --steps 2`` writes it: one
-    warm-up and two timed steps, so its data holds three batches."""
-    from posttrain.models.tiny import build_tiny_model
-
+    """The spec ``benchmarks/grpo.py --model tiny --steps 2 --max-len 128`` writes
+    (:func:`common.make_spec`): one warm-up and two timed steps, so its data holds three batches."""
     folder = tmp_path_factory.mktemp("profile_step")
-    spec = {"workload": "grpo", "model": "tiny", "steps": 2, "warmup": 1, "max_len": 128, "lr": 1e-6, "seed": 0,
-            "prompts": grpo.PROMPTS, "threads": 2, "workdir": str(folder), "form": "skewed",
-            "model_dir": str(build_tiny_model(folder / "model", size="tiny", seed=0)),
-            "data": str(folder / "train.jsonl")}
-    spec["rows_per_step"] = grpo.samples_per_step(spec)
-    grpo.write_prompts(spec, Path(spec["data"]))
+    args = common.parse_args(grpo.WORKLOAD, ["--model", "tiny", "--steps", "2", "--max-len", "128"])
     path = folder / "spec.json"
-    path.write_text(json.dumps(spec))
+    path.write_text(json.dumps(common.make_spec(grpo.WORKLOAD, args, folder)))
     return path
 
 
