@@ -17,7 +17,9 @@ them in the worker on first use. A logprob pass then also carries a
 :class:`~posttrain.backend.work.ResultSink`, and the worker writes its results back to the
 plane (through :meth:`posttrain.distributed.Worker.run_work`, which calls
 :meth:`RankWork.run`), so no logprob tensor reaches the driver. Workers need no code for
-this: they read ``work.batch`` as always. Without a handle (the in-memory plane) the driver
+this: they read ``work.batch`` as always. :meth:`ShardedPolicy.map_into` likewise sends each
+replica's writing rank the keys of a contiguous shard (:meth:`PolicyWorker.map_shard`), and
+only the map's sums come back. Without a handle (the in-memory plane) the driver
 materialises the batch and runs the ordinary pass.
 """
 
@@ -37,7 +39,7 @@ from posttrain.config.schema import RunConfig
 from posttrain.config.validate import where_set
 from posttrain.distributed import WorkerGroup
 from posttrain.errors import ConfigError, PluginError
-from posttrain.interfaces.data_plane import PlaneSamples
+from posttrain.interfaces.data_plane import PlaneSamples, SampleMap
 from posttrain.interfaces.generation import RefitStats, WeightEndpoint
 from posttrain.interfaces.loss import LossFunction, combine_metrics
 from posttrain.interfaces.policy import Policy
@@ -169,6 +171,21 @@ class ShardedPolicy(Policy):
         if samples.plane.worker_handle() is None:
             return super().topk_into(samples, k, fields)
         self._pass_into(samples, self.config.policy.logprob_micro_batch_size, dict(fields), PolicyWorker.topk, k)
+
+    def map_into(self, samples: PlaneSamples, fn: SampleMap) -> dict[str, float]:
+        handle = samples.plane.worker_handle()
+        if handle is None:
+            return super().map_into(samples, fn)
+        n, keys = len(samples), samples.keys
+        bounds = [n * d // self.dp_size for d in range(self.dp_size + 1)]
+        shards = [ShardRef(handle, samples.partition, keys[bounds[d]:bounds[d + 1]], samples.fields)
+                  for d in range(self.dp_size)]
+        results = self.group.run_sharded(PolicyWorker.map_shard, shards, fn, self.result_ranks, shard_of_rank=self._dp_rank)
+        sums: dict[str, float] = {}
+        for result in (results[r] for r in self.result_ranks):
+            for name, value in (result or {}).items():
+                sums[name] = sums.get(name, 0.0) + value
+        return sums
 
     def _pass_into(
         self, samples: PlaneSamples, micro_batch_size: int, fields: Mapping[str, str],

@@ -47,10 +47,11 @@ from typing import Any, ClassVar, NotRequired, TypedDict
 import torch
 
 from posttrain.backend.weight_sync import BroadcastEndpoint, GatheredWeights, ParamMeta, SendStats, WeightSender
-from posttrain.backend.work import RankWork
+from posttrain.backend.work import RankWork, ShardRef
 from posttrain.batch import Batch
 from posttrain.distributed import Worker
 from posttrain.errors import CheckpointError
+from posttrain.interfaces.data_plane import SampleMap
 from posttrain.interfaces.loss import LossFunction
 
 
@@ -118,6 +119,12 @@ class PolicyWorker(Worker, abc.ABC):
         on) unless ``eval_mode``; the reported ``lr`` is the one the step used (read before
         the scheduler steps). A rank that does not stand for its replica returns None or a
         dict with only ``step_time_s`` (and ``grad_norm``)."""
+
+    def map_shard(self, shard: ShardRef, fn: SampleMap, writers: list[int]) -> dict[str, float] | None:
+        """Map this replica's ``shard`` with ``fn`` in place in the plane (:meth:`ShardRef.map`)
+        and return the sums, on the rank of ``writers`` (one per replica); None on the other
+        ranks. Not collective, and backends need not override it."""
+        return shard.map(fn) if self.rank in writers else None
 
     # ------------------------------------------------------------------ state (collective)
 

@@ -24,7 +24,7 @@ from posttrain.batch import (
     token_budget_microbatches,
 )
 from posttrain.config.schema import PolicyConfig
-from posttrain.interfaces.data_plane import PlaneSamples, WorkerPlaneHandle
+from posttrain.interfaces.data_plane import PlaneSamples, SampleMap, WorkerPlaneHandle
 
 
 @attrs.frozen
@@ -111,6 +111,16 @@ class ShardRef:
             return batch
         row = {key: i for i, key in enumerate(distinct)}
         return batch.select([row[key] for key in self.keys])
+
+    def map(self, fn: SampleMap) -> dict[str, float]:
+        """Apply ``fn`` to the shard, fetched by this process, and write the fields it returns
+        back under the shard's keys (which must be distinct); return its sums. An empty
+        shard fetches nothing and sums to nothing."""
+        if not self.keys:
+            return {}
+        fields, sums = fn(self.fetch())
+        self.handle.open().put(self.partition, list(self.keys), fields)
+        return dict(sums)
 
 
 @attrs.frozen

@@ -1,7 +1,7 @@
 """The abstract interfaces plugins implement. Algorithms talk only to these."""
 
 from posttrain.interfaces.algorithm import Algorithm
-from posttrain.interfaces.data_plane import DataPlane, PlaneSamples, WorkerPlaneHandle
+from posttrain.interfaces.data_plane import DataPlane, PlaneSamples, SampleMap, WorkerPlaneHandle
 from posttrain.interfaces.environment import Environment, EnvironmentReturn, Message
 from posttrain.interfaces.generation import Generation, RefitStats
 from posttrain.interfaces.loss import LossFunction, LossType, combine_metrics
@@ -21,6 +21,7 @@ __all__ = [
     "PlaneSamples",
     "Policy",
     "RefitStats",
+    "SampleMap",
     "WorkerPlaneHandle",
     "combine_metrics",
 ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -104,3 +104,18 @@ class PlaneSamples:
         if size <= 0:
             raise ValueError(f"chunk size must be positive, got {size}")
         return [attrs.evolve(self, keys=self.keys[start:start + size]) for start in range(0, len(self.keys), size)]
+
+
+class SampleMap(Protocol):
+    """A per-sample computation on plane samples, run next to the data by
+    :meth:`posttrain.interfaces.Policy.map_into`.
+
+    Called on a :class:`~posttrain.batch.Batch` holding some of the samples (any subset, in
+    any order: each worker maps its own shard), it returns the fields to write for those
+    samples (first dimension the batch's) and sums over them that add up over any split of
+    the samples (counts and totals, from which the caller forms means). A sample's fields
+    must depend on that sample's rows alone. It is pickled to the workers: make it a
+    module-level class or function.
+    """
+
+    def __call__(self, batch: Batch) -> tuple[dict[str, torch.Tensor], dict[str, float]]: ...

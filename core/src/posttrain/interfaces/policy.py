@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from posttrain.batch import Batch
-from posttrain.interfaces.data_plane import PlaneSamples
+from posttrain.interfaces.data_plane import PlaneSamples, SampleMap
 from posttrain.interfaces.generation import RefitStats, WeightEndpoint
 from posttrain.interfaces.loss import LossFunction
 
@@ -118,6 +118,16 @@ class Policy(abc.ABC):
         if missing:
             raise KeyError(f"{type(self).__name__}.get_topk_logits gives no {', '.join(missing)}")
         samples.put({field: result[source] for field, source in fields.items()})
+
+    def map_into(self, samples: PlaneSamples, fn: SampleMap) -> dict[str, float]:
+        """Apply the per-sample ``fn`` to ``samples`` (read as ``samples.fields``), write the
+        fields it returns into their data plane, and return its sums added over the samples
+        (no per-token tensor comes back). This default runs ``fn`` on ``samples.get()`` in the
+        calling process, then puts; a policy whose workers can reach the plane lets each of
+        them map its own shard, and adds their sums."""
+        fields, sums = fn(samples.get())
+        samples.put(fields)
+        return dict(sums)
 
     def train_from(self, samples: PlaneSamples, loss_fn: LossFunction, *, eval_mode: bool = False) -> dict[str, float]:
         """:meth:`train` on ``samples.get()``; a policy whose workers can reach the plane may let

@@ -1,6 +1,7 @@
 """GAE and the critic's loss against float64 references written out per sample and per
 token: gaps between turns, samples of different lengths, terminal values, value clipping
-(loss and gradient), whitening; and the ``ppo`` section's checks."""
+(loss and gradient); the estimate and the whitening computed shard by shard (as the critic's
+workers do) equal to the whole batch's; and the ``ppo`` section's checks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from posttrain.batch import Batch
 from posttrain.config import config_from_dict
 from posttrain.errors import ConfigError
-from posttrain_ppo.gae import gae, state_values, whiten
+from posttrain_ppo.gae import AdvantageEstimate, Whitening, gae, state_values, whitening_stats
 from posttrain_ppo.loss import ValueLoss
 
 
@@ -57,13 +58,65 @@ def test_state_values_are_the_critics_outputs_one_position_earlier():
     assert state_values(values).tolist() == [[0.0, 1.0, 2.0, 3.0]]
 
 
-def test_whitening_uses_valid_tokens_only():
-    advantages = torch.tensor([[0.0, 1.0, 2.0, 9.0], [3.0, 4.0, 0.0, 0.0]], dtype=torch.float64)
-    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.float64)
-    out = whiten(advantages, mask)
-    valid = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
-    want = (valid - valid.mean()) / (valid.std() + 1e-8)
-    assert out[mask > 0].tolist() == pytest.approx(want.tolist()) and (out[mask == 0] == 0).all()
+def rollout_batch(seed: int, n: int = 7, width: int = 10) -> Batch:
+    """Critic outputs, rewards and masks of ``n`` samples: actions in one or two runs, one
+    sample masked out of the step (``sample_mask`` 0)."""
+    g = torch.Generator().manual_seed(seed)
+    token_mask = torch.zeros(n, width)
+    for i in range(n):
+        start = int(torch.randint(1, 4, (), generator=g))
+        token_mask[i, start:start + 3] = 1
+        if i % 2:
+            token_mask[i, start + 5:width] = 1  # a second turn after an observation
+    return Batch(
+        critic_values=torch.randn(n, width, generator=g),
+        shaped_rewards=torch.randn(n, generator=g),
+        token_mask=token_mask,
+        sample_mask=torch.tensor([1.0] * (n - 2) + [0.0, 1.0]),
+    )
+
+
+def map_in_shards(fn, batch: Batch, shards: list[list[int]]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """``fn`` on each shard of rows, as workers run it: the fields put back in row order, the sums added."""
+    fields: dict[str, torch.Tensor] = {}
+    sums: dict[str, float] = {}
+    for rows in shards:
+        out, part = fn(batch.select(rows))
+        for name, value in out.items():
+            fields.setdefault(name, torch.zeros((len(batch), *value.shape[1:]), dtype=value.dtype))[rows] = value
+        for name, value in part.items():
+            sums[name] = sums.get(name, 0.0) + value
+    return fields, sums
+
+
+@pytest.mark.parametrize("shards", [[list(range(7))], [[0, 1, 2], [3, 4, 5, 6]], [[6, 1], [4], [0, 5, 2, 3]]])
+def test_the_estimate_and_its_whitening_by_shards_equal_the_whole_batchs(shards):
+    batch = rollout_batch(seed=len(shards))
+    values = state_values(batch["critic_values"])
+    advantages, returns = gae(values, batch["shaped_rewards"], batch["token_mask"], 0.99, 0.9)
+    valid = (batch["token_mask"] * batch["sample_mask"][:, None]) > 0
+    mean, std = advantages[valid].double().mean(), advantages[valid].double().std()
+
+    fields, sums = map_in_shards(AdvantageEstimate("critic_values", 0.99, 0.9), batch, shards)
+    assert torch.equal(fields["advantages"], advantages) and torch.equal(fields["returns"], returns)
+    assert torch.equal(fields["old_values"], values)
+    assert sums["tokens"] == float(valid.sum()) < float(batch["token_mask"].sum())  # sample 5 is masked out
+    assert sums["returns"] / sums["tokens"] == pytest.approx(float(returns[valid].double().mean()), rel=1e-9)
+    assert sums["values"] / sums["tokens"] == pytest.approx(float(values[valid].double().mean()), rel=1e-9)
+    assert whitening_stats(sums) == pytest.approx((float(mean), float(std)), rel=1e-9)
+
+    estimated = Batch(**batch.fields(["token_mask", "sample_mask"]), advantages=advantages)
+    whitened, nothing = map_in_shards(Whitening(*whitening_stats(sums)), estimated, shards)
+    assert nothing == {}
+    want = torch.where(valid, (advantages - mean.float()) / (std.float() + 1e-8), 0.0)
+    torch.testing.assert_close(whitened["advantages"], want, rtol=1e-6, atol=1e-6)
+    assert float(whitened["advantages"][valid].double().mean()) == pytest.approx(0.0, abs=1e-6)
+    assert float(whitened["advantages"][valid].double().std()) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_whitening_stats_with_fewer_than_two_tokens():
+    assert whitening_stats({"tokens": 0.0, "advantages": 0.0, "advantages_sq": 0.0}) == (0.0, 0.0)
+    assert whitening_stats({"tokens": 1.0, "advantages": 2.5, "advantages_sq": 6.25}) == (2.5, 0.0)
 
 
 @pytest.mark.parametrize("clip", [None, 0.2])

@@ -24,6 +24,7 @@ from posttrain.distributed import VirtualCluster  # noqa: E402
 from posttrain.interfaces import PlaneSamples  # noqa: E402
 from posttrain.plugins import new_plugin_host  # noqa: E402
 from posttrain_dtensor.policy import DTensorPolicy  # noqa: E402
+from posttrain_ppo.gae import AdvantageEstimate, Whitening, whitening_stats  # noqa: E402
 from posttrain_sft.loss import NLLLoss  # noqa: E402
 from posttrain_transferqueue.runtime import controller_running  # noqa: E402
 
@@ -148,7 +149,8 @@ def test_a_critics_workers_write_its_values_into_the_plane(
     ray_cluster: Any, tiny_model_path: str, queue: Any, tmp_path: Path, monkeypatch
 ) -> None:
     """``values_into`` (PPO's critic pass): the workers write the values, the driver receives
-    none of them; equal to the in-memory path and to ``get_values`` on the batch."""
+    none of them; equal to the in-memory path and to ``get_values`` on the batch. Then
+    ``map_into`` (PPO's advantage estimate and whitening) on the same workers."""
     critic, cluster = two_worker_policy(tiny_model_path, str(tmp_path / "run"), head="value")
     try:
         batch = samples_batch()
@@ -164,6 +166,27 @@ def test_a_critics_workers_write_its_values_into_the_plane(
         assert torch.equal(expected["critic_values"], direct)
         assert direct.abs().sum() > 0
         assert torch.equal(found["critic_values"], expected["critic_values"])
+
+        # PPO's advantage estimate, mapped by the critic's workers over their shards: the driver
+        # receives sums only; fields and sums equal the in-memory path's (one map over all rows).
+        rewards = torch.tensor([1.0, -2.0, 0.5, 3.0, 0.0])
+        inputs = ["critic_values", "shaped_rewards", "token_mask", "sample_mask"]
+        sums, before = [], len(returned)
+        for plane in (memory, queue):
+            plane.put("train/3", keys, {"shaped_rewards": rewards})
+            sums.append(critic.map_into(PlaneSamples(plane, "train/3", keys, inputs), AdvantageEstimate("critic_values", 1.0, 0.9)))
+            mean, std = whitening_stats(sums[-1])
+            critic.map_into(PlaneSamples(plane, "train/3", keys, ["advantages", "token_mask", "sample_mask"]), Whitening(mean, std))
+        # the in-memory maps run in the driver; each TransferQueue map returns one dict of floats per worker
+        assert len(returned) == before + 2
+        for results in returned[before:]:
+            assert all(isinstance(r, dict) and all(isinstance(v, float) for v in r.values()) for r in results), results
+        assert sums[1] == pytest.approx(sums[0], rel=1e-12) and sums[0]["tokens"] == float(batch["token_mask"][[0, 1, 3, 4]].sum())
+        outputs = ["advantages", "returns", "old_values"]
+        expected, found = memory.get("train/3", keys, outputs), queue.get("train/3", keys, outputs)
+        for name in outputs:
+            torch.testing.assert_close(found[name], expected[name], rtol=1e-6, atol=1e-7)
+        assert expected["advantages"].abs().sum() > 0
         queue.clear("train/3")
     finally:
         critic.shutdown()

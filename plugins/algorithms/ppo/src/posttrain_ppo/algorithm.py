@@ -10,7 +10,8 @@ added::
       -> GAE (ppo.gamma, ppo.lam) over the generated tokens, the reward (grpo's scaled and
          shaped reward) at each sample's last token -> per-token advantages (whitened with
          ppo.normalize_advantages) and returns -> the data plane, in place of GRPO's group
-         advantages
+         advantages; computed by the critic's workers where they reach the plane
+         (:mod:`posttrain_ppo.gae`), the driver holding only sums
       -> policy.train(clipped_pg) on those advantages (GRPO's loss, unchanged)
       -> critic.train(value loss with ppo.value_clip) on the returns, one optimizer step per
          ppo.critic.train_global_batch_size samples
@@ -35,7 +36,7 @@ from posttrain.run.metrics import combine_train_passes
 from posttrain_grpo.algorithm import GRPO, GRPORun
 from posttrain_grpo.step import LOGPROB_FIELDS
 from posttrain_ppo.config import PPOConfig
-from posttrain_ppo.gae import gae, state_values, whiten
+from posttrain_ppo.gae import AdvantageEstimate, Whitening, whitening_stats
 from posttrain_ppo.loss import ValueLoss
 
 #: Where a checkpoint keeps the critic.
@@ -107,23 +108,22 @@ class PPORun(GRPORun):
 
     def add_logprobs(self, partition: str, keys: list[str]) -> None:
         """GRPO's logprob passes, then the critic's values and the GAE advantages and returns,
-        written into the partition (the advantages replace GRPO's)."""
+        written into the partition (the advantages replace GRPO's). The critic's workers read
+        the samples from the plane and write the results themselves where they can reach it;
+        the driver receives the sums that the metrics and the whitening need."""
         super().add_logprobs(partition, keys)
-        # the critic's workers read the samples from the plane themselves where they can reach it
         self.critic.values_into(PlaneSamples(self.plane, partition, keys, LOGPROB_FIELDS), CRITIC_OUTPUT)
-        batch = self.plane.get(partition, keys, [CRITIC_OUTPUT, "shaped_rewards", "token_mask", "sample_mask"])
-        values = state_values(batch[CRITIC_OUTPUT])
         ppo = self.ppo
-        advantages, returns = gae(values, batch["shaped_rewards"], batch["token_mask"], ppo.gamma, ppo.lam)
-        valid = batch["token_mask"] * batch["sample_mask"][:, None]
-        self.advantage_metrics = {
-            "ppo/advantages_mean": float((advantages * valid).sum() / valid.sum().clamp(min=1)),
-            "ppo/returns_mean": float((returns * valid).sum() / valid.sum().clamp(min=1)),
-            "ppo/values_mean": float((values * valid).sum() / valid.sum().clamp(min=1)),
-        }
+        masks = ["token_mask", "sample_mask"]
+        sums = self.critic.map_into(
+            PlaneSamples(self.plane, partition, keys, [CRITIC_OUTPUT, "shaped_rewards", *masks]),
+            AdvantageEstimate(CRITIC_OUTPUT, ppo.gamma, ppo.lam),
+        )
+        tokens = max(sums["tokens"], 1.0)
+        self.advantage_metrics = {f"ppo/{name}_mean": sums[name] / tokens for name in ("advantages", "returns", "values")}
         if ppo.normalize_advantages:
-            advantages = whiten(advantages, valid)
-        self.plane.put(partition, keys, {"advantages": advantages, "returns": returns, "old_values": values})
+            mean, std = whitening_stats(sums)
+            self.critic.map_into(PlaneSamples(self.plane, partition, keys, ["advantages", *masks]), Whitening(mean, std))
 
     def optimize(self, step: int, samples: PlaneSamples) -> dict[str, float]:
         """The policy's optimizer steps (GRPO's), then the critic's on the same samples."""

@@ -11,11 +11,23 @@ the others; the state after the last action is terminal (value 0). Then
     returns_i = A_i + V_i,
 
 written at each action's position; 0 elsewhere.
+
+In a run the estimate is computed next to the data (the critic's workers, through
+:meth:`~posttrain.interfaces.Policy.map_into`), sample by sample: :class:`AdvantageEstimate`
+writes each sample's advantages and returns and sums what the step's whitening needs;
+:func:`whitening_stats` forms the mean and standard deviation over the step's valid tokens
+from those sums, and :class:`Whitening` applies them, again sample by sample. The driver
+holds only the sums.
 """
 
 from __future__ import annotations
 
+import math
+
+import attrs
 import torch
+
+from posttrain.batch import Batch
 
 
 def state_values(values: torch.Tensor) -> torch.Tensor:
@@ -48,11 +60,53 @@ def gae(
     return advantages, returns
 
 
-def whiten(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``(A - mean) / (std + 1e-8)`` over the positions where ``mask`` > 0 (0 elsewhere); std
-    with Bessel's correction, 0 when fewer than 2 positions."""
-    valid = mask > 0
-    count = valid.sum()
-    mean = advantages[valid].mean()
-    std = advantages[valid].std() if count > 1 else advantages.new_zeros(())
-    return torch.where(valid, (advantages - mean) / (std + 1e-8), 0.0)
+@attrs.frozen
+class AdvantageEstimate:
+    """A :class:`~posttrain.interfaces.SampleMap`: :func:`gae` of each sample from the critic's
+    outputs ``values_field``, ``shaped_rewards`` and ``token_mask``. Writes ``advantages``,
+    ``returns`` and ``old_values`` (the state values, :func:`state_values`); sums, over the valid
+    tokens (``token_mask`` of samples whose ``sample_mask`` is 1), in float64: ``tokens``, and
+    the ``advantages``, their squares (``advantages_sq``), ``returns`` and ``values``."""
+
+    values_field: str
+    gamma: float
+    lam: float
+
+    def __call__(self, batch: Batch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        values = state_values(batch[self.values_field])
+        advantages, returns = gae(values, batch["shaped_rewards"], batch["token_mask"], self.gamma, self.lam)
+        valid = (batch["token_mask"] * batch["sample_mask"][:, None]).double()
+        totals = {
+            "tokens": valid,
+            "advantages": advantages.double() * valid,
+            "advantages_sq": advantages.double().square() * valid,
+            "returns": returns.double() * valid,
+            "values": values.double() * valid,
+        }
+        sums = {name: float(total.sum()) for name, total in totals.items()}
+        return {"advantages": advantages, "returns": returns, "old_values": values}, sums
+
+
+def whitening_stats(sums: dict[str, float]) -> tuple[float, float]:
+    """``(mean, std)`` of the advantages over the valid tokens, from the added sums of
+    :class:`AdvantageEstimate`; std with Bessel's correction, 0 with fewer than 2 tokens."""
+    n = sums["tokens"]
+    if n == 0:
+        return 0.0, 0.0
+    mean = sums["advantages"] / n
+    variance = max(sums["advantages_sq"] - n * mean * mean, 0.0) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(variance)
+
+
+@attrs.frozen
+class Whitening:
+    """A :class:`~posttrain.interfaces.SampleMap`: ``advantages`` become ``(A - mean) / (std +
+    1e-8)`` at the valid tokens (as :class:`AdvantageEstimate` counts them), 0 elsewhere."""
+
+    mean: float
+    std: float
+
+    def __call__(self, batch: Batch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        valid = (batch["token_mask"] * batch["sample_mask"][:, None]) > 0
+        advantages = batch["advantages"]
+        return {"advantages": torch.where(valid, (advantages - self.mean) / (self.std + 1e-8), 0.0)}, {}
