@@ -202,7 +202,8 @@ class DTensorPolicyWorker(PolicyWorker):
     def _microbatch_values(self, mb: Batch, batching: Batching) -> torch.Tensor:
         """Value-head outputs [b, S] of a microbatch on the device, in float32, 0 on padding."""
         rows = self._rows(mb, batching)
-        values = self._forward(rows, lambda h, w: (h.float() @ w.float().T)[..., 0])
+        # [.., H] @ [H]: a new tensor; FSDP2 warns when the root module returns a view (e.g. of a [.., 1] product)
+        values = self._forward(rows, lambda h, w: h.float() @ w.float()[0])
         keep = torch.arange(rows.width)[None, :] < mb["input_lengths"][:, None]
         return torch.where(keep.to(self.device), rows.to_samples(values), 0.0)
 
