@@ -74,6 +74,7 @@ from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
 from posttrain.run.metrics import StageTimer, combine_train_passes
 from posttrain.run.refit import refit
 from posttrain.run.rounds import RoundProducer, SharedPlane
+from posttrain.run.startup import Startup
 from posttrain_eval.evaluate import PromptRollout, validate_greedy
 from posttrain_grpo.config import GRPOConfig
 from posttrain_grpo.dynamic_sampling import DynamicSampler
@@ -149,7 +150,7 @@ class GRPORun(LoopSteps):
     :meth:`start_services` starts the workers, engines, environments and data plane the steps use.
 
     An algorithm built on GRPO's loop (PPO) subclasses it: :attr:`label` names it, and it may
-    add to :meth:`start_services`, :meth:`add_logprobs` (what the step computes before
+    add to :meth:`start_services` (its own parts, started with GRPO's: :meth:`start_more`), :meth:`add_logprobs` (what the step computes before
     training), :meth:`optimize` and :meth:`training_state`."""
 
     label = "GRPO"
@@ -215,6 +216,7 @@ class GRPORun(LoopSteps):
         )
         generation = startup.start("generation", lambda: ctx.build_generation(generation_section))
         plane = startup.start("data_plane", lambda: SharedPlane(ctx.build_data_plane()))
+        self.start_more(startup)
         startup.wait()
         self.environments, self.policy = environments.value, policy.value
         self.generation, self.plane = generation.value, plane.value
@@ -233,6 +235,10 @@ class GRPORun(LoopSteps):
                 self.generation, self.environments, self.tokenizer, self.config.policy.max_total_sequence_length,
                 self.grpo.max_rollout_turns, self.chat_template, self.default_task,
             )
+
+    def start_more(self, startup: Startup) -> None:
+        """Start an algorithm's own parts (e.g. PPO's critic) with GRPO's, all at once: its
+        ``startup.start`` calls go here; :meth:`start_services` waits for every part."""
 
     def training_state(self) -> TrainingState:
         """What a checkpoint holds: the policy and the prompt stream's position."""

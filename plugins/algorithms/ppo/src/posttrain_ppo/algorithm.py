@@ -33,6 +33,7 @@ from posttrain.interfaces import PlaneSamples, Policy
 from posttrain.run.checkpoint import TrainingState
 from posttrain.run.context import RunContext
 from posttrain.run.metrics import combine_train_passes
+from posttrain.run.startup import Started, Startup
 from posttrain_grpo.algorithm import GRPO, GRPORun
 from posttrain_grpo.step import LOGPROB_FIELDS
 from posttrain_ppo.config import PPOConfig
@@ -91,17 +92,21 @@ class PPORun(GRPORun):
         critic_steps = max(1, self.grpo.samples_per_step // self.ppo.critic.train_global_batch_size)
         self.critic_schedule_steps = self.plan.total_steps * critic_steps
         self.advantage_metrics: dict[str, float] = {}
+        self._critic: Started[Policy] | None = None
 
-    def start_services(self, cleanup: contextlib.ExitStack) -> None:
-        """GRPO's services, then the critic: ``ppo.critic`` with a value head, on
+    def start_more(self, startup: Startup) -> None:
+        """The critic, started with GRPO's parts: ``ppo.critic`` with a value head, on
         ``policy.model`` unless it names a model of its own."""
-        super().start_services(cleanup)
         section = self.ppo.critic
         critic = attrs.evolve(section, head="value", model=section.model or self.config.policy.model)
-        self.critic = self.ctx.build_policy(
+        self._critic = startup.start("critic", lambda: self.ctx.build_policy(
             schedule_steps=self.critic_schedule_steps, policy=critic, name="critic", reference=False
-        )
-        cleanup.callback(self.critic.shutdown)
+        ))
+
+    def start_services(self, cleanup: contextlib.ExitStack) -> None:
+        super().start_services(cleanup)
+        assert self._critic is not None, "start_services() starts the critic through start_more()"
+        self.critic = self._critic.value
 
     def training_state(self) -> TrainingState:
         return PPOState(self.policy, self.prompts, self.critic)
