@@ -150,8 +150,9 @@ class GRPORun(LoopSteps):
     :meth:`start_services` starts the workers, engines, environments and data plane the steps use.
 
     An algorithm built on GRPO's loop (PPO) subclasses it: :attr:`label` names it, and it may
-    add to :meth:`start_services` (its own parts, started with GRPO's: :meth:`start_more`), :meth:`add_logprobs` (what the step computes before
-    training), :meth:`optimize` and :meth:`training_state`."""
+    add to :meth:`start_services` (its own parts, started with GRPO's: :meth:`start_more`),
+    :meth:`add_logprobs` (what the step computes before training), :meth:`optimize` and
+    :meth:`training_state`."""
 
     label = "GRPO"
 
