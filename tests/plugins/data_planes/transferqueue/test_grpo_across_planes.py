@@ -1,5 +1,6 @@
 """The same GRPO run through the in-memory plane and through TransferQueue logs the same
-metrics at every step.
+metrics at every step; so does the same PPO run, whose advantage estimate the critic's
+workers compute next to the data.
 
 With TransferQueue the policy workers fetch their own shards from the queue and write their
 logprobs back (the driver plans from ``input_lengths`` alone); with the in-memory plane the
@@ -25,6 +26,8 @@ from posttrain.config.schema import DataPlaneConfig, RunConfig, WorkerResources 
 from posttrain.run.context import run_algorithm  # noqa: E402
 from posttrain.run.metrics import read_metrics  # noqa: E402
 from posttrain_grpo.config import ClippedPGConfig, DynamicSamplingConfig, GRPOConfig  # noqa: E402
+from posttrain_ppo.config import PPOConfig  # noqa: E402
+from posttrain_transferqueue.plane import TransferQueueDataPlane  # noqa: E402
 from posttrain_transferqueue.runtime import controller_running  # noqa: E402
 from tests.e2e.test_grpo_e2e import make_config, seven_rows, write_rows  # noqa: E402
 
@@ -34,7 +37,7 @@ pytestmark = [pytest.mark.transferqueue, pytest.mark.ray]
 TIMING_PREFIXES = ("timing/", "throughput/")
 #: Metrics, by exact name, that measure time (``time``: when the record was written);
 #: excluded from the comparison.
-TIMING_NAMES = ("time", "refit/seconds", "step_time_s")
+TIMING_NAMES = ("time", "refit/seconds", "step_time_s", "critic/step_time_s")
 
 
 def untimed(record: dict[str, Any]) -> dict[str, Any]:
@@ -89,3 +92,45 @@ def test_grpo_logs_identical_metrics_with_either_plane(ray_cluster, tiny_model_p
         else:
             assert all(set(r) <= {"loss", "metrics", "num_tokens", "lr", "grad_norm", "step_time_s"} for r in results)
     assert not controller_running(), "the run's TransferQueue (and every partition in it) outlived the run"
+
+
+#: Per-token fields of a PPO step. The driver never fetches them from TransferQueue: the
+#: workers read and write them (it writes the rollout's ``input_ids`` and masks itself).
+PER_TOKEN_FIELDS = {"input_ids", "token_mask", "generation_logprobs", "prev_logprobs", "reference_logprobs",
+                    "critic_values", "returns", "old_values"}
+
+
+def ppo_config(model: str, run_dir: Path, train: str, plane: str) -> RunConfig:
+    """The GRPO run above as PPO, with two data-parallel critic workers (0.25 CPU each)."""
+    config = grpo_config(model, run_dir, train, plane)
+    return attrs.evolve(config, algorithm="ppo", sections={**config.sections, "ppo": PPOConfig(critic=config.policy)})
+
+
+@pytest.mark.slow  # two PPO runs: about a minute on 2 shared cores
+def test_ppo_logs_identical_metrics_with_either_plane(ray_cluster, tiny_model_path, tmp_path, monkeypatch):
+    train = write_rows(tmp_path / "train.jsonl", seven_rows(64))
+    run_algorithm(ppo_config(tiny_model_path, tmp_path / "memory", train, "memory"))
+
+    fetched: list[set[str]] = []  # the fields of every read the driver makes from TransferQueue
+    get = TransferQueueDataPlane.get
+
+    def recording(self: TransferQueueDataPlane, partition: str, keys: Any, fields: Any) -> Any:
+        fetched.append(set(fields))
+        return get(self, partition, keys, fields)
+
+    monkeypatch.setattr(TransferQueueDataPlane, "get", recording)
+    run_algorithm(ppo_config(tiny_model_path, tmp_path / "tq", train, "transferqueue"))
+
+    memory = read_metrics(tmp_path / "memory" / "metrics.jsonl", "train")
+    queue = read_metrics(tmp_path / "tq" / "metrics.jsonl", "train")
+    assert [r["step"] for r in memory] == [r["step"] for r in queue] == [1, 2]
+    for expected, found in zip(memory, queue, strict=True):
+        # the sums behind the whitening are added over two shards instead of one batch: equal to rounding
+        numbers = {k: v for k, v in untimed(expected).items() if isinstance(v, float)}
+        assert {k: v for k, v in untimed(found).items() if k not in numbers} == {
+            k: v for k, v in untimed(expected).items() if k not in numbers}, f"step {expected['step']}"
+        assert {k: untimed(found)[k] for k in numbers} == pytest.approx(numbers, rel=1e-6, abs=1e-9), expected["step"]
+        assert expected["critic/grad_norm"] > 0 and expected["ppo/values_mean"] != 0
+    assert fetched, "the driver read nothing from TransferQueue"
+    assert all(not (fields & PER_TOKEN_FIELDS) for fields in fetched), fetched
+    assert not controller_running()
