@@ -7,7 +7,8 @@ logprobs back (the driver plans from ``input_lengths`` alone); with the in-memor
 driver materialises every batch. The GRPO loop is the same code in both runs. Two
 data-parallel policy workers and a KL penalty make every pass (reference logprobs, train)
 go through the sharded-by-reference path; dynamic sampling makes every step
-train on groups whose rewards differ, so every step moves the weights.
+train on groups whose rewards differ, so every step moves the weights. In the TransferQueue
+runs the driver reads per-sample fields and lengths only, never a per-token field.
 """
 
 from __future__ import annotations
@@ -57,6 +58,26 @@ def grpo_config(model: str, run_dir: Path, train: str, plane: str) -> RunConfig:
     return attrs.evolve(config, policy=policy, generation=generation)
 
 
+#: Per-token fields of a GRPO or PPO step. The driver never reads them from TransferQueue: the
+#: workers read and write them (the driver writes the rollout's ``input_ids`` and masks itself).
+PER_TOKEN_FIELDS = {"input_ids", "token_mask", "generation_logprobs", "prev_logprobs", "reference_logprobs",
+                    "critic_values", "returns", "old_values"}
+
+
+def record_driver_reads(monkeypatch: pytest.MonkeyPatch) -> list[set[str]]:
+    """The fields of every read the driver makes from TransferQueue from now on (the workers'
+    reads happen in their own processes)."""
+    fetched: list[set[str]] = []
+    get = TransferQueueDataPlane.get
+
+    def recording(self: TransferQueueDataPlane, partition: str, keys: Any, fields: Any) -> Any:
+        fetched.append(set(fields))
+        return get(self, partition, keys, fields)
+
+    monkeypatch.setattr(TransferQueueDataPlane, "get", recording)
+    return fetched
+
+
 @pytest.mark.slow  # two GRPO runs: about 1.5 min on 2 shared cores (test_policy_passes.py is the quick check)
 def test_grpo_logs_identical_metrics_with_either_plane(ray_cluster, tiny_model_path, tmp_path, monkeypatch):
     train = write_rows(tmp_path / "train.jsonl", seven_rows(64))
@@ -72,6 +93,7 @@ def test_grpo_logs_identical_metrics_with_either_plane(ray_cluster, tiny_model_p
         return results
 
     monkeypatch.setattr(ShardedPolicy, "_run_pass", recording)
+    fetched = record_driver_reads(monkeypatch)
     run_algorithm(grpo_config(tiny_model_path, tmp_path / "tq", train, "transferqueue"))
 
     memory = read_metrics(tmp_path / "memory" / "metrics.jsonl", "train")
@@ -91,13 +113,8 @@ def test_grpo_logs_identical_metrics_with_either_plane(ray_cluster, tiny_model_p
             assert results == [None, None], "logprobs reached the driver"
         else:
             assert all(set(r) <= {"loss", "metrics", "num_tokens", "lr", "grad_norm", "step_time_s"} for r in results)
+    assert fetched and all(not (fields & PER_TOKEN_FIELDS) for fields in fetched), fetched
     assert not controller_running(), "the run's TransferQueue (and every partition in it) outlived the run"
-
-
-#: Per-token fields of a PPO step. The driver never fetches them from TransferQueue: the
-#: workers read and write them (it writes the rollout's ``input_ids`` and masks itself).
-PER_TOKEN_FIELDS = {"input_ids", "token_mask", "generation_logprobs", "prev_logprobs", "reference_logprobs",
-                    "critic_values", "returns", "old_values"}
 
 
 def ppo_config(model: str, run_dir: Path, train: str, plane: str) -> RunConfig:
@@ -111,14 +128,7 @@ def test_ppo_logs_identical_metrics_with_either_plane(ray_cluster, tiny_model_pa
     train = write_rows(tmp_path / "train.jsonl", seven_rows(64))
     run_algorithm(ppo_config(tiny_model_path, tmp_path / "memory", train, "memory"))
 
-    fetched: list[set[str]] = []  # the fields of every read the driver makes from TransferQueue
-    get = TransferQueueDataPlane.get
-
-    def recording(self: TransferQueueDataPlane, partition: str, keys: Any, fields: Any) -> Any:
-        fetched.append(set(fields))
-        return get(self, partition, keys, fields)
-
-    monkeypatch.setattr(TransferQueueDataPlane, "get", recording)
+    fetched = record_driver_reads(monkeypatch)
     run_algorithm(ppo_config(tiny_model_path, tmp_path / "tq", train, "transferqueue"))
 
     memory = read_metrics(tmp_path / "memory" / "metrics.jsonl", "train")
@@ -131,6 +141,5 @@ def test_ppo_logs_identical_metrics_with_either_plane(ray_cluster, tiny_model_pa
             k: v for k, v in untimed(expected).items() if k not in numbers}, f"step {expected['step']}"
         assert {k: untimed(found)[k] for k in numbers} == pytest.approx(numbers, rel=1e-6, abs=1e-9), expected["step"]
         assert expected["critic/grad_norm"] > 0 and expected["ppo/values_mean"] != 0
-    assert fetched, "the driver read nothing from TransferQueue"
-    assert all(not (fields & PER_TOKEN_FIELDS) for fields in fetched), fetched
+    assert fetched and all(not (fields & PER_TOKEN_FIELDS) for fields in fetched), fetched
     assert not controller_running()
