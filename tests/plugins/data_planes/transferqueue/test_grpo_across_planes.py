@@ -78,6 +78,14 @@ def record_driver_reads(monkeypatch: pytest.MonkeyPatch) -> list[set[str]]:
     return fetched
 
 
+def both_runs(tmp_path: Path) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The in-memory run's and the TransferQueue run's train records, step by step (steps 1 and 2)."""
+    memory = read_metrics(tmp_path / "memory" / "metrics.jsonl", "train")
+    queue = read_metrics(tmp_path / "tq" / "metrics.jsonl", "train")
+    assert [r["step"] for r in memory] == [r["step"] for r in queue] == [1, 2]
+    return list(zip(memory, queue, strict=True))
+
+
 @pytest.mark.slow  # two GRPO runs: about 1.5 min on 2 shared cores (test_policy_passes.py is the quick check)
 def test_grpo_logs_identical_metrics_with_either_plane(ray_cluster, tiny_model_path, tmp_path, monkeypatch):
     train = write_rows(tmp_path / "train.jsonl", seven_rows(64))
@@ -96,13 +104,11 @@ def test_grpo_logs_identical_metrics_with_either_plane(ray_cluster, tiny_model_p
     fetched = record_driver_reads(monkeypatch)
     run_algorithm(grpo_config(tiny_model_path, tmp_path / "tq", train, "transferqueue"))
 
-    memory = read_metrics(tmp_path / "memory" / "metrics.jsonl", "train")
-    queue = read_metrics(tmp_path / "tq" / "metrics.jsonl", "train")
-    assert [r["step"] for r in memory] == [r["step"] for r in queue] == [1, 2]
-    for expected, found in zip(memory, queue, strict=True):
+    pairs = both_runs(tmp_path)
+    for expected, found in pairs:
         assert untimed(found) == untimed(expected), f"step {expected['step']}"
         assert expected["grad_norm"] > 0
-    assert memory[-1]["kl_penalty"] > 0  # step 2 trained away from the reference: the reference pass counts
+    assert pairs[-1][0]["kl_penalty"] > 0  # step 2 trained away from the reference: the reference pass counts
 
     # Per step, on policy (one optimizer step per batch): no previous-logprob pass (the loss
     # uses the training pass's own logprobs), one reference-logprob pass written by the
@@ -131,10 +137,7 @@ def test_ppo_logs_identical_metrics_with_either_plane(ray_cluster, tiny_model_pa
     fetched = record_driver_reads(monkeypatch)
     run_algorithm(ppo_config(tiny_model_path, tmp_path / "tq", train, "transferqueue"))
 
-    memory = read_metrics(tmp_path / "memory" / "metrics.jsonl", "train")
-    queue = read_metrics(tmp_path / "tq" / "metrics.jsonl", "train")
-    assert [r["step"] for r in memory] == [r["step"] for r in queue] == [1, 2]
-    for expected, found in zip(memory, queue, strict=True):
+    for expected, found in both_runs(tmp_path):
         # the sums behind the whitening are added over two shards instead of one batch: equal to rounding
         numbers = {k: v for k, v in untimed(expected).items() if isinstance(v, float)}
         assert {k: v for k, v in untimed(found).items() if k not in numbers} == {
