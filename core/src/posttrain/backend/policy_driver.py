@@ -181,11 +181,7 @@ class ShardedPolicy(Policy):
         shards = [ShardRef(handle, samples.partition, keys[bounds[d]:bounds[d + 1]], samples.fields)
                   for d in range(self.dp_size)]
         results = self.group.run_sharded(PolicyWorker.map_shard, shards, fn, self.result_ranks, shard_of_rank=self._dp_rank)
-        sums: dict[str, float] = {}
-        for result in (results[r] for r in self.result_ranks):
-            for name, value in (result or {}).items():
-                sums[name] = sums.get(name, 0.0) + value
-        return sums
+        return combine_metrics([results[r] or {} for r in self.result_ranks], {})
 
     def _pass_into(
         self, samples: PlaneSamples, micro_batch_size: int, fields: Mapping[str, str],

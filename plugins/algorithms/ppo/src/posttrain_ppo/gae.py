@@ -60,13 +60,18 @@ def gae(
     return advantages, returns
 
 
+def valid_tokens(batch: Batch) -> torch.Tensor:
+    """1 at the generated tokens (``token_mask``) of samples the step trains on (``sample_mask``), else 0."""
+    return batch["token_mask"] * batch["sample_mask"][:, None]
+
+
 @attrs.frozen
 class AdvantageEstimate:
     """A :class:`~posttrain.interfaces.SampleMap`: :func:`gae` of each sample from the critic's
     outputs ``values_field``, ``shaped_rewards`` and ``token_mask``. Writes ``advantages``,
-    ``returns`` and ``old_values`` (the state values, :func:`state_values`); sums, over the valid
-    tokens (``token_mask`` of samples whose ``sample_mask`` is 1), in float64: ``tokens``, and
-    the ``advantages``, their squares (``advantages_sq``), ``returns`` and ``values``."""
+    ``returns`` and ``old_values`` (the state values, :func:`state_values`); sums over the
+    :func:`valid_tokens`, in float64: ``tokens``, and the ``advantages``, their squares
+    (``advantages_sq``), ``returns`` and ``values``."""
 
     values_field: str
     gamma: float
@@ -75,7 +80,7 @@ class AdvantageEstimate:
     def __call__(self, batch: Batch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         values = state_values(batch[self.values_field])
         advantages, returns = gae(values, batch["shaped_rewards"], batch["token_mask"], self.gamma, self.lam)
-        valid = (batch["token_mask"] * batch["sample_mask"][:, None]).double()
+        valid = valid_tokens(batch).double()
         totals = {
             "tokens": valid,
             "advantages": advantages.double() * valid,
@@ -101,12 +106,12 @@ def whitening_stats(sums: dict[str, float]) -> tuple[float, float]:
 @attrs.frozen
 class Whitening:
     """A :class:`~posttrain.interfaces.SampleMap`: ``advantages`` become ``(A - mean) / (std +
-    1e-8)`` at the valid tokens (as :class:`AdvantageEstimate` counts them), 0 elsewhere."""
+    1e-8)`` at the :func:`valid_tokens`, 0 elsewhere."""
 
     mean: float
     std: float
 
     def __call__(self, batch: Batch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        valid = (batch["token_mask"] * batch["sample_mask"][:, None]) > 0
+        valid = valid_tokens(batch) > 0
         advantages = batch["advantages"]
         return {"advantages": torch.where(valid, (advantages - self.mean) / (self.std + 1e-8), 0.0)}, {}
