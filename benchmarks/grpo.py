@@ -12,6 +12,8 @@ Sides (alternating, each in its own process):
 - ``posttrain-hf``: the same run with the ``hf`` generation backend (posttrain's own batched
   decode, all 128 rows in one batch) instead of vLLM, which on CPU pays a fixed cost per
   decoding step.
+- ``posttrain-inside``: ``posttrain-hf`` with the engine inside the policy's worker
+  (``generation.in_policy_workers``): no engine process, the refit in memory.
 - ``posttrain-apart``: ``posttrain`` with the engine on its own worker
   (``generation.colocated: false``), synchronous: generation and training take turns.
 - ``posttrain-apart-passive``: ``posttrain-apart`` with ``OMP_WAIT_POLICY=PASSIVE`` in the
@@ -164,10 +166,11 @@ def samples_per_step(spec: dict[str, Any]) -> int:
 
 
 def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, colocated: bool = True,
-                   max_staleness_steps: int = 0, split_cores: bool = False, passive: bool = False) -> dict[str, Any]:
+                   in_policy_workers: bool = False, max_staleness_steps: int = 0, split_cores: bool = False,
+                   passive: bool = False) -> dict[str, Any]:
     """Run ``warmup + steps`` GRPO steps with ``run_algorithm`` (rollouts from the
     ``generation_backend``: ``vllm``, or ``hf`` decoding all 128 rows as one batch; the engine
-    ``colocated`` with the policy or on its own worker; asynchronous with
+    ``colocated`` with the policy or on its own worker, or ``in_policy_workers``; asynchronous with
     ``max_staleness_steps`` >= 1; ``split_cores``: the policy's threads on the first half of
     the cores, the vLLM engine's bound to the second half, for a policy and an engine that
     run at the same time; ``passive``: their OpenMP threads sleep when idle,
@@ -203,6 +206,7 @@ def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, co
         "generation": {
             "backend": generation_backend, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0,
             "top_k": None, "ignore_eos": dense, "colocated": colocated,
+            "in_policy_workers": in_policy_workers,
             "resources": {"cpus": threads - policy_threads if split_cores else threads, "env_vars": {**engine_env, **wait}},
             **({"hf": {"max_batch_size": samples}} if generation_backend == "hf" else {}),
         },
@@ -399,6 +403,7 @@ WORKLOAD = Workload(
         "posttrain": posttrain_grpo,
         "trl-default": lambda spec: trl_grpo(spec, best=False),
         "posttrain-hf": lambda spec: posttrain_grpo(spec, "hf"),
+        "posttrain-inside": lambda spec: posttrain_grpo(spec, "hf", in_policy_workers=True),
         "trl-best": lambda spec: trl_grpo(spec, best=True),
         "posttrain-apart": lambda spec: posttrain_grpo(spec, colocated=False),
         "posttrain-apart-passive": lambda spec: posttrain_grpo(spec, colocated=False, passive=True),

@@ -181,23 +181,26 @@ def test_resumed_run_matches_an_uninterrupted_one(ray_cluster, tiny_model_path, 
 
 
 @pytest.mark.slow
-def test_generation_on_its_own_workers_logs_the_colocated_runs_metrics(ray_cluster, tiny_model_path, tmp_path):
+def test_where_the_engine_runs_does_not_change_the_metrics(ray_cluster, tiny_model_path, tmp_path):
     """``generation.colocated: false``: the engine keeps its own CPU worker (no offload or
     sleep between stages) and gets every step's weights by the same worker-to-worker sync;
-    the run's metrics equal the colocated run's, step by step."""
+    ``generation.in_policy_workers``: the engine runs inside the policy's worker and the
+    refit loads the weights in memory. Both runs' metrics equal the colocated run's, step by
+    step."""
     train = write_rows(tmp_path / "train.jsonl", seven_rows(40))
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=8, max_num_steps=3)
+    placements = {"colocated": {}, "apart": {"colocated": False}, "in_policy": {"in_policy_workers": True}}
     runs = {}
-    for colocated in (True, False):
-        config = make_config(tiny_model_path, tmp_path / f"colocated_{colocated}", train, grpo)
-        config = attrs.evolve(config, generation=attrs.evolve(config.generation, colocated=colocated))
-        run_algorithm(config)
-        runs[colocated] = read_metrics(tmp_path / f"colocated_{colocated}" / "metrics.jsonl", "train")
-    assert [r["step"] for r in runs[False]] == [r["step"] for r in runs[True]] == [1, 2, 3]
-    for together, apart in zip(runs[True], runs[False], strict=True):
-        assert comparable(apart) == comparable(together), f"step {together['step']}"
+    for name, settings in placements.items():
+        config = make_config(tiny_model_path, tmp_path / name, train, grpo)
+        run_algorithm(attrs.evolve(config, generation=attrs.evolve(config.generation, **settings)))
+        runs[name] = read_metrics(tmp_path / name / "metrics.jsonl", "train")
+    for name in ("apart", "in_policy"):
+        assert [r["step"] for r in runs[name]] == [1, 2, 3], name
+        for together, other in zip(runs["colocated"], runs[name], strict=True):
+            assert comparable(other) == comparable(together), f"{name}, step {together['step']}"
     # the runs trained (a step whose groups all scored alike has no gradient) and refit
-    assert max(r["grad_norm"] for r in runs[True]) > 0 and runs[True][-1]["refit/bytes"] > 0
+    assert max(r["grad_norm"] for r in runs["colocated"]) > 0 and runs["colocated"][-1]["refit/bytes"] > 0
 
 
 class RecordingPlane(MemoryDataPlane):

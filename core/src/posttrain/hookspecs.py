@@ -51,7 +51,10 @@ class PolicyBackendFactory(Protocol):
 
 class GenerationBackendFactory(Protocol):
     """``factory(config, cluster)``: start a generation backend's engines on ``cluster`` and
-    return its :class:`~posttrain.interfaces.Generation`."""
+    return its :class:`~posttrain.interfaces.Generation`. A backend whose config section
+    declares ``runs_in_policy_workers`` is called as ``factory(config, cluster, host=policy)``
+    when ``generation.in_policy_workers`` is set: it builds its engines inside the policy's
+    workers (:meth:`~posttrain.interfaces.Policy.host_engines`)."""
 
     def __call__(self, config: RunConfig, cluster: VirtualCluster, /) -> Generation: ...
 

@@ -22,13 +22,15 @@ from typing import Any
 import attrs
 import torch
 
+from posttrain.backend.hosted import HostedEndpoint, HostedGroup
 from posttrain.backend.sampling import sample_seeds
-from posttrain.backend.weight_sync import BroadcastEndpoint, TransferInit
+from posttrain.backend.weight_sync import BroadcastEndpoint, ParamMeta, TransferInit
 from posttrain.batch import Batch
 from posttrain.config.schema import GenerationConfig, RunConfig, WorkerResources
 from posttrain.distributed import VirtualCluster, Worker, WorkerGroup
 from posttrain.errors import ConfigError, DataError
 from posttrain.interfaces.generation import Generation
+from posttrain.interfaces.policy import Policy
 
 
 @attrs.frozen
@@ -102,6 +104,18 @@ class EngineWorker(Worker, abc.ABC):
         in place of the current weights, drop every cache computed with the old ones and
         set :attr:`weight_version` to ``version``; return the names of the model's parameters
         the sync did not cover (none, when the models match). Weights asleep are woken first."""
+
+    def check_weights(self, metas: Sequence[ParamMeta]) -> None:
+        """Raise :class:`~posttrain.errors.WorkerError` unless a sync of ``metas`` (names,
+        full shapes, dtypes) would replace every weight of the model: for an engine hosted in
+        the policy's workers (:mod:`posttrain.backend.hosted`), before its first load."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run in the policy's workers")
+
+    def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy full Hugging Face-named ``tensors`` (a layer group) into the model, in place,
+        dropping every cache computed with the old weights: for an engine hosted in the
+        policy's workers. The tensors belong to the caller: copy, keep no reference."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run in the policy's workers")
 
     def sleep(self) -> None:
         """Release device memory between generations (colocated mode); default: nothing."""
@@ -281,7 +295,10 @@ class WorkerGroupGeneration(Generation):
     ``context_length`` is the most tokens (prompt + completion) an engine holds per row;
     ``context_key`` names the config key that sets it, for error messages.
     ``worker_kwargs`` go to ``worker_cls.__init__``; ``ranks_per_engine`` is how many ranks
-    of the weight-sync group each engine joins with (its tensor-parallel workers). Sampling seeds derive from
+    of the weight-sync group each engine joins with (its tensor-parallel workers). With a
+    ``host`` policy (``generation.in_policy_workers``), the engines are built inside its
+    workers' processes, one per rank (:mod:`posttrain.backend.hosted`), and ``num_workers``,
+    ``resources`` and ``ranks_per_engine`` play no part. Sampling seeds derive from
     ``config.seed`` (or the seed of the last :meth:`set_sampling_seed`) and the index of the
     ``generate`` call since then (see :mod:`posttrain.backend.sampling`).
     """
@@ -298,6 +315,7 @@ class WorkerGroupGeneration(Generation):
         resources: WorkerResources | None = None,
         name: str = "generation",
         ranks_per_engine: int = 1,
+        host: Policy | None = None,
     ):
         check_sampling_config(config)
         self.config = config
@@ -308,15 +326,19 @@ class WorkerGroupGeneration(Generation):
         self.sampling_seed = config.seed
         self.num_calls = 0
         self.ranks_per_engine = ranks_per_engine
-        self._endpoint: BroadcastEndpoint | None = None
-        self._group = WorkerGroup(
-            cluster,
-            worker_cls,
-            name=name,
-            num_workers=config.generation.num_workers,
-            resources=resources or config.generation.resources,
-            kwargs=dict(worker_kwargs),
-        )
+        self._endpoint: BroadcastEndpoint | HostedEndpoint | None = None
+        self._group: WorkerGroup[EngineWorker] | HostedGroup
+        if host is not None:
+            self._group = host.host_engines(worker_cls, worker_kwargs, name)
+        else:
+            self._group = WorkerGroup(
+                cluster,
+                worker_cls,
+                name=name,
+                num_workers=config.generation.num_workers,
+                resources=resources or config.generation.resources,
+                kwargs=dict(worker_kwargs),
+            )
 
     # ------------------------------------------------------------------ generation
 
@@ -347,13 +369,15 @@ class WorkerGroupGeneration(Generation):
 
     # ------------------------------------------------------------------ weights
 
-    def weight_endpoint(self) -> BroadcastEndpoint:
+    def weight_endpoint(self) -> BroadcastEndpoint | HostedEndpoint:
         """The engines as the policy's ranks reach them: their actor handles,
         ``ranks_per_engine`` sync ranks each, their nodes, and the transport
         (``generation.weight_transport``; ``auto`` is nccl when the policy and the engines
         have GPUs, otherwise shared memory when every engine is on the sending rank's node
-        and gloo when not)."""
-        if self._endpoint is None:
+        and gloo when not). Engines hosted in the policy's workers: each rank loads its own."""
+        if self._endpoint is None and isinstance(self._group, HostedGroup):
+            self._endpoint = HostedEndpoint(self._group.name)
+        elif self._endpoint is None:
             self._endpoint = BroadcastEndpoint(
                 tuple(self._group.actors), self.ranks_per_engine, weight_transport(self.config), name=self._group.name,
                 engine_nodes=tuple(self._group.node_ids),

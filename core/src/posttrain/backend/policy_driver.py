@@ -32,6 +32,7 @@ import attrs
 import torch
 
 from posttrain.backend.hf_export import bucket_names
+from posttrain.backend.hosted import HostedGroup
 from posttrain.backend.policy_worker import PolicyWorker, RankTrainResult
 from posttrain.backend.work import Batching, PassPlan, RankWork, ResultSink, ShardRef, padded_order, plan_pass
 from posttrain.batch import Batch
@@ -264,6 +265,9 @@ class ShardedPolicy(Policy):
             raise
         assert stats is not None, "rank 0 sends the weights"
         return stats.refit_stats()
+
+    def host_engines(self, engine_cls: type, kwargs: Mapping[str, Any], name: str) -> HostedGroup:
+        return HostedGroup(self.group, name, engine_cls, kwargs)
 
     def prepare_for_training(self) -> None:
         self.group.run_all(PolicyWorker.prepare_for_training)

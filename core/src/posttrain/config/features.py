@@ -3,10 +3,14 @@
 - ``supports_lora`` on a policy backend's section (``policy.<backend>``): it implements
   ``policy.lora``;
 - ``supports_lora_adapters`` on a generation backend's section (``generation.<backend>``): its
-  engines load the adapters a refit with ``policy.lora.refit: adapter`` sends.
+  engines load the adapters a refit with ``policy.lora.refit: adapter`` sends;
+- ``runs_in_policy_workers`` on a generation backend's section: its engines can run inside the
+  policy's worker processes (``generation.in_policy_workers``); its factory then takes the
+  policy as ``host`` (:mod:`posttrain.backend.hosted`).
 
 Core's config check refuses a feature the chosen backend does not declare
-(:func:`posttrain.config.validate.check_lora`); ``posttrain plugins`` lists what each plugin
+(:func:`posttrain.config.validate.check_lora`,
+:func:`~posttrain.config.validate.check_generation_placement`); ``posttrain plugins`` lists what each plugin
 declares. Imports nothing heavy.
 """
 
@@ -18,6 +22,7 @@ from posttrain.plugins import PluginHost
 FEATURES = {
     "supports_lora": "LoRA (policy.lora)",
     "supports_lora_adapters": "LoRA adapters sent by refit (policy.lora.refit: adapter)",
+    "runs_in_policy_workers": "engines inside the policy's workers (generation.in_policy_workers)",
 }
 
 

@@ -170,6 +170,9 @@ class GenerationConfig:
     stop_strings: list[str] = attrs.field(factory=list)  # end a completion (kept in it); a batch may add its own
     ignore_eos: bool = False  # True: the model's EOS ids do not end a completion (only stop_token_ids do)
     colocated: bool = True  # share devices with the policy and take turns
+    # run the engines inside the policy's worker processes, one per rank (backends that declare it: hf):
+    # no engine processes, weights loaded in memory at refit; needs colocated (generation and training take turns)
+    in_policy_workers: bool = False
     refit_bucket_bytes: int = 256 * 1024 * 1024  # most bytes per bucket when the policy's weights go to the engines
     weight_transport: str = "auto"  # how weights go from the policy's workers to the engines: auto | gloo | nccl (auto: nccl when the policy and the engines have GPUs, else gloo)
     resources: WorkerResources = attrs.field(factory=WorkerResources)  # what each engine asks Ray for

@@ -65,6 +65,7 @@ def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
             raise ConfigError(f"{key} must be at least 1, found {value}.{where_set(config, key)}")
     check_optimizer(config)
     check_lora(config, host)
+    check_generation_placement(config, host)
     check_batch_sizes(config, batch_size_rules(config))
     require_registered(host.data_planes, config.data_plane.backend, "data_plane.backend", config=config)
     check_environments(config, host)
@@ -156,6 +157,41 @@ def check_lora(config: RunConfig, host: PluginHost) -> None:
             f"does not load LoRA adapters; generation backends that do: {', '.join(able) or 'none installed'}. Set "
             f"generation.backend to one of them, or policy.lora.refit: merged (every backend loads merged weights)."
             f"{where_set(config, 'policy.lora.refit', 'generation.backend')}"
+        )
+
+
+# --------------------------------------------------------------------------- generation placement
+
+
+def check_generation_placement(config: RunConfig, host: PluginHost) -> None:
+    """With ``generation.in_policy_workers``: a generation backend whose section declares
+    ``runs_in_policy_workers``, ``generation.colocated`` (one process generates and trains in
+    turn), and ``generation.num_workers`` left at 1 or equal to ``policy.num_workers`` (the
+    engines are the policy's ranks)."""
+    gen = config.generation
+    if not gen.in_policy_workers:
+        return
+    where = where_set(config, "generation.in_policy_workers", "generation.backend")
+    engines = host.generation_backends
+    if gen.backend in engines and not section_declares(host, f"generation.{gen.backend}", "runs_in_policy_workers"):
+        able = [name for name in engines if section_declares(host, f"generation.{name}", "runs_in_policy_workers")]
+        raise ConfigError(
+            f"generation.in_policy_workers is true, but the generation backend '{gen.backend}' "
+            f"({engines.distribution_of(gen.backend)}) runs its engines in processes of their own; backends that run "
+            f"in the policy's workers: {', '.join(able) or 'none installed'}. Set generation.backend to one of them, "
+            f"or generation.in_policy_workers: false.{where}"
+        )
+    if not gen.colocated:
+        raise ConfigError(
+            "generation.in_policy_workers is true with generation.colocated false: engines inside the policy's "
+            "processes take turns with training, they cannot run beside it. Set generation.colocated: true, or "
+            f"generation.in_policy_workers: false.{where_set(config, 'generation.in_policy_workers', 'generation.colocated')}"
+        )
+    if gen.num_workers not in (1, config.policy.num_workers):
+        raise ConfigError(
+            f"generation.num_workers is {gen.num_workers}, but with generation.in_policy_workers the engines are the "
+            f"policy's {config.policy.num_workers} worker(s), one each; leave generation.num_workers at 1 or set it to "
+            f"{config.policy.num_workers}.{where_set(config, 'generation.num_workers', 'policy.num_workers')}"
         )
 
 

@@ -246,6 +246,11 @@ class WorkerGroup(Generic[W]):
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`shutdown` ran (no call can be made then)."""
+        return self._closed
+
     def shutdown(self) -> None:
         """Kill every actor and release the placement group. Safe to call twice."""
         if self._closed:

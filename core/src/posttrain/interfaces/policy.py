@@ -161,6 +161,19 @@ class Policy(abc.ABC):
         (no tensor reaches the caller), in buckets of at most ``bucket_bytes``; ``version``
         names the weights (the training step). Connects to ``endpoint`` on first use."""
 
+    def host_engines(self, engine_cls: type, kwargs: Mapping[str, Any], name: str) -> Any:
+        """Build one generation engine, ``engine_cls(**kwargs)``, in each of this policy's
+        worker processes, under ``name``, and return the group that reaches them
+        (``generation.in_policy_workers``; a
+        :class:`~posttrain.backend.hosted.HostedGroup` for policies run by a worker group).
+        The default refuses: the backend has no worker processes to host them."""
+        from posttrain.errors import ConfigError
+
+        raise ConfigError(
+            f"generation.in_policy_workers is true, but this policy ({type(self).__name__}) cannot host generation "
+            "engines in its workers; set generation.in_policy_workers: false"
+        )
+
     def prepare_for_training(self) -> None:
         """Bring weights and optimizer state back onto the training device (colocated mode)."""
 

@@ -15,14 +15,15 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig
-from posttrain.errors import RunStopped, WorkerError
+from posttrain.config.validate import where_set
+from posttrain.errors import ConfigError, RunStopped, WorkerError
 from posttrain.log import configure_logging, get_logger
 from posttrain.models.folder import check_model_folders
 from posttrain.plugins import PluginHost, plugin_host
 from posttrain.run.checkpoint import CheckpointManager, check_checkpoint_fits
 from posttrain.run.finished import finished_unchanged
 from posttrain.run.metrics import MetricLogger, ProgressBar
-from posttrain.run.startup import Startup
+from posttrain.run.startup import Started, Startup
 from posttrain.run.stop import StartupInterrupted, StoppedDuringStartup, StopRequest, stop_on_signals
 
 if TYPE_CHECKING:
@@ -152,14 +153,27 @@ class RunContext:
         factory: PolicyBackendFactory = self.host.policy_backends[config.policy.backend]
         return factory(config, self.cluster, name=name, reference=reference)
 
-    def build_generation(self, generation: GenerationConfig | None = None) -> Generation:
+    def build_generation(
+        self, generation: GenerationConfig | None = None, *, host: Started[Policy] | Policy | None = None
+    ) -> Generation:
         """The ``generation.backend`` generation backend, its engines started on :attr:`cluster`;
         ``generation`` replaces the run's ``generation`` section for it (:attr:`config` stays as
-        loaded)."""
+        loaded). ``host`` is the run's policy (or the part starting it): with
+        ``generation.in_policy_workers`` the engines are built inside its workers once it is up
+        (the factory is called with ``host=policy``); a run without one refuses that setting."""
         self.stop.check_startup()
         config = self.config if generation is None else attrs.evolve(self.config, generation=generation)
         factory: GenerationBackendFactory = self.host.generation_backends[config.generation.backend]
-        return factory(config, self.cluster)
+        if not config.generation.in_policy_workers:
+            return factory(config, self.cluster)
+        if host is None:
+            raise ConfigError(
+                "generation.in_policy_workers is true, but this run's generation engines have no policy to run in "
+                f"(algorithm {config.algorithm!r} trains none); set generation.in_policy_workers: false"
+                f"{where_set(config, 'generation.in_policy_workers')}"
+            )
+        policy = host.wait_value(self.stop.check_startup) if isinstance(host, Started) else host
+        return factory(config, self.cluster, host=policy)  # type: ignore[call-arg]
 
     def build_data_plane(self) -> DataPlane:
         """The ``data_plane.backend`` data plane."""

@@ -53,8 +53,15 @@ class Started(Generic[T]):
     def value(self) -> T:
         """The built part (raises if it was not built)."""
         if self._error is not None or not self.done.is_set():
-            raise RuntimeError(f"part '{self.name}' was not started")
+            raise RuntimeError(f"part '{self.name}' was not started") from self._error
         return self._value  # type: ignore[return-value]
+
+    def wait_value(self, check: Callable[[], None] = lambda: None) -> T:
+        """The built part, once it is built (for a part that needs another: e.g. engines
+        inside the policy's workers); ``check()`` runs every :data:`POLL_S` seconds meanwhile."""
+        while not self.done.wait(POLL_S):
+            check()
+        return self.value
 
 
 class Startup:

@@ -121,7 +121,7 @@ class DistillRun(LoopSteps):
         )
         student = startup.start("policy", lambda: ctx.build_policy(schedule_steps=self.plan.schedule_steps, reference=False))
         teacher = startup.start("teacher", lambda: ctx.build_policy(policy=self.options.teacher, name="teacher", reference=False))
-        generation = startup.start("generation", ctx.build_generation)
+        generation = startup.start("generation", lambda: ctx.build_generation(host=student))
         plane = startup.start("data_plane", ctx.build_data_plane)
         startup.wait()
         self.student, self.teacher, self.plane = student.value, teacher.value, plane.value

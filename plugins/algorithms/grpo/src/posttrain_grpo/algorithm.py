@@ -215,7 +215,7 @@ class GRPORun(LoopSteps):
                 schedule_steps=self.plan.schedule_steps, policy=policy_section, reference=self.needs_reference
             )
         )
-        generation = startup.start("generation", lambda: ctx.build_generation(generation_section))
+        generation = startup.start("generation", lambda: ctx.build_generation(generation_section, host=policy))
         plane = startup.start("data_plane", lambda: SharedPlane(ctx.build_data_plane()))
         self.start_more(startup)
         startup.wait()

@@ -18,7 +18,11 @@ class HFGenerationConfig:
     - ``max_batch_size``: rows one engine decodes together; a larger shard is decoded in
       consecutive chunks (results do not depend on it: every row has its own seed).
     - ``attn_implementation``: the transformers attention kernel (``sdpa`` or ``eager``).
+
+    Its engines can run inside the policy's worker processes (``generation.in_policy_workers``).
     """
+
+    runs_in_policy_workers = True  # a feature (posttrain.config.features), not an option
 
     max_batch_size: int = 64
     attn_implementation: str = "sdpa"

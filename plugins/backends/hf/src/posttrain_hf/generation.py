@@ -6,12 +6,14 @@ from posttrain.backend.generation_group import WorkerGroupGeneration, check_samp
 from posttrain.config.schema import RunConfig
 from posttrain.distributed import VirtualCluster
 from posttrain.errors import ConfigError
+from posttrain.interfaces import Policy
 from posttrain_hf.config import SECTION, HFGenerationConfig
 from posttrain_hf.worker import HFEngineWorker
 
 
-def create_hf_generation(config: RunConfig, cluster: VirtualCluster) -> WorkerGroupGeneration:
-    """``generation.num_workers`` data-parallel transformers engines (the ``hf`` backend).
+def create_hf_generation(config: RunConfig, cluster: VirtualCluster, *, host: Policy | None = None) -> WorkerGroupGeneration:
+    """``generation.num_workers`` data-parallel transformers engines (the ``hf`` backend), or,
+    with a ``host`` policy, one inside each of its workers.
 
     A row's context (prompt + completion) is limited by the model's ``max_position_embeddings``.
     """
@@ -35,4 +37,5 @@ def create_hf_generation(config: RunConfig, cluster: VirtualCluster) -> WorkerGr
             max_batch_size=options.max_batch_size,
             attn_implementation=options.attn_implementation,
         ),
+        host=host,
     )

@@ -15,14 +15,15 @@ from posttrain_hf.config import SECTION, HFGenerationConfig
 if TYPE_CHECKING:
     from posttrain.config.schema import RunConfig
     from posttrain.distributed import VirtualCluster
-    from posttrain.interfaces import Generation
+    from posttrain.interfaces import Generation, Policy
 
 
-def make_generation(config: RunConfig, cluster: VirtualCluster) -> Generation:
-    """Factory of the ``hf`` backend: start the engine worker group."""
+def make_generation(config: RunConfig, cluster: VirtualCluster, *, host: Policy | None = None) -> Generation:
+    """Factory of the ``hf`` backend: start the engine worker group, or the engines inside
+    the ``host`` policy's workers (``generation.in_policy_workers``)."""
     from posttrain_hf.generation import create_hf_generation
 
-    return create_hf_generation(config, cluster)
+    return create_hf_generation(config, cluster, host=host)
 
 
 @hookimpl

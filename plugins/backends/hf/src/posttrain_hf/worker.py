@@ -1,13 +1,15 @@
-"""The engine actor of the ``hf`` backend: one transformers model in its own process."""
+"""The engine of the ``hf`` backend: one transformers model, in a process of its own (an actor) or
+inside a policy worker's (``generation.in_policy_workers``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from posttrain.backend.generation_group import Completion, EngineWorker, GenerationRequest, model_tokens
-from posttrain.backend.weight_sync import BroadcastReceiver, TransferInit
+from posttrain.backend.weight_sync import BroadcastReceiver, ParamMeta, TransferInit
 from posttrain.errors import WorkerError, did_you_mean
 from posttrain_hf.decode import decode
 from posttrain_hf.stop_strings import StopStringMatcher
@@ -59,10 +61,15 @@ class HFEngineWorker(EngineWorker):
     # ------------------------------------------------------------------ weights
 
     def init_weight_transfer(self, init: TransferInit) -> None:
-        """Check the plan against the model (every name known, shapes equal, every weight
-        covered) before joining the group, so that a mismatch fails before any byte moves."""
+        """Check the plan against the model before joining the group, so that a mismatch
+        fails before any byte moves."""
+        self.check_weights(init.plan.metas)
+        self._receiver = BroadcastReceiver(init)
+
+    def check_weights(self, metas: Sequence[ParamMeta]) -> None:
+        """Every name known, shapes equal, every weight covered."""
         sent: set[int] = set()
-        for meta in init.plan.metas:
+        for meta in metas:
             target = self._targets.get(meta.name)
             if target is None:
                 raise WorkerError(
@@ -81,14 +88,18 @@ class HFEngineWorker(EngineWorker):
                 f"the weight sync would leave {len(missing)} weight(s) of the generation model unchanged, e.g. "
                 f"{missing[:3]}; the policy must export every weight"
             )
-        self._receiver = BroadcastReceiver(init)
+
+    @torch.no_grad()
+    def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in tensors:
+            self._targets[name].copy_(tensor)
 
     @torch.no_grad()
     def receive_weights(self, version: int) -> list[str]:
         if self._receiver is None:
             raise WorkerError("receive_weights() before init_weight_transfer(): the weight sync is not connected")
         self.wake_up()
-        self._receiver.receive(lambda bucket: [self._targets[name].copy_(tensor) for name, tensor in bucket])
+        self._receiver.receive(self.load_weights)
         self.weight_version = version
         return []
 

@@ -1,0 +1,70 @@
+"""``generation.in_policy_workers`` refused where it cannot work, when the config is loaded
+(no Ray), and by a run that has no policy: each message names the keys and the fix."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from posttrain.config import load_config
+from posttrain.config.features import declared_features
+from posttrain.errors import ConfigError
+from posttrain.run.context import RunContext
+from posttrain_hf.config import HFGenerationConfig
+
+
+def refusal(tmp_path, model: str, generation: str, policy: str = "") -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        f"run_dir: {tmp_path / 'run'}\npolicy:\n  model: {model}\n{textwrap.indent(policy, '  ')}"
+        f"generation:\n  in_policy_workers: true\n{textwrap.indent(textwrap.dedent(generation), '  ')}"
+    )
+    with pytest.raises(ConfigError) as error:
+        load_config(str(path))
+    return str(error.value)
+
+
+def test_a_backend_with_engines_of_its_own_is_refused(tmp_path, tiny_model_path):
+    message = refusal(tmp_path, tiny_model_path, "backend: vllm\n")
+    assert message.startswith(
+        "generation.in_policy_workers is true, but the generation backend 'vllm' (posttrain-vllm 0.1.0) runs its engines in "
+        "processes of their own; backends that run in the policy's workers: hf. Set generation.backend to one of "
+        "them, or generation.in_policy_workers: false."
+    ), message
+    assert f"generation.in_policy_workers at {tmp_path / 'run.yaml'}:5" in message, message
+
+
+def test_engines_beside_the_policy_are_refused(tmp_path, tiny_model_path):
+    message = refusal(tmp_path, tiny_model_path, "colocated: false\n")
+    assert message.startswith(
+        "generation.in_policy_workers is true with generation.colocated false: engines inside the policy's processes "
+        "take turns with training, they cannot run beside it. Set generation.colocated: true, or "
+        "generation.in_policy_workers: false."
+    ), message
+
+
+def test_an_engine_count_other_than_the_policys_is_refused(tmp_path, tiny_model_path):
+    message = refusal(tmp_path, tiny_model_path, "num_workers: 3\n",
+                      policy="num_workers: 2\ntrain_global_batch_size: 2\ntrain_micro_batch_size: 1\n")
+    assert message.startswith(
+        "generation.num_workers is 3, but with generation.in_policy_workers the engines are the policy's 2 worker(s), "
+        "one each; leave generation.num_workers at 1 or set it to 2."
+    ), message
+
+
+def test_a_run_without_a_policy_refuses_it(tmp_path, tiny_model_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"run_dir: {tmp_path / 'run'}\npolicy:\n  model: {tiny_model_path}\n"
+                    "generation:\n  in_policy_workers: true\n")
+    context = RunContext(load_config(str(path)))
+    with pytest.raises(ConfigError) as error:
+        context.build_generation()
+    assert str(error.value).startswith(
+        "generation.in_policy_workers is true, but this run's generation engines have no policy to run in "
+        "(algorithm None trains none); set generation.in_policy_workers: false"
+    ), str(error.value)
+
+
+def test_the_hf_section_declares_the_feature():
+    assert "engines inside the policy's workers (generation.in_policy_workers)" in declared_features(HFGenerationConfig)
