@@ -1,11 +1,13 @@
 """Start-up: the seconds from ``posttrain run`` to the first training step, and where they go.
 
-    python benchmarks/startup.py [--repeats 3] [--algorithms grpo sft] [--out FILE]
+    python benchmarks/startup.py [--repeats 3] [--algorithms grpo grpo-inside sft] [--out FILE]
 
 Each repetition runs ``python -m posttrain.cli run ALGORITHM`` on the tiny model (built in
 a temporary folder, nothing downloaded) from the example config, in a fresh ``run_dir``
 with a Ray cluster of its own, for one step (GRPO: ``examples/configs/grpo_math_tiny.yaml``,
-no validation before the first step; SFT: ``examples/configs/sft.yaml``, no validation).
+no validation before the first step; ``grpo-inside``: the same with the hf engine inside the
+policy's worker, ``generation.in_policy_workers``; SFT: ``examples/configs/sft.yaml``, no
+validation).
 The parts, from the run's ``events.jsonl`` and ``metrics.jsonl``:
 
 - ``before_ray``: the command's start to Ray's start: the interpreter, imports, the plugins,
@@ -36,18 +38,21 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: The run of each algorithm: its example config and the overrides making it one step long.
-RUNS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "grpo": ("examples/configs/grpo_math_tiny.yaml", ("grpo.max_num_steps=1", "grpo.val_at_start=false")),
-    "sft": ("examples/configs/sft.yaml", ("sft.max_num_steps=1", "data.validation=null", "sft.val_at_end=false",
-                                          "sft.export_dir=null")),
+GRPO_ONE_STEP = ("grpo.max_num_steps=1", "grpo.val_at_start=false")
+#: Each run: its algorithm, example config and the overrides making it one step long.
+RUNS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "grpo": ("grpo", "examples/configs/grpo_math_tiny.yaml", GRPO_ONE_STEP),
+    "grpo-inside": ("grpo", "examples/configs/grpo_math_tiny.yaml",
+                    (*GRPO_ONE_STEP, "generation.backend=hf", "generation.in_policy_workers=true")),
+    "sft": ("sft", "examples/configs/sft.yaml", ("sft.max_num_steps=1", "data.validation=null", "sft.val_at_end=false",
+                                                 "sft.export_dir=null")),
 }
 PARTS = ("before_ray", "ray", "workers", "first_step", "total")
 
 
-def run_once(algorithm: str, model: str, run_dir: Path) -> dict[str, Any]:
-    """One ``posttrain run`` of ``algorithm``; its parts in seconds and the load before it."""
-    config, overrides = RUNS[algorithm]
+def run_once(name: str, model: str, run_dir: Path) -> dict[str, Any]:
+    """One ``posttrain run`` of the run ``name``; its parts in seconds and the load before it."""
+    algorithm, config, overrides = RUNS[name]
     command = [sys.executable, "-m", "posttrain.cli", "run", algorithm, "--config", config, f"policy.model={model}",
                f"run_dir={run_dir}", "logger.progress_bar=false", *overrides]
     load = os.getloadavg()[0]
@@ -67,7 +72,7 @@ def run_once(algorithm: str, model: str, run_dir: Path) -> dict[str, Any]:
         "total": first["time"] - began,
     }
     each = {k: v for k, v in workers.items() if k not in ("event", "level", "timestamp", "seconds")}
-    return {"algorithm": algorithm, "load": load, **parts, "worker_parts": each}
+    return {"algorithm": name, "load": load, **parts, "worker_parts": each}
 
 
 def _timestamp(event: dict[str, Any]) -> float:
@@ -75,14 +80,14 @@ def _timestamp(event: dict[str, Any]) -> float:
 
 
 def report(results: list[dict[str, Any]]) -> str:
-    lines = [f"{'run':<10}{'load':>6}" + "".join(f"{part:>12}" for part in PARTS) + "   workers by part"]
+    lines = [f"{'run':<12}{'load':>6}" + "".join(f"{part:>12}" for part in PARTS) + "   workers by part"]
     for r in results:
         parts = " ".join(f"{name}={seconds:.2f}" for name, seconds in r["worker_parts"].items())
-        lines.append(f"{r['algorithm']:<10}{r['load']:>6.2f}" + "".join(f"{r[part]:>12.2f}" for part in PARTS) + f"   {parts}")
+        lines.append(f"{r['algorithm']:<12}{r['load']:>6.2f}" + "".join(f"{r[part]:>12.2f}" for part in PARTS) + f"   {parts}")
     for algorithm in dict.fromkeys(r["algorithm"] for r in results):
         mine = [r for r in results if r["algorithm"] == algorithm]
         medians = "".join(f"{statistics.median(r[part] for r in mine):>12.2f}" for part in PARTS)
-        lines.append(f"{algorithm + ' med':<10}{statistics.median(r['load'] for r in mine):>6.2f}{medians}")
+        lines.append(f"{algorithm + ' med':<12}{statistics.median(r['load'] for r in mine):>6.2f}{medians}")
     return "\n".join(lines)
 
 
