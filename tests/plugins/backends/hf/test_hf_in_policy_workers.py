@@ -1,6 +1,7 @@
-"""``hf`` engines inside the ``dtensor`` policy's workers (``generation.in_policy_workers``):
-no process of their own, yet the same samples as engines in their own processes, and after
-training the refit (in memory) gives them the policy's weights, on one rank and on two."""
+"""``hf`` engines inside the policy's workers (``generation.in_policy_workers``): no process of
+their own, yet the same samples as engines in their own processes, and after training the
+refit (in memory) gives them the policy's weights: the dtensor policy on one rank and on two,
+megatron on two."""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ pytestmark = pytest.mark.ray
 PROMPTS = [[1, 40, 41, 42, 43, 44, 45], [1, 50, 51], [1, 60, 61, 62, 63, 7, 8, 9, 10, 11], [1, 12]]
 
 
-def run_config(model: str, workers: int, *, in_policy: bool) -> RunConfig:
+def run_config(model: str, workers: int, *, in_policy: bool, backend: str = "dtensor") -> RunConfig:
     return RunConfig(
         seed=5,
         policy=PolicyConfig(
-            model=model, num_workers=workers, train_global_batch_size=len(PROMPTS),
+            backend=backend, model=model, num_workers=workers, train_global_batch_size=len(PROMPTS),
             train_micro_batch_size=len(PROMPTS) // workers, optimizer=OptimizerConfig(lr=3e-2),
             resources=WorkerResources(cpus=0.5),
         ),
@@ -35,16 +36,16 @@ def run_config(model: str, workers: int, *, in_policy: bool) -> RunConfig:
     )
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_engines_in_policy_workers_sample_what_their_own_processes_sample(ray_cluster, tiny_model_path, workers):
+@pytest.mark.parametrize(("backend", "workers"), [("dtensor", 1), ("dtensor", 2), ("megatron", 2)])
+def test_engines_in_policy_workers_sample_what_their_own_processes_sample(ray_cluster, tiny_model_path, backend, workers):
     """Before and after a training step and a refit (in memory on the policy's side, a
     broadcast to the separate engines), both kinds of engines return the same tokens and
     logprobs and the weight version the refit named; after it they match the policy's own
     logprobs (:func:`check_trained_policy_refit`)."""
     host = plugin_host()
-    config = run_config(tiny_model_path, workers, in_policy=True)
+    config = run_config(tiny_model_path, workers, in_policy=True, backend=backend)
     cluster = VirtualCluster(config.cluster)
-    policy = host.policy_backends["dtensor"](config, cluster)
+    policy = host.policy_backends[backend](config, cluster)
     inside = host.generation_backends["hf"](config, cluster, host=policy)
     apart = host.generation_backends["hf"](attrs.evolve(config, generation=attrs.evolve(
         config.generation, in_policy_workers=False)), cluster)
