@@ -25,32 +25,35 @@ def refusal(tmp_path, model: str, generation: str, policy: str = "") -> str:
     return str(error.value)
 
 
-def test_a_backend_with_engines_of_its_own_is_refused(tmp_path, tiny_model_path):
-    message = refusal(tmp_path, tiny_model_path, "backend: vllm\n")
-    assert message.startswith(
-        "generation.in_policy_workers is true, but the generation backend 'vllm' (posttrain-vllm 0.1.0) runs its engines in "
-        "processes of their own; backends that run in the policy's workers: hf. Set generation.backend to one of "
-        "them, or generation.in_policy_workers: false."
-    ), message
-    assert f"generation.in_policy_workers at {tmp_path / 'run.yaml'}:5" in message, message
-
-
-def test_engines_beside_the_policy_are_refused(tmp_path, tiny_model_path):
-    message = refusal(tmp_path, tiny_model_path, "colocated: false\n")
-    assert message.startswith(
+REFUSALS = {
+    "a backend with engines of its own": (
+        "backend: vllm\n", "",
+        "generation.in_policy_workers is true, but the generation backend 'vllm' (posttrain-vllm 0.1.0) runs its engines "
+        "in processes of their own; backends that run in the policy's workers: hf. Set generation.backend to one of "
+        "them, or generation.in_policy_workers: false. Where set: generation.in_policy_workers at {file}:5; "
+        "generation.backend at {file}:6.",
+    ),
+    "engines beside the policy": (
+        "colocated: false\n", "",
         "generation.in_policy_workers is true with generation.colocated false: engines inside the policy's processes "
         "take turns with training, they cannot run beside it. Set generation.colocated: true, or "
-        "generation.in_policy_workers: false."
-    ), message
-
-
-def test_an_engine_count_other_than_the_policys_is_refused(tmp_path, tiny_model_path):
-    message = refusal(tmp_path, tiny_model_path, "num_workers: 3\n",
-                      policy="num_workers: 2\ntrain_global_batch_size: 2\ntrain_micro_batch_size: 1\n")
-    assert message.startswith(
+        "generation.in_policy_workers: false. Where set: generation.in_policy_workers at {file}:5; "
+        "generation.colocated at {file}:6.",
+    ),
+    "an engine count other than the policy's": (
+        "num_workers: 3\n", "num_workers: 2\ntrain_global_batch_size: 2\ntrain_micro_batch_size: 1\n",
         "generation.num_workers is 3, but with generation.in_policy_workers the engines are the policy's 2 worker(s), "
-        "one each; leave generation.num_workers at 1 or set it to 2."
-    ), message
+        "one each; leave generation.num_workers at 1 or set it to 2. Where set: generation.num_workers at {file}:9; "
+        "policy.num_workers at {file}:4.",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_settings_it_cannot_work_with_are_refused(tmp_path, tiny_model_path, case):
+    generation, policy, expected = REFUSALS[case]
+    message = refusal(tmp_path, tiny_model_path, generation, policy)
+    assert message == expected.format(file=tmp_path / "run.yaml"), message
 
 
 def test_a_run_without_a_policy_refuses_it(tmp_path, tiny_model_path):
