@@ -4,12 +4,12 @@ A generation backend whose section declares ``runs_in_policy_workers`` can run i
 inside the processes of the policy's ranks instead of processes of their own: one engine
 per rank, built there by :class:`HostedGroup` (through the ranks' generic
 :meth:`~posttrain.distributed.Worker.run_work`) and kept in this module's per-process
-registry under the group's name. Nothing is copied between processes: a refit
-(:class:`HostedEndpoint`) gathers the policy's weights one layer group at a time, as a
-worker-to-worker sync does, and loads them into the engine of the same process (ranks other
-than 0 receive each tensor by a broadcast over the policy's own process group). What this
-saves is the engines' processes (their imports, their runtime, their copy of the framework)
-and the weight transport; what it costs is that generation and training take turns in one
+registry under the group's name. A refit (:class:`HostedEndpoint`) gathers the policy's
+weights one layer group at a time, as a worker-to-worker sync does, and copies them into the
+engine of the same process; ranks other than 0 receive each tensor from rank 0 by a
+broadcast over the policy's own process group, the one its gathers use. What this saves is
+the engines' processes (their imports, their runtime, their copy of the framework) and the
+sync group with them; what it costs is that generation and training take turns in one
 process, so it is synchronous only (``generation.colocated``).
 
 The engine classes are the same :class:`~posttrain.backend.generation_group.EngineWorker`
