@@ -70,6 +70,19 @@ class RankedWorker(Worker):
         return self.rank
 
 
+class GlooAtInitWorker(Worker):
+    """A worker that joins its gloo group in ``__init__``, as policy backends do."""
+
+    def __init__(self):
+        super().__init__()
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+
+    def port(self) -> str:
+        return os.environ["MASTER_PORT"]
+
+
 class BrokenWorker(Worker):
     def __init__(self):
         super().__init__()
@@ -189,6 +202,31 @@ def test_failing_init_names_rank_and_releases_resources(cluster):
     ):
         WorkerGroup(cluster, BrokenWorker, name="broken", num_workers=1, resources=WorkerResources(cpus=0.5))
     assert "broken" not in cluster.placement_groups()
+
+
+def test_a_rendezvous_port_taken_before_rank_0_listens_starts_the_group_again(cluster, monkeypatch):
+    """The first port the driver picks is already listened on (another process took it after
+    it was found free): rank 0's ``init_process_group`` fails with EADDRINUSE, and the group
+    starts again with the next port instead of failing the run."""
+    import socket
+
+    from posttrain.distributed import worker_group
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    ports = [port]
+    real_free_port = worker_group.free_port
+    monkeypatch.setattr(worker_group, "free_port", lambda: ports.pop(0) if ports else real_free_port())
+    try:
+        group = WorkerGroup(cluster, GlooAtInitWorker, name="retry", num_workers=1, resources=WorkerResources(cpus=0.5))
+    finally:
+        taken.close()
+    try:
+        assert group.run_all(GlooAtInitWorker.port) != [str(port)] and not ports
+    finally:
+        group.shutdown()
 
 
 def test_placement_that_cannot_fit_fails_with_numbers(cluster, pair):

@@ -6,7 +6,9 @@ by node; ``ranks_per_bundle`` consecutive ranks share one bundle, hence one node
 ``MASTER_PORT`` in ``os.environ`` before the worker's ``__init__`` body runs, so
 ``torch.distributed.init_process_group(backend)`` with the default env init forms the
 group. ``MASTER_ADDR`` is 127.0.0.1 when every rank is on one node, else rank 0's node
-address; ``MASTER_PORT`` is a port that was free on rank 0's node when the group started.
+address; ``MASTER_PORT`` is a port that was free on rank 0's node when the group started
+(when rank 0 finds it taken by then, the group starts again with another, up to
+:data:`PORT_ATTEMPTS` times).
 Errors about a rank name its node (:attr:`~posttrain.distributed.nodes.Node.label`); on a
 cluster of several nodes, a ``workers placed`` event lists each rank's node.
 
@@ -41,6 +43,12 @@ from posttrain.errors import NodeLost, WorkerError
 from posttrain.log import get_logger
 from posttrain.plugins import plugin_host
 
+#: Starts of a group, each with a fresh ``MASTER_PORT``, when rank 0 finds the port taken: it
+#: was free when the driver picked it, but another process (an outgoing connection's
+#: ephemeral port, on a busy machine) may take it before rank 0 listens on it.
+PORT_ATTEMPTS = 3
+#: What torch.distributed's error says when rank 0 cannot listen on ``MASTER_PORT``.
+PORT_TAKEN = "EADDRINUSE"
 #: How long a failed call waits for the group's other pending calls before raising, so that
 #: a rank that died (the usual reason a collective fails on its peers) is the one reported.
 PEER_DEATH_GRACE_S = 5.0
@@ -124,10 +132,19 @@ class WorkerGroup(Generic[W]):
         placement = cluster.reserve(name, num_workers, resources, ranks_per_bundle=ranks_per_bundle)
         try:
             self.node_ids = list(placement.nodes)  # the Ray node of each rank
-            self.actors = self._start_actors(placement, resources, tuple(args), dict(kwargs or {}))
-            self.get(
-                [self._track(actor.__ray_ready__.remote(), rank, "__init__") for rank, actor in enumerate(self.actors)]
-            )
+            for attempt in range(1, PORT_ATTEMPTS + 1):
+                self.actors = self._start_actors(placement, resources, tuple(args), dict(kwargs or {}))
+                try:
+                    self.get([self._track(actor.__ray_ready__.remote(), rank, "__init__")
+                              for rank, actor in enumerate(self.actors)])
+                    break
+                except WorkerError as error:
+                    if PORT_TAKEN not in str(error) or attempt == PORT_ATTEMPTS:
+                        raise
+                    get_logger().warning("rendezvous port taken before rank 0 listened on it; starting the group "
+                                         "again with another", group=name, attempt=attempt)
+                    for actor in self.actors:
+                        ray.kill(actor, no_restart=True)
         except BaseException:
             self.shutdown()
             raise
