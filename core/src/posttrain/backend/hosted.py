@@ -27,7 +27,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from posttrain.backend.weight_sync import GatheredWeights, SendStats
+from posttrain.backend.weight_sync import GatheredWeights, SendStats, transport_device
 from posttrain.distributed.worker_group import Worker, WorkerGroup, bound_method
 from posttrain.errors import WorkerError
 
@@ -139,11 +139,8 @@ class HostedSender:
         calls it: the gathers are collectives); rank 0 returns what moved."""
         start = time.perf_counter()
         self.engine.wake_up()
-        peak = 0
         for group in self.source.groups:
-            full = self.source.gather(group)
-            if full is not None:
-                peak = max(peak, sum(t.numel() * t.element_size() for t in full.values()))
+            full = self.source.gather_group(group)
             self.engine.load_weights([(name, self._tensor(name, full)) for name in group])
         self.engine.weight_version = version
         if self.rank != 0:
@@ -154,7 +151,7 @@ class HostedSender:
             bytes_sent=sum(meta.nbytes for meta in self.metas.values()),
             num_tensors=len(self.metas),
             num_buckets=len(self.source.groups),
-            peak_staging_bytes=peak,
+            peak_staging_bytes=self.source.peak_group_bytes,
         )
 
     def _tensor(self, name: str, full: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
@@ -163,7 +160,7 @@ class HostedSender:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             assert full is not None, "a single rank gathers every weight"
             return full[name]
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        device = transport_device(dist.get_backend())
         if full is not None:
             tensor = full[name].detach().to(device).contiguous()
         else:

@@ -333,12 +333,18 @@ class GatheredWeights:
         self.gather = gather
         self.peak_group_bytes = 0
 
+    def gather_group(self, group: list[str]) -> Mapping[str, torch.Tensor] | None:
+        """One layer group gathered (a collective): its full tensors on rank 0, None elsewhere."""
+        full = self.gather(group)
+        if full is not None:
+            self.peak_group_bytes = max(self.peak_group_bytes, sum(t.numel() * t.element_size() for t in full.values()))
+        return full
+
     def layers(self) -> Iterator[tuple[str, torch.Tensor]]:
         for group in self.groups:
-            full = self.gather(group)
+            full = self.gather_group(group)
             if full is None:
                 continue
-            self.peak_group_bytes = max(self.peak_group_bytes, sum(t.numel() * t.element_size() for t in full.values()))
             for name in group:
                 yield name, full[name]
             del full
