@@ -3,7 +3,7 @@ generation engines; the driver only tells them when (and under which version).
 
 Setup, once per pair of policy and generation backend: the driver hands every policy rank
 the generation backend's :class:`BroadcastEndpoint` (actor handles and the transport to use,
-no tensors). Policy rank 0 opens a rendezvous store on a free port of its node and, through
+no tensors). Policy rank 0 opens a rendezvous store on a port of its node that the OS assigns and, through
 the engines' own actor handles, asks every engine to join a process group with it
 (:meth:`EngineWorker.init_weight_transfer`), telling them, once, the parameters' names,
 shapes and dtypes and how they are cut into buckets (:class:`TransferPlan`).
@@ -26,7 +26,6 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import os
-import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -155,10 +154,17 @@ class TransferInit:
     shared_memory: str | None = None  # the shared-memory file of a same-node CPU sync
 
 
-def open_group(address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
-    """A process group of ``world_size`` ranks for the sync only (rank 0 hosts the store)."""
+def host_store(address: str, world_size: int, timeout_s: float) -> Any:
+    """Rank 0's rendezvous store, listening on a port the OS assigns (``store.port``): the
+    port is known only once it is bound, so no other process can take it in between."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
+    return dist.TCPStore(address, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+
+
+def open_group(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
+    """A process group of ``world_size`` ranks for the sync only, meeting through ``store``
+    (rank 0's :func:`host_store`, or a client of it); blocks until every rank has joined."""
+    timeout = datetime.timedelta(seconds=timeout_s)
     prefixed = dist.PrefixStore("posttrain-weight-sync", store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
@@ -273,8 +279,9 @@ class BroadcastReceiver:
             self.staging: torch.Tensor | None = map_shared(init.shared_memory, init.plan)
         else:
             self.staging = init.plan.staging_buffer(self.device) if reuse_staging else None
-        self.group = open_group(init.address, init.port, init.rank_offset + local_rank, init.world_size, init.backend,
-                                init.timeout_s)
+        store = dist.TCPStore(init.address, init.port, init.world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=init.timeout_s))
+        self.group = open_group(store, init.rank_offset + local_rank, init.world_size, init.backend, init.timeout_s)
 
     def receive(self, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> None:
         """Receive one sync, passing each bucket's tensors to ``load`` (views into the
@@ -292,13 +299,6 @@ class BroadcastReceiver:
                     error = exc
         if error is not None:
             raise error
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 @attrs.frozen
@@ -385,9 +385,10 @@ class BroadcastEndpoint:
 
         address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-        shared_path, mapping = create_shared(plan) if self.uses_shared_memory(node) else (None, None)
-        port = free_port()
         world = 1 + len(self.engines) * self.ranks_per_engine
+        store = host_store(address, world, self.timeout_s)
+        port = store.port
+        shared_path, mapping = create_shared(plan) if self.uses_shared_memory(node) else (None, None)
         joining = [
             engine.init_weight_transfer.remote(
                 TransferInit(address, port, 1 + i * self.ranks_per_engine, world, self.backend, plan, self.timeout_s,
@@ -399,7 +400,7 @@ class BroadcastEndpoint:
         # plan (names or shapes its model lacks) never joins, so its answer is watched meanwhile.
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         try:
-            opening = pool.submit(open_group, address, port, 0, world, self.backend, self.timeout_s)
+            opening = pool.submit(open_group, store, 0, world, self.backend, self.timeout_s)
             while True:
                 try:
                     group = opening.result(timeout=0.2)
