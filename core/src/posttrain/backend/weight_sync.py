@@ -23,7 +23,6 @@ coexists with whatever groups the trainer and the engines already run.
 
 from __future__ import annotations
 
-import concurrent.futures
 import datetime
 import os
 import time
@@ -161,6 +160,11 @@ def host_store(address: str, world_size: int, timeout_s: float) -> Any:
     return dist.TCPStore(address, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
 
 
+def joined_key(rank: int) -> str:
+    """The key sync rank ``rank`` sets in the store once it is ready to open the group."""
+    return f"posttrain-weight-sync-joined/{rank}"
+
+
 def open_group(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
     """A process group of ``world_size`` ranks for the sync only, meeting through ``store``
     (rank 0's :func:`host_store`, or a client of it); blocks until every rank has joined."""
@@ -279,9 +283,11 @@ class BroadcastReceiver:
             self.staging: torch.Tensor | None = map_shared(init.shared_memory, init.plan)
         else:
             self.staging = init.plan.staging_buffer(self.device) if reuse_staging else None
+        rank = init.rank_offset + local_rank
         store = dist.TCPStore(init.address, init.port, init.world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=init.timeout_s))
-        self.group = open_group(store, init.rank_offset + local_rank, init.world_size, init.backend, init.timeout_s)
+        store.set(joined_key(rank), "")
+        self.group = open_group(store, rank, init.world_size, init.backend, init.timeout_s)
 
     def receive(self, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> None:
         """Receive one sync, passing each bucket's tensors to ``load`` (views into the
@@ -396,26 +402,34 @@ class BroadcastEndpoint:
             )
             for i, engine in enumerate(self.engines)
         ]
-        # The engines join while rank 0 waits in the rendezvous; an engine that refuses the
-        # plan (names or shapes its model lacks) never joins, so its answer is watched meanwhile.
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         try:
-            opening = pool.submit(open_group, store, 0, world, self.backend, self.timeout_s)
-            while True:
-                try:
-                    group = opening.result(timeout=0.2)
-                    break
-                except concurrent.futures.TimeoutError:
-                    done, _ = ray.wait(joining, num_returns=len(joining), timeout=0)
-                    failed = [ref for ref in done if _raises(ref)]
-                    if failed:
-                        self._wait(failed, "init_weight_transfer", [joining.index(ref) for ref in failed])
+            self._await_joined(store, joining, world)
         finally:
-            pool.shutdown(wait=False)
             if shared_path is not None:
                 os.unlink(shared_path)  # the engines that joined have mapped it; nothing leaks if one fails
+        group = open_group(store, 0, world, self.backend, self.timeout_s)
         self._wait(joining, "init_weight_transfer")
         return WeightSender(self, source, plan, group, mapping)
+
+    def _await_joined(self, store: Any, joining: list[Any], world: int) -> None:
+        """Wait until every engine rank has checked the plan and reached the rendezvous
+        (:func:`joined_key`), raising meanwhile for an engine that refused the plan (names or
+        shapes its model lacks: it never joins) or died, and after ``timeout_s``. Rank 0
+        enters the group's rendezvous only then, so a failed connect leaves nothing blocked
+        behind on this side."""
+        import ray
+
+        keys = [joined_key(rank) for rank in range(1, world)]
+        deadline = time.monotonic() + self.timeout_s
+        while not store.check(keys):
+            done, _ = ray.wait(joining, num_returns=len(joining), timeout=0.05)
+            failed = [ref for ref in done if _raises(ref)]
+            if failed:
+                self._wait(failed, "init_weight_transfer", [joining.index(ref) for ref in failed])
+            if time.monotonic() > deadline:
+                missing = [rank for rank in range(1, world) if not store.check([joined_key(rank)])]
+                raise WorkerError(f"weight sync: {self.name} rank(s) {missing} of the sync group did not join within "
+                                  f"{self.timeout_s:g} s")
 
     def _wait(self, refs: list[Any], method: str, engines: Sequence[int] | None = None) -> list[Any]:
         """The engines' answers (``engines[k]`` is the index of the engine of ``refs[k]``);
