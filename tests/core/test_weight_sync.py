@@ -3,6 +3,7 @@ Ray actors, through the same code a policy's ranks run (posttrain.backend.weight
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -95,13 +96,15 @@ def test_gathered_weights_hold_one_layer_group_at_a_time():
 class Engine(Worker):
     """An engine that keeps what the sync sends it (clones of each tensor, by name)."""
 
-    def __init__(self, refuse: str | None = None):
+    def __init__(self, refuse: str | None = None, stall_s: float = 0.0):
         super().__init__()
         self.received: dict[str, torch.Tensor] = {}
         self.refuse = refuse
+        self.stall_s = stall_s
         self.version = -1
 
     def init_weight_transfer(self, init: TransferInit) -> None:
+        time.sleep(self.stall_s)
         if self.refuse and any(m.name == self.refuse for m in init.plan.metas):
             raise ValueError(f"this engine has no parameter {self.refuse}")
         self.receiver = BroadcastReceiver(init)
@@ -119,8 +122,8 @@ class Engines:
     """A generation backend's weight endpoint over a group of :class:`Engine` actors; with
     ``nodes``, the endpoint knows the engines share the sender's node (shared memory)."""
 
-    def __init__(self, group: WorkerGroup, *, nodes: bool = False):
-        self.endpoint = BroadcastEndpoint(tuple(group.actors), 1, "gloo", name="engines", timeout_s=30,
+    def __init__(self, group: WorkerGroup, *, nodes: bool = False, timeout_s: float = 30):
+        self.endpoint = BroadcastEndpoint(tuple(group.actors), 1, "gloo", name="engines", timeout_s=timeout_s,
                                           engine_nodes=tuple(group.node_ids) if nodes else ())
 
     def weight_endpoint(self) -> BroadcastEndpoint:
@@ -158,6 +161,19 @@ def test_an_engine_that_refuses_the_plan_is_named_at_once(cluster):
         with pytest.raises(WorkerError, match=r"weight sync: engines engine 0 init_weight_transfer\(\) failed: "
                                               r"ValueError: this engine has no parameter lm_head.weight"):
             refit(ExportedWeights(WEIGHTS), Engines(group), bucket_bytes=150)
+
+
+def test_engines_that_do_not_join_in_time_are_named_and_a_later_sync_still_connects(cluster):
+    with WorkerGroup(cluster, Engine, name="slow", num_workers=2, resources=WorkerResources(cpus=0.25),
+                     kwargs={"stall_s": 1.5}) as group:
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"^weight sync: engines rank\(s\) \[1, 2\] of the sync group did not join "
+                                              r"within 0.5 s$"):
+            refit(ExportedWeights(WEIGHTS), Engines(group, timeout_s=0.5), bucket_bytes=150)
+        assert time.monotonic() - start < 1.5  # raised at the timeout, not when the engines came
+        stats = refit(ExportedWeights(WEIGHTS), Engines(group), bucket_bytes=150, version=3)
+        assert stats.num_tensors == len(WEIGHTS)
+        assert all(version == 3 for version, _ in group.run_all(Engine.state))
 
 
 def test_a_non_positive_bucket_size_is_refused():
