@@ -17,7 +17,9 @@ class HFGenerationConfig:
 
     - ``max_batch_size``: rows one engine decodes together; a larger shard is decoded in
       consecutive chunks (results do not depend on it: every row has its own seed).
-    - ``attn_implementation``: the transformers attention kernel (``sdpa`` or ``eager``).
+    - ``attn_implementation``: the transformers attention kernel (``sdpa`` or ``eager``);
+      ``sdpa`` on the CPU shares grouped-query heads instead of copying them
+      (:mod:`posttrain_hf.attention`).
 
     Its engines can run inside the policy's worker processes (``generation.in_policy_workers``).
     """

@@ -11,6 +11,7 @@ import torch
 from posttrain.backend.generation_group import Completion, EngineWorker, GenerationRequest, model_tokens
 from posttrain.backend.weight_sync import BroadcastReceiver, ParamMeta, TransferInit
 from posttrain.errors import WorkerError, did_you_mean
+from posttrain_hf.attention import SHARED_KV_SDPA
 from posttrain_hf.decode import decode
 from posttrain_hf.stop_strings import StopStringMatcher
 
@@ -29,8 +30,9 @@ class HFEngineWorker(EngineWorker):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        kernel = SHARED_KV_SDPA if attn_implementation == "sdpa" else attn_implementation
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
+            model_path, dtype=getattr(torch, dtype), attn_implementation=kernel
         ).to(self.device)
         self.model.eval()
         self.model_path = model_path

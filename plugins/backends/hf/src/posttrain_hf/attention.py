@@ -1,0 +1,52 @@
+"""SDPA for decoding on the CPU with grouped-query heads shared, not copied.
+
+transformers' ``sdpa`` attention copies the keys and values of every grouped-query head
+group (``repeat_kv``) whenever it has an attention mask on a CPU tensor, which the hf
+engine always has: prompts are left-padded. For a decoding step that is the whole KV cache
+copied ``heads / kv_heads`` times per layer. PyTorch's CPU kernel takes the mask and the
+shared heads together (``enable_gqa``), with the same result.
+
+:data:`SHARED_KV_SDPA` names :func:`shared_kv_sdpa` in transformers' ``AttentionInterface``
+and gives it the ``sdpa`` mask builder, so the model gets the masks it gets with ``sdpa``.
+Without a mask, or off the CPU (where a masked grouped-query call would leave the fused
+kernels for the math one), it is transformers' ``sdpa``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+SHARED_KV_SDPA = "posttrain_shared_kv_sdpa"
+
+
+def shared_kv_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention output ``[rows, tokens, heads, head_dim]`` of ``query`` ``[rows, heads,
+    tokens, head_dim]`` over ``key``/``value`` ``[rows, kv_heads, kv_tokens, head_dim]``
+    under ``attention_mask`` (``sdpa``'s boolean mask, True where a query sees a key)."""
+    if attention_mask is None or query.device.type != "cpu" or attention_mask.dtype != torch.bool:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(SHARED_KV_SDPA, shared_kv_sdpa)
+AttentionMaskInterface.register(SHARED_KV_SDPA, sdpa_mask)
