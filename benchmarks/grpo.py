@@ -5,7 +5,8 @@
 Sides (alternating, each in its own process):
 
 - ``posttrain``: :func:`posttrain.run.context.run_algorithm` on a GRPO config as a user writes it:
-  dtensor policy (one worker, sequence packing), vLLM generation colocated, its own Ray
+  dtensor policy (one worker, sequence packing in rows of :func:`packed_row_tokens`), vLLM
+  generation colocated, its own Ray
   cluster, the ``bench_reward`` environment (:mod:`grpo_reward`) as an installed plugin.
   Step times are the ``time`` stamps of consecutive ``metrics.jsonl`` train records; the
   per-stage ``timing/<stage>`` metrics of every timed step are kept.
@@ -162,6 +163,24 @@ def samples_per_step(spec: dict[str, Any]) -> int:
     return spec["prompts"] * GENERATIONS
 
 
+#: glibc's largest mmap threshold on 64-bit Linux: a larger allocation gets fresh pages from the
+#: kernel, faulted in and zeroed at every use, instead of memory the heap already holds.
+MMAP_THRESHOLD_MAX = 32 * 2**20
+
+
+def packed_row_tokens(spec: dict[str, Any]) -> int:
+    """Tokens per packed row (one row per microbatch) of the posttrain sides: every sample of
+    a step in one row, but no more tokens than keep the row's largest activation (the MLP's
+    ``tokens x intermediate_size`` float32) under half of :data:`MMAP_THRESHOLD_MAX`, in
+    whole ``max_len`` units. On the small model (2560 tokens) that trained a dense step 15%
+    and a skewed one 10% faster than one row of every sample (docs/benchmarks.md)."""
+    from transformers import AutoConfig
+
+    intermediate = AutoConfig.from_pretrained(spec["model_dir"]).intermediate_size
+    under = MMAP_THRESHOLD_MAX // 2 // (4 * intermediate) // spec["max_len"] * spec["max_len"]
+    return max(spec["max_len"], min(samples_per_step(spec) * spec["max_len"], under))
+
+
 # ---------------------------------------------------------------------- posttrain
 
 
@@ -198,7 +217,7 @@ def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, co
             "backend": "dtensor", "model": spec["model_dir"], "dtype": "float32", "num_workers": 1,
             "train_global_batch_size": samples, "train_micro_batch_size": samples, "logprob_micro_batch_size": samples,
             "max_total_sequence_length": spec["max_len"], "max_grad_norm": 1.0,
-            "sequence_packing": {"enabled": True, "max_tokens_per_row": samples * spec["max_len"]},
+            "sequence_packing": {"enabled": True, "max_tokens_per_row": packed_row_tokens(spec)},
             "optimizer": {"name": "adamw", "lr": spec["lr"]}, "scheduler": {"name": "constant"},
             "resources": {"cpus": policy_threads, "env_vars": {"OMP_NUM_THREADS": str(policy_threads), **wait}},
             "dtensor": {"activation_checkpointing": spec["activation_checkpointing"]},

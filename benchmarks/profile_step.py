@@ -2,6 +2,7 @@
 this process (world size 1, no Ray) under ``torch.profiler``, on a benchmark's data.
 
     python benchmarks/profile_step.py --spec RUN_DIR/spec.json [--padded] [--steps 2]
+    python benchmarks/profile_step.py --spec RUN_DIR/spec.json --row-tokens 32768,2816 [--reps 2]
 
 ``RUN_DIR`` is the ``--out`` folder of ``sft.py`` (SFT data: the NLL step), of ``dpo.py``
 (preference pairs: the reference-logprob pass with the reference weights swapped in, then
@@ -13,6 +14,10 @@ profiler added 10 to 30% to the small model's GRPO step here). Prints the unprof
 (training FLOPs of the real tokens / this machine's float32 ``torch.mm`` rate, measured
 here), and the profiled steps' operators by self CPU time: the share in matrix products (the
 floor's work) versus everything else. The spec's data must hold ``1 + --steps`` batches.
+
+With ``--row-tokens``, no profile: the same worker trains the same steps packed in rows of
+each listed size in turn (``--reps`` rounds, sizes alternating) and prints each size's
+median seconds per step.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,6 +49,8 @@ def main() -> None:
     parser.add_argument("--spec", required=True)
     parser.add_argument("--padded", action="store_true", help="padded microbatch instead of sequence packing")
     parser.add_argument("--steps", type=int, default=2, help="profiled steps (after one warm-up step)")
+    parser.add_argument("--row-tokens", help="comma-separated packed row sizes (tokens) to compare instead of profiling")
+    parser.add_argument("--reps", type=int, default=2, help="rounds over --row-tokens")
     args = parser.parse_args()
     spec = json.loads(Path(args.spec).read_text())
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1")
@@ -103,6 +111,9 @@ def main() -> None:
         return (time.perf_counter() - start) / args.steps
 
     step(batches[0])
+    if args.row_tokens:
+        compare_row_sizes(worker, loss_fn, batches[1:], [int(n) for n in args.row_tokens.split(",")], rows, args.reps)
+        return
     elapsed = seconds_per_step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         profiled = seconds_per_step()
@@ -119,6 +130,24 @@ def main() -> None:
     print(f"self CPU time in matrix products ({', '.join(MATMUL_OPS)}), profiled steps: {matmul / total:.1%}; "
           f"matrix products alone run at {flops / (matmul / 1e6 / args.steps) / 1e9:.2f} GFLOP/s")
     print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=40))
+
+
+def compare_row_sizes(worker, loss_fn, batches: list[Batch], sizes: list[int], rows: int, reps: int) -> None:
+    """Seconds per training step with each packed row size, sizes alternating, ``reps`` rounds."""
+    from posttrain.backend.work import Batching, plan_pass
+
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    for _ in range(reps):
+        for size in sizes:
+            batching = Batching(rows, packing_tokens_per_row=size)
+            for batch in batches:
+                work = plan_pass(batch["input_lengths"].tolist(), 1, batching).work(batch)[0]
+                start = time.perf_counter()
+                worker.train(work, loss_fn)
+                times[size].append(time.perf_counter() - start)
+    print(f"load {os.getloadavg()[0]:.1f}; seconds per step by tokens per packed row (median, then every step):")
+    for size in sizes:
+        print(f"{size:>8}  {statistics.median(times[size]):.3f}  {' '.join(f'{t:.2f}' for t in times[size])}")
 
 
 def rollout_batch(prompts: Batch, spec: dict) -> Batch:

@@ -31,9 +31,9 @@ def spec_path(tmp_path_factory) -> Path:
     return path
 
 
-def profile_step(spec_path: Path, steps: int) -> subprocess.CompletedProcess:
+def profile_step(spec_path: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(BENCHMARKS / "profile_step.py"), "--spec", str(spec_path), "--steps", str(steps)],
+        [sys.executable, str(BENCHMARKS / "profile_step.py"), "--spec", str(spec_path), "--steps", str(steps), *extra],
         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
 
@@ -65,3 +65,18 @@ def test_more_steps_than_the_data_holds_are_refused(spec_path):
         f"{spec_path}: its data holds 3 batches of 128 rows; --steps 3 needs 4 (one warm-up step first). "
         "Use --steps 2 or less."
     )
+
+
+def test_row_sizes_are_compared_on_the_same_steps_alternating(spec_path):
+    run = profile_step(spec_path, 2, "--row-tokens", "4096,512", "--reps", "2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    header = next(i for i, line in enumerate(lines) if "seconds per step by tokens per packed row" in line)
+    rows = [line.split() for line in lines[header + 1:]]
+    assert [row[0] for row in rows] == ["4096", "512"], lines
+    for row in rows:
+        times = [float(t) for t in row[2:]]
+        assert len(times) == 4 and all(t > 0 for t in times), row  # 2 rounds x 2 steps
+        middle = sorted(times)[1:3]  # the median of four, from times printed to 2 decimals
+        assert float(row[1]) == pytest.approx(sum(middle) / 2, abs=0.006), row
+    assert "aten::mm" not in run.stdout  # no profile in this mode
