@@ -98,7 +98,7 @@ def main() -> None:
     worker = DTensorPolicyWorker(config, DTensorConfig())
     batching = Batching.from_policy_config(config.policy, rows)
 
-    def step(batch):
+    def step(batch, batching=batching):
         work = plan_pass(batch["input_lengths"].tolist(), 1, batching).work(batch)[0]
         if reference:
             work.batch["reference_logprobs"] = worker.logprobs(work, reference=True)["reference_logprobs"]
@@ -112,7 +112,7 @@ def main() -> None:
 
     step(batches[0])
     if args.row_tokens:
-        compare_row_sizes(worker, loss_fn, batches[1:], [int(n) for n in args.row_tokens.split(",")], rows, args.reps)
+        compare_row_sizes(step, batches[1:], [int(n) for n in args.row_tokens.split(",")], rows, args.reps)
         return
     elapsed = seconds_per_step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -132,18 +132,18 @@ def main() -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=40))
 
 
-def compare_row_sizes(worker, loss_fn, batches: list[Batch], sizes: list[int], rows: int, reps: int) -> None:
-    """Seconds per training step with each packed row size, sizes alternating, ``reps`` rounds."""
-    from posttrain.backend.work import Batching, plan_pass
+def compare_row_sizes(step, batches: list[Batch], sizes: list[int], rows: int, reps: int) -> None:
+    """Seconds per ``step(batch, batching)`` (the same step the profile times) with each packed
+    row size, sizes alternating, ``reps`` rounds."""
+    from posttrain.backend.work import Batching
 
     times: dict[int, list[float]] = {size: [] for size in sizes}
     for _ in range(reps):
         for size in sizes:
             batching = Batching(rows, packing_tokens_per_row=size)
             for batch in batches:
-                work = plan_pass(batch["input_lengths"].tolist(), 1, batching).work(batch)[0]
                 start = time.perf_counter()
-                worker.train(work, loss_fn)
+                step(batch, batching)
                 times[size].append(time.perf_counter() - start)
     print(f"load {os.getloadavg()[0]:.1f}; seconds per step by tokens per packed row (median, then every step):")
     for size in sizes:
