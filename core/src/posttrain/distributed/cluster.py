@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -27,8 +26,9 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from posttrain.config.schema import ClusterConfig, WorkerResources
 from posttrain.distributed.nodes import Node, alive_nodes, cluster_address, per_node, wait_for_nodes
 from posttrain.distributed.placement import Placement, follow_nodes, rank_order
+from posttrain.distributed.ray_output import show_forwarded_output
 from posttrain.errors import ConfigError, WorkerError
-from posttrain.log import above_progress_bars, library_env, library_log_level
+from posttrain.log import library_env, library_log_level
 
 #: The variable through which every worker of the job learns the driver's working directory.
 DRIVER_CWD_VAR = "POSTTRAIN_DRIVER_CWD"
@@ -56,8 +56,8 @@ def init_ray(config: ClusterConfig) -> bool:
 
     Logging follows the configured ``logger.level`` (:mod:`posttrain.log`): Ray's own logger
     gets :func:`~posttrain.log.library_log_level`, this job's workers the environment of
-    :func:`~posttrain.log.library_env`, and the workers' lines this process prints go above
-    the progress bar.
+    :func:`~posttrain.log.library_env`, and what Ray forwards to this process is shown as
+    :mod:`posttrain.distributed.ray_output` says.
     """
     if ray.is_initialized():
         return False
@@ -81,7 +81,7 @@ def init_ray(config: ClusterConfig) -> bool:
             include_dashboard=False,
             **options,
         )
-    _print_worker_lines_above_progress_bars()
+    show_forwarded_output()
     if callable(previous):
         signal.signal(signal.SIGTERM, previous)
     return not address
@@ -117,31 +117,6 @@ def enter_driver_directory() -> None:
     in_working_dir = "runtime_resources" in Path.cwd().parts  # where Ray unpacks a runtime_env working_dir
     if folder and Path(folder).is_dir() and not in_working_dir:
         os.chdir(folder)
-
-
-def _print_worker_lines_above_progress_bars() -> None:
-    """Wrap the handler through which Ray prints the workers' output in this process (Ray
-    names it ``ray_print_logs``; ray 2.60 keeps its handlers in a private dispatcher) so its
-    lines go above the progress bar instead of into it. Nothing to wrap without
-    ``log_to_driver``. The autoscaler's batches (a status report every few seconds, of
-    which Ray prints only the rare events) pass as they are: clearing the bar for each
-    would make it flicker."""
-    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-
-    def wrap(print_lines: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
-        def print_above_bars(data: dict[str, Any]) -> None:
-            if not data.get("lines") or data.get("pid") == "autoscaler":
-                print_lines(data)
-                return
-            with above_progress_bars(sys.stderr if data.get("is_err") else sys.stdout):
-                print_lines(data)
-
-        return print_above_bars
-
-    with dispatcher._lock:
-        dispatcher.handlers = [
-            (name, wrap(handler) if name == "ray_print_logs" else handler) for name, handler in dispatcher.handlers
-        ]
 
 
 def _no_auto_connect() -> None:
