@@ -7,6 +7,8 @@ import io
 import json
 import sys
 
+import structlog
+
 from posttrain.distributed.ray_output import NodeLines, forwarded_output_handler
 from posttrain.log import configure_logging
 
@@ -54,3 +56,28 @@ def test_at_debug_every_line_is_printed_as_ray_prints_it():
     forward(show, "raylet", DISK)
     forward(show, "raylet", DISK_LATER)
     assert [data["lines"] for data in printed] == [[DISK], [DISK_LATER]]
+
+
+def test_ray_prints_the_node_lines_in_a_process_whose_events_go_nowhere(monkeypatch):
+    """``init_ray`` from a script that never configured logging: structlog would print an
+    event on stdout (its default), where the script's own output goes; Ray's line goes to
+    stderr, as without posttrain."""
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    from posttrain.distributed.ray_output import show_forwarded_output
+
+    printed: list[dict] = []
+    saved = structlog.get_config() if structlog.is_configured() else None
+    monkeypatch.setattr(dispatcher, "handlers", [("ray_print_logs", printed.append)])
+    try:
+        structlog.reset_defaults()
+        show_forwarded_output()
+        forward(dispatcher.handlers[0][1], "raylet", DISK)
+        configure_logging("info")
+        show_forwarded_output()  # wraps the handler again, now with events
+        forward(dispatcher.handlers[0][1], "raylet", DISK)
+    finally:
+        structlog.reset_defaults()
+        if saved is not None:
+            structlog.configure(**saved)
+    assert [data["lines"] for data in printed] == [[DISK]]

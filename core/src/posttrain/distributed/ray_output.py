@@ -8,8 +8,9 @@ Ray prints both in the driver through one handler (``ray_print_logs``). posttrai
 - below ``logger.level: debug``, a node process's log line (``[time L pid tid] (raylet)
   file.cc:line: message``) becomes one posttrain event the first time its origin
   (``file.cc:line``) speaks, and its repeats are left out: the raylet repeats some errors
-  every few seconds for as long as they hold (e.g. a disk over 95% full). At debug every line
-  is printed as Ray prints it.
+  every few seconds for as long as they hold (e.g. a disk over 95% full). At debug, and in a
+  process whose events go nowhere yet (structlog not configured: a script using
+  :func:`~posttrain.distributed.cluster.init_ray` alone), every line is printed as Ray prints it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import sys
 import threading
 from collections.abc import Callable
 from typing import Any
+
+import structlog
 
 from posttrain.log import above_progress_bars, get_logger, library_log_level
 
@@ -88,7 +91,7 @@ def show_forwarded_output() -> None:
     ``logger.level``. Nothing to wrap without ``log_to_driver``."""
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
-    node_lines = NodeLines() if library_log_level() >= logging.ERROR else None
+    node_lines = NodeLines() if library_log_level() >= logging.ERROR and structlog.is_configured() else None
     with dispatcher._lock:
         dispatcher.handlers = [
             (name, forwarded_output_handler(handler, node_lines) if name == "ray_print_logs" else handler)
