@@ -101,7 +101,7 @@ def check_sequence(batch, i, tokenizer, eos, *, template_roundtrip: bool = True)
     expected_mask = [0.0] * prompt_length
     rebuilt = ids[:prompt_length]
     for message in log[num_prompt_messages:]:
-        rebuilt += message["token_ids"].tolist()
+        rebuilt += message["token_ids"]
         expected_mask += [1.0 if message["role"] == "assistant" else 0.0] * len(message["token_ids"])
         if message["role"] == "assistant":
             assert message["content"] == tokenizer.decode(message["token_ids"], skip_special_tokens=True)

@@ -177,16 +177,13 @@ def assemble_output(prompts: list[list[int]], completions: list[Completion], pad
     """The output batch of :mod:`posttrain.interfaces.generation` from prompts and completions."""
     lengths = [len(p) + len(c.token_ids) for p, c in zip(prompts, completions, strict=True)]
     width = max(lengths, default=0)
-    output_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    logprobs = torch.zeros((len(prompts), width), dtype=torch.float32)
-    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
-        end = len(prompt) + len(completion.token_ids)
-        output_ids[row, : len(prompt)] = torch.tensor(prompt)
-        output_ids[row, len(prompt) : end] = torch.tensor(completion.token_ids, dtype=torch.long)
-        logprobs[row, len(prompt) : end] = torch.tensor(completion.logprobs, dtype=torch.float32)
+    pairs = list(zip(prompts, completions, strict=True))
+    # each tensor from one list of rows: one conversion instead of several per row
+    output_ids = [[*p, *c.token_ids, *[pad_token_id] * (width - len(p) - len(c.token_ids))] for p, c in pairs]
+    logprobs = [[*[0.0] * len(p), *c.logprobs, *[0.0] * (width - len(p) - len(c.token_ids))] for p, c in pairs]
     return Batch(
-        output_ids=output_ids,
-        logprobs=logprobs,
+        output_ids=torch.tensor(output_ids, dtype=torch.long).view(len(prompts), width),
+        logprobs=torch.tensor(logprobs, dtype=torch.float32).view(len(prompts), width),
         generation_lengths=torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long),
         unpadded_sequence_lengths=torch.tensor(lengths, dtype=torch.long),
         truncated=torch.tensor([c.truncated for c in completions], dtype=torch.bool),

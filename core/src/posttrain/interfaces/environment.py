@@ -17,7 +17,7 @@ import torch
 class Message(TypedDict, total=False):
     role: str
     content: str
-    token_ids: torch.Tensor
+    token_ids: list[int]
 
 
 @attrs.frozen

@@ -46,7 +46,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import attrs
-import torch
 
 from posttrain.batch import Batch
 from posttrain.data.tool_calls import FORMATS, MalformedToolCall, text_around_calls
@@ -198,7 +197,7 @@ class ChatEndpoint:
         for name in ("token_ids", "logprobs", "mask", "versions"):
             del getattr(conversation, name)[length:]
         kept = conversation.token_ids[start:]
-        conversation.messages[-1] = {**last, "content": self.chat.decode(kept), "token_ids": torch.tensor(kept)}
+        conversation.messages[-1] = {**last, "content": self.chat.decode(kept), "token_ids": kept}
         conversation.truncated = True
 
     def _response(self, session: Session, conversation: Conversation, sampled: list[int], request: Mapping[str, Any],

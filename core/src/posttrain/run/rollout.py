@@ -246,7 +246,7 @@ class Conversation:
         generated, logprobs = generated[:room], logprobs[:room]
         version = int(outputs["weight_versions"][row]) if "weight_versions" in outputs else -1
         self.extend(generated, logprobs, version)
-        self.messages.append({"role": "assistant", "content": chat.decode(generated), "token_ids": torch.tensor(generated, dtype=torch.long)})
+        self.messages.append({"role": "assistant", "content": chat.decode(generated), "token_ids": generated})
         self.turns += 1
 
     def add_environment_step(self, result: EnvironmentReturn, k: int, chat: ChatFormat, max_total_length: int, *, last_turn: bool) -> None:
@@ -267,13 +267,13 @@ class Conversation:
         assistant turn) and the tokens that lead to the next generation (the last message
         keeps them as its ``token_ids``). False, changing nothing, when no room would be
         left under ``max_total_length`` to generate a token."""
-        bridge = chat.bridge_ids(self.messages, self.messages[-1]["token_ids"].tolist(), messages, self.tools)
+        bridge = chat.bridge_ids(self.messages, self.messages[-1]["token_ids"], messages, self.tools)
         if len(self.token_ids) + len(bridge) >= max_total_length:
             return False
         self.extend(bridge)
         for i, message in enumerate(messages):
             last = i == len(messages) - 1
-            self.messages.append({**message, "token_ids": torch.tensor(bridge if last else [], dtype=torch.long)})
+            self.messages.append({**message, "token_ids": bridge if last else []})
         return True
 
 
@@ -285,6 +285,7 @@ def _start_conversations(
     answers = samples["answer"] if "answer" in samples else [None] * len(messages)
     conversations = []
     tools_of: dict[str, list[Any]] = {}
+    prompt_ids: dict[tuple[Any, ...], list[int]] = {}  # a prompt repeated for its group is encoded once
     for i, (prompt, task, meta, answer) in enumerate(zip(messages, tasks, metadata, answers, strict=True)):
         if task not in environments:
             raise ConfigError(
@@ -295,7 +296,10 @@ def _start_conversations(
             meta = {**meta, "answer": answer}
         if task not in tools_of:
             tools_of[task] = list(environments[task].tool_schemas())
-        token_ids = chat.prompt_ids(prompt, tools_of[task])
+        key = (task, *((m["role"], m["content"]) for m in prompt))  # what the rendering reads
+        if key not in prompt_ids:
+            prompt_ids[key] = chat.prompt_ids(prompt, tools_of[task])
+        token_ids = list(prompt_ids[key])
         conversation = Conversation([dict(m) for m in prompt], task, meta, token_ids, prompt_length=len(token_ids),
                                      tools=tools_of[task])
         if len(token_ids) >= max_total_length:  # no room to generate anything
@@ -313,10 +317,8 @@ def _by_task(conversations: Sequence[Conversation]) -> dict[str, list[int]]:
 
 
 def _pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
-    out = torch.full((len(rows), max(len(r) for r in rows)), value, dtype=dtype)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
-    return out
+    width = max(len(r) for r in rows)
+    return torch.tensor([[*row, *[value] * (width - len(row))] for row in rows], dtype=dtype)  # one conversion
 
 
 def generation_batch(active: Sequence[Conversation], pad_token_id: int) -> Batch:
