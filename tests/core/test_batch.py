@@ -11,6 +11,7 @@ from posttrain.batch import (
     equalize_microbatch_counts,
     pack_bins,
     pack_sequences,
+    padded_tensor,
     shard_indices,
     token_budget_microbatches,
 )
@@ -142,3 +143,11 @@ def test_packing_round_trip_positions_and_attention():
                 assert bool(mask[r, q, k]) == expected
     # pack() of a per-sample tensor matches the packed ids
     assert torch.equal(packed.pack(batch["input_ids"]), packed.input_ids)
+
+
+def test_padded_tensor_right_pads_each_row_to_the_longest():
+    out = padded_tensor([[1, 2, 3], [], [4]], -1, torch.long)
+    assert out.dtype == torch.long and out.tolist() == [[1, 2, 3], [-1, -1, -1], [4, -1, -1]]
+    assert padded_tensor([[0.5], [0.25, 1.0]], 0.0, torch.float32).tolist() == [[0.5, 0.0], [0.25, 1.0]]
+    assert padded_tensor([], 0, torch.long).shape == (0, 0)
+    assert padded_tensor([[], []], 0.0, torch.float32).shape == (2, 0)

@@ -153,6 +153,13 @@ class Batch(MutableMapping[str, Any]):
         return Batch.concat(shards, pad_values).select(inverse)
 
 
+def padded_tensor(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` (lists of numbers) as one [len(rows), longest] tensor, each row right-padded
+    with ``value``, made in one conversion (not one per row)."""
+    width = max((len(row) for row in rows), default=0)
+    return torch.tensor([[*row, *[value] * (width - len(row))] for row in rows], dtype=dtype).view(len(rows), width)
+
+
 def _length(value: Any) -> int:
     return value.shape[0] if isinstance(value, torch.Tensor) else len(value)
 

@@ -25,7 +25,7 @@ import torch
 from posttrain.backend.hosted import HostedEndpoint, HostedGroup
 from posttrain.backend.sampling import sample_seeds
 from posttrain.backend.weight_sync import BroadcastEndpoint, ParamMeta, TransferInit
-from posttrain.batch import Batch
+from posttrain.batch import Batch, padded_tensor
 from posttrain.config.schema import GenerationConfig, RunConfig, WorkerResources
 from posttrain.distributed import VirtualCluster, Worker, WorkerGroup
 from posttrain.errors import ConfigError, DataError
@@ -175,15 +175,11 @@ def prompt_lists(batch: Batch) -> list[list[int]]:
 
 def assemble_output(prompts: list[list[int]], completions: list[Completion], pad_token_id: int) -> Batch:
     """The output batch of :mod:`posttrain.interfaces.generation` from prompts and completions."""
-    lengths = [len(p) + len(c.token_ids) for p, c in zip(prompts, completions, strict=True)]
-    width = max(lengths, default=0)
     pairs = list(zip(prompts, completions, strict=True))
-    # each tensor from one list of rows: one conversion instead of several per row
-    output_ids = [[*p, *c.token_ids, *[pad_token_id] * (width - len(p) - len(c.token_ids))] for p, c in pairs]
-    logprobs = [[*[0.0] * len(p), *c.logprobs, *[0.0] * (width - len(p) - len(c.token_ids))] for p, c in pairs]
+    lengths = [len(p) + len(c.token_ids) for p, c in pairs]
     return Batch(
-        output_ids=torch.tensor(output_ids, dtype=torch.long).view(len(prompts), width),
-        logprobs=torch.tensor(logprobs, dtype=torch.float32).view(len(prompts), width),
+        output_ids=padded_tensor([[*p, *c.token_ids] for p, c in pairs], pad_token_id, torch.long),
+        logprobs=padded_tensor([[*[0.0] * len(p), *c.logprobs] for p, c in pairs], 0.0, torch.float32),
         generation_lengths=torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long),
         unpadded_sequence_lengths=torch.tensor(lengths, dtype=torch.long),
         truncated=torch.tensor([c.truncated for c in completions], dtype=torch.bool),

@@ -49,7 +49,7 @@ from typing import Any
 import attrs
 import torch
 
-from posttrain.batch import Batch
+from posttrain.batch import Batch, padded_tensor
 from posttrain.errors import ConfigError
 from posttrain.interfaces import Environment, EnvironmentReturn, Generation, Message
 from posttrain.run.environments import metrics_contained, step_contained
@@ -316,15 +316,10 @@ def _by_task(conversations: Sequence[Conversation]) -> dict[str, list[int]]:
     return dict(groups)
 
 
-def _pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
-    width = max(len(r) for r in rows)
-    return torch.tensor([[*row, *[value] * (width - len(row))] for row in rows], dtype=dtype)  # one conversion
-
-
 def generation_batch(active: Sequence[Conversation], pad_token_id: int) -> Batch:
     """The input of one ``generate`` call: each conversation's tokens so far, its stop strings."""
     batch = Batch(
-        input_ids=_pad([c.token_ids for c in active], pad_token_id, torch.long),
+        input_ids=padded_tensor([c.token_ids for c in active], pad_token_id, torch.long),
         input_lengths=torch.tensor([len(c.token_ids) for c in active], dtype=torch.long),
     )
     if any(c.stop_strings for c in active):
@@ -337,12 +332,12 @@ def training_batch(conversations: Sequence[Conversation], pad_token_id: int, *, 
     ``with_versions`` (every generation reported the versions of its weights)."""
     lengths = [len(c.token_ids) for c in conversations]
     batch = Batch(
-        input_ids=_pad([c.token_ids for c in conversations], pad_token_id, torch.long),
+        input_ids=padded_tensor([c.token_ids for c in conversations], pad_token_id, torch.long),
         input_lengths=torch.tensor(lengths, dtype=torch.long),
         prompt_lengths=torch.tensor([c.prompt_length for c in conversations], dtype=torch.long),
         response_lengths=torch.tensor([int(sum(c.mask)) for c in conversations], dtype=torch.long),
-        token_mask=_pad([c.mask for c in conversations], 0.0, torch.float32),
-        generation_logprobs=_pad([c.logprobs for c in conversations], 0.0, torch.float32),
+        token_mask=padded_tensor([c.mask for c in conversations], 0.0, torch.float32),
+        generation_logprobs=padded_tensor([c.logprobs for c in conversations], 0.0, torch.float32),
         rewards=torch.tensor([c.reward for c in conversations], dtype=torch.float32),
         truncated=torch.tensor([c.truncated for c in conversations], dtype=torch.bool),
         turns=torch.tensor([c.turns for c in conversations], dtype=torch.long),
@@ -353,7 +348,7 @@ def training_batch(conversations: Sequence[Conversation], pad_token_id: int, *, 
         task=[c.task for c in conversations],
     )
     if with_versions:
-        batch["generation_versions"] = _pad([c.versions for c in conversations], -1, torch.long)
+        batch["generation_versions"] = padded_tensor([c.versions for c in conversations], -1, torch.long)
     return batch
 
 
