@@ -19,10 +19,12 @@ from posttrain.backend.weight_sync import (
     TransferInit,
     TransferPlan,
     bucket_layout,
+    cuda_ipc_route,
     layer_groups,
 )
 from posttrain.config.schema import ClusterConfig, WorkerResources
 from posttrain.distributed import VirtualCluster, Worker, WorkerGroup
+from posttrain.distributed.placement import DevicePlacement
 from posttrain.errors import WorkerError
 from posttrain.run.refit import refit
 from posttrain.testing.generation import ExportedWeights
@@ -153,6 +155,27 @@ def test_a_sync_reaches_every_engine_bit_for_bit_in_buckets(cluster, same_node, 
             assert version == 7 and received.keys() == WEIGHTS.keys()
             for name, tensor in WEIGHTS.items():
                 assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+
+
+def test_an_nccl_sync_goes_through_cuda_ipc_only_when_every_engine_is_on_the_senders_gpu():
+    """NCCL refuses two ranks of one group on one GPU ("Duplicate GPU detected", seen on an
+    H200): engines colocated on rank 0's GPU take the CUDA IPC route, engines elsewhere the
+    broadcast, and a mix of the two is refused before anything is sent."""
+    rank0 = DevicePlacement("node-a", ("0",))
+    assert cuda_ipc_route(rank0, [DevicePlacement("node-a", ("0",))] * 2, 1, "generation")
+    assert not cuda_ipc_route(rank0, [DevicePlacement("node-a", ("1",)), DevicePlacement("node-b", ("0",))], 1, "generation")
+    assert not cuda_ipc_route(rank0, [DevicePlacement("node-a")], 1, "generation")  # an engine on the CPU
+    with pytest.raises(WorkerError, match=r"^weight sync to generation: engine\(s\) \[0\] compute on GPU \['0'\] of the "
+                                          r"policy's rank 0 and engine\(s\) \[1\] do not; .*generation.weight_transport: gloo"):
+        cuda_ipc_route(rank0, [DevicePlacement("node-a", ("0",)), DevicePlacement("node-a", ("1",))], 1, "generation")
+    with pytest.raises(WorkerError, match=r"and each engine has 2 ranks; "):
+        cuda_ipc_route(rank0, [DevicePlacement("node-a", ("0", "1"))], 2, "generation")
+
+
+def test_a_worker_reports_its_node_and_no_gpus_on_the_cpu(cluster):
+    with WorkerGroup(cluster, Engine, name="placed", num_workers=1, resources=WorkerResources(cpus=0.25)) as group:
+        [where] = group.run_all(Engine.devices)
+        assert where == DevicePlacement(group.node_ids[0], ())
 
 
 def test_an_engine_that_refuses_the_plan_is_named_at_once(cluster):

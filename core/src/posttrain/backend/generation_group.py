@@ -250,7 +250,8 @@ WEIGHT_TRANSPORTS = ("auto", "gloo", "nccl")
 def weight_transport(config: RunConfig) -> str:
     """The torch.distributed backend of the weight sync: ``generation.weight_transport``,
     with ``auto`` meaning nccl when the cluster uses GPUs and both the policy's workers and
-    the engines have one, gloo otherwise."""
+    the engines have one, gloo otherwise. An nccl sync to engines on policy rank 0's own GPU
+    goes through CUDA IPC (:func:`posttrain.backend.weight_sync.cuda_ipc_route`)."""
     gen = config.generation
     if gen.weight_transport != "auto":
         return gen.weight_transport

