@@ -215,9 +215,16 @@ def test_loading_a_missing_checkpoint_names_the_folder(policy, tmp_path):
 
 
 def test_info_and_offload_on_cpu(policy, setup):
+    """Offloaded, a forward pass is refused on the CPU as on a GPU (where it would otherwise
+    fail on tensors of two devices, as the first CUDA run showed); prepared again, it runs."""
+    from posttrain.errors import WorkerError
+
     info = policy.info()
     assert info["parameters"] == sum(t.numel() for t in setup["initial_weights"].values())
     assert (info["data_parallel_size"], info["tensor_parallel_size"], info["device"]) == (1, 1, "cpu")
     policy.offload()
+    with pytest.raises(WorkerError, match=r"logprobs\(\) raised RuntimeError: dtensor policy rank 0: a forward pass while "
+                                          r"the weights are offloaded .*call prepare_for_training\(\) first"):
+        policy.get_logprobs(setup["batch"])
     policy.prepare_for_training()
     assert policy.get_logprobs(setup["batch"])["logprobs"].abs().sum() > 0

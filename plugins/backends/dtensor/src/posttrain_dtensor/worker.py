@@ -116,6 +116,7 @@ class DTensorPolicyWorker(PolicyWorker):
         self.optimizer = build_optimizer(self.trained, policy.optimizer)
         self.scheduler = build_scheduler(self.optimizer, policy.scheduler)
         self.step = 0
+        self.offloaded = False  # offload() moved the state to CPU memory; prepare_for_training() brings it back
         # The frozen reference: the base model with its adapters off under LoRA; otherwise
         # this rank's shards of the initial weights, on CPU (none when the run asks for no
         # reference logprobs: ``reference`` False).
@@ -186,6 +187,9 @@ class DTensorPolicyWorker(PolicyWorker):
         return rows.to(self.device)
 
     def _forward(self, rows: ModelRows, head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
+        if self.offloaded:
+            raise RuntimeError(f"dtensor policy rank {self.rank}: a forward pass while the weights are offloaded to CPU "
+                               "memory (offload() was called, as colocated generation does); call prepare_for_training() first")
         return self.model(rows.input_ids, rows.attention_mask, rows.position_ids, head, rows.segment_bounds)
 
     def _microbatch_logprobs(self, mb: Batch, batching: Batching) -> torch.Tensor:
@@ -403,12 +407,15 @@ class DTensorPolicyWorker(PolicyWorker):
     # ------------------------------------------------------------------ placement
 
     def offload(self) -> None:
-        """Move weights and optimizer state to CPU memory. On CPU training this is a no-op:
-        they are already there."""
+        """Move weights and optimizer state to CPU memory (nothing moves on CPU training, where
+        they are already there). Until :meth:`prepare_for_training`, forward passes and
+        training raise, on every device alike; the weight sync and checkpoints still work."""
+        self.offloaded = True
         self._move_to(torch.device("cpu"))
 
     def prepare_for_training(self) -> None:
-        """Bring weights and optimizer state back onto the training device (no-op on CPU)."""
+        """Bring weights and optimizer state back onto the training device."""
+        self.offloaded = False
         self._move_to(self.device)
 
     def _move_to(self, device: torch.device) -> None:
