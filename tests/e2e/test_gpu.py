@@ -1,9 +1,11 @@
 """The CUDA paths (``nox -s gpu`` on a machine with GPUs; never in CI): dtensor training on a
-GPU, vLLM generation, the weight sync over NCCL to a colocated engine (on the policy's GPU)
-and to an engine on a GPU of its own, with logprob parity after each, and sleep / wake."""
+GPU, generation by vLLM and by the hf engine, the weight sync to a colocated engine (on the
+policy's GPU), to an engine on a GPU of its own and to engines inside the policy's workers,
+with logprob parity after each, and sleep / wake."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -19,37 +21,50 @@ from posttrain.config.schema import (
 from posttrain.distributed import VirtualCluster
 from posttrain.plugins import plugin_host
 from posttrain.run.refit import refit
-from posttrain.testing.generation import NegativeLogLikelihood, generated_mask, prompt_batch
+from posttrain.testing.generation import (
+    NegativeLogLikelihood,
+    check_trained_policy_refit,
+    generated_mask,
+    prompt_batch,
+)
 
-pytestmark = [pytest.mark.gpu, pytest.mark.ray, pytest.mark.vllm]
+pytestmark = [pytest.mark.gpu, pytest.mark.ray]
 
 PROMPTS = [[1, 40, 41, 42, 43], [1, 50, 51], [1, 60, 61, 62, 63, 7, 8, 9], [1, 12]]
 GPU = WorkerResources(cpus=1, gpus=1)
 HALF_GPU = WorkerResources(cpus=1, gpus=0.5)  # colocated: the policy and the engine share one device
 
 
-def _config(model: str, *, colocated: bool) -> RunConfig:
+def _config(model: str, *, engine: str, colocated: bool, in_policy_workers: bool = False,
+            transport: str = "auto") -> RunConfig:
     return RunConfig(
         seed=1,
         cluster=ClusterConfig(use_gpus=True),
         policy=PolicyConfig(model=model, train_global_batch_size=len(PROMPTS), train_micro_batch_size=2,
                             optimizer=OptimizerConfig(lr=1e-2), max_total_sequence_length=64,
                             resources=HALF_GPU if colocated else GPU),
-        generation=GenerationConfig(backend="vllm", max_new_tokens=8, colocated=colocated,
-                                    refit_bucket_bytes=1 << 20, resources=HALF_GPU if colocated else GPU),
+        generation=GenerationConfig(backend=engine, max_new_tokens=8, colocated=colocated,
+                                    in_policy_workers=in_policy_workers, weight_transport=transport,
+                                    refit_bucket_bytes=1 << 20,
+                                    resources=HALF_GPU if colocated else GPU),
     )
 
 
-@pytest.mark.parametrize("colocated", [True, pytest.param(False, marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="an engine on a GPU of its own needs 2 GPUs"))])
-def test_train_then_sync_over_nccl_gives_the_trainers_logprobs(ray_cluster, tiny_model_path, colocated):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("vllm")
-    config = _config(tiny_model_path, colocated=colocated)
+ENGINES = [pytest.param("hf"), pytest.param("vllm", marks=pytest.mark.vllm)]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(("colocated", "transport"), [(True, "auto"), (True, "gloo"), pytest.param(
+    False, "auto", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an engine on a GPU of its own needs 2 GPUs"))])
+def test_train_then_sync_gives_the_trainers_logprobs(ray_cluster, tiny_model_path, engine, colocated, transport):
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    config = _config(tiny_model_path, engine=engine, colocated=colocated, transport=transport)
     cluster = VirtualCluster(config.cluster)
     policy = plugin_host().policy_backends["dtensor"](config, cluster)
-    generation = plugin_host().generation_backends["vllm"](config, cluster)
+    generation = plugin_host().generation_backends[engine](config, cluster)
     try:
         assert policy.info()["device"].startswith("cuda")
         generation.prepare_for_generation()
@@ -64,12 +79,38 @@ def test_train_then_sync_over_nccl_gives_the_trainers_logprobs(ray_cluster, tiny
         assert second["loss"] < first["loss"]
         policy.offload()
         stats = refit(policy, generation, config.generation.refit_bucket_bytes, version=1)
-        assert generation.weight_endpoint().backend == "nccl" and stats.num_buckets >= 1
+        second_sync = refit(policy, generation, config.generation.refit_bucket_bytes, version=2)  # the buffer is reused
+        assert second_sync.transport == stats.transport
+        # NCCL refuses two ranks of one group on one GPU: a colocated engine maps rank 0's buffer
+        assert stats.transport == {"gloo": "gloo", "auto": "cuda ipc" if colocated else "nccl"}[transport], stats
+        assert stats.num_buckets >= 1, stats
         generation.prepare_for_generation()
         out = generation.generate(prompt_batch(PROMPTS))
         mask = generated_mask(out, PROMPTS)
+        generation.finish_generation()
+        policy.prepare_for_training()
         trainer = policy.get_logprobs(Batch(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"]))
         assert (out["logprobs"] - trainer["logprobs"])[mask].abs().max() < 1e-3  # bfloat16-free float32 on both sides
+    finally:
+        generation.shutdown()
+        policy.shutdown()
+        cluster.shutdown()
+
+
+@needs_cuda
+def test_engines_in_policy_workers_take_the_trained_weights_on_the_gpu(ray_cluster, tiny_model_path):
+    """hf engines inside the dtensor policy's worker on its GPU: refit in memory, then the
+    engine's logprobs are the trainer's."""
+    config = _config(tiny_model_path, engine="hf", colocated=True, in_policy_workers=True)
+    config = attrs.evolve(config, policy=attrs.evolve(config.policy, resources=GPU))
+    cluster = VirtualCluster(config.cluster)
+    policy = plugin_host().policy_backends["dtensor"](config, cluster)
+    generation = plugin_host().generation_backends["hf"](config, cluster, host=policy)
+    try:
+        assert policy.info()["device"].startswith("cuda")
+        stats = check_trained_policy_refit(policy, generation, PROMPTS, bucket_bytes=1 << 20, steps=2,
+                                           max_difference=1e-3)
+        assert stats.transport == "in process"
     finally:
         generation.shutdown()
         policy.shutdown()
