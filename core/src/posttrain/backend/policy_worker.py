@@ -155,6 +155,12 @@ class PolicyWorker(Worker, abc.ABC):
         """The named full (unsharded) tensors under Hugging Face names, on CPU in
         ``policy.dtype``, on rank 0; None on the other ranks."""
 
+    def gather_sync_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        """:meth:`gather_weights` for a weight sync, which copies them into its buffers at
+        once: the default gives the same CPU tensors; a backend training on a GPU may leave
+        them on its device (no trip through CPU memory on the way to engines on GPUs)."""
+        return self.gather_weights(names)
+
     @abc.abstractmethod
     def export_hf(self, path: str, shard_bytes: int) -> None:
         """Write a Hugging Face folder at ``path`` (safetensors shards of at most
@@ -170,8 +176,8 @@ class PolicyWorker(Worker, abc.ABC):
     def connect_weights(self, endpoint: BroadcastEndpoint, bucket_bytes: int) -> None:
         """Join the weight sync with a generation backend's engines (rank 0 opens the group;
         see :mod:`posttrain.backend.weight_sync`). Backends need not override it: it runs on
-        :meth:`weight_metadata` and :meth:`gather_weights`."""
-        source = GatheredWeights(self.weight_metadata(), self.gather_weights)
+        :meth:`weight_metadata` and :meth:`gather_sync_weights`."""
+        source = GatheredWeights(self.weight_metadata(), self.gather_sync_weights)
         self._weight_sender = endpoint.connect(source, rank=self.rank, bucket_bytes=bucket_bytes)
 
     def send_weights(self, version: int) -> SendStats | None:

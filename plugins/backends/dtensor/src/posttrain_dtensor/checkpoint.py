@@ -70,7 +70,7 @@ def full_nbytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:
 
 
 @torch.no_grad()
-def gather_full(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Collective for DTensors: the whole tensor, on CPU, in ``dtype``."""
+def gather_full(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Collective for DTensors: the whole tensor, on ``device``, in ``dtype``."""
     full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    return full.detach().to(device="cpu", dtype=dtype if full.is_floating_point() else full.dtype)
+    return full.detach().to(device=device, dtype=dtype if full.is_floating_point() else full.dtype)

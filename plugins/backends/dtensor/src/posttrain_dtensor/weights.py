@@ -29,7 +29,9 @@ from posttrain_dtensor.lora import ADAPTER
 class WeightView(Protocol):
     def named(self) -> list[tuple[str, torch.Tensor]]: ...
 
-    def gather(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]: ...
+    def gather(self, names: list[str], dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Collective: the named full tensors, in ``dtype``, on ``device``."""
+        ...
 
 
 class FullWeights:
@@ -41,9 +43,9 @@ class FullWeights:
     def named(self) -> list[tuple[str, torch.Tensor]]:
         return named_weights(self.lm)
 
-    def gather(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def gather(self, names: list[str], dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         tensors = dict(self.named())
-        return {name: gather_full(tensors[name], dtype) for name in names}
+        return {name: gather_full(tensors[name], dtype, device) for name in names}
 
 
 def _adapter_tensor(lm_tensors: dict[str, torch.Tensor], path: str, matrix: str) -> torch.Tensor:
@@ -70,16 +72,16 @@ class MergedWeights:
         tensors = dict(named_weights(self.lm))
         return [(exported, tensors[name]) for exported, name in self._entries()]
 
-    def gather(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def gather(self, names: list[str], dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         tensors = dict(named_weights(self.lm))
         source = dict(self._entries())
         out = {}
         for name in names:
-            full = gather_full(tensors[source[name]], torch.float32)
+            full = gather_full(tensors[source[name]], torch.float32, device)
             path = name.removesuffix(".weight")
             if name.endswith(".weight") and path in self.scales:
-                a = gather_full(_adapter_tensor(tensors, path, "lora_A"), torch.float32)
-                b = gather_full(_adapter_tensor(tensors, path, "lora_B"), torch.float32)
+                a = gather_full(_adapter_tensor(tensors, path, "lora_A"), torch.float32, device)
+                b = gather_full(_adapter_tensor(tensors, path, "lora_B"), torch.float32, device)
                 full = full + (b @ a) * self.scales[path]  # peft's get_delta_weight, then merge
             out[name] = full.to(dtype)
         return out
@@ -99,6 +101,6 @@ class AdapterWeights:
         tensors = dict(named_weights(self.lm))
         return [(name, _adapter_tensor(tensors, path, m)) for name, path, m in self._entries()]
 
-    def gather(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def gather(self, names: list[str], dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         tensors = dict(self.named())
-        return {name: gather_full(tensors[name], dtype) for name in names}
+        return {name: gather_full(tensors[name], dtype, device) for name in names}

@@ -374,9 +374,14 @@ class DTensorPolicyWorker(PolicyWorker):
         ``policy.dtype``); None elsewhere."""
         return self._gather(self.synced, names)
 
-    def _gather(self, view: WeightView, names: list[str]) -> dict[str, torch.Tensor] | None:
+    def gather_sync_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        """:meth:`gather_weights` where the weights are: on the training device, or on CPU
+        once offloaded."""
+        return self._gather(self.synced, names, "cpu" if self.offloaded else self.device)
+
+    def _gather(self, view: WeightView, names: list[str], device: torch.device | str = "cpu") -> dict[str, torch.Tensor] | None:
         reshard_all(self.model)
-        full = view.gather(names, self.compute_dtype)
+        full = view.gather(names, self.compute_dtype, device)
         return full if self.rank == 0 else None
 
     def export_hf(self, path: str, shard_bytes: int) -> None:
