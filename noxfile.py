@@ -32,7 +32,8 @@ def install(session: nox.Session, *packages: str) -> None:
     editable = [arg for path in ["core", *PLUGINS, *EXAMPLE_PLUGINS] for arg in ("-e", path)]
     session.install("-c", "constraints.txt", "torch==2.13.0")
     session.install("-c", "constraints.txt", *editable, "pytest", "tensorboard", *packages)
-    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY_EXTRAS, silent=True)
+    # run_install: also under --install-only, which skips session.run
+    session.run_install("python", "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY_EXTRAS, silent=True)
 
 
 def pytest(session: nox.Session, *args: str) -> None:
