@@ -151,3 +151,4 @@ def test_padded_tensor_right_pads_each_row_to_the_longest():
     assert padded_tensor([[0.5], [0.25, 1.0]], 0.0, torch.float32).tolist() == [[0.5, 0.0], [0.25, 1.0]]
     assert padded_tensor([], 0, torch.long).shape == (0, 0)
     assert padded_tensor([[], []], 0.0, torch.float32).shape == (2, 0)
+    assert padded_tensor([[1.0], []], 0.0, torch.float32, width=3).tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]

@@ -153,10 +153,11 @@ class Batch(MutableMapping[str, Any]):
         return Batch.concat(shards, pad_values).select(inverse)
 
 
-def padded_tensor(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
-    """``rows`` (lists of numbers) as one [len(rows), longest] tensor, each row right-padded
-    with ``value``, made in one conversion (not one per row)."""
-    width = max((len(row) for row in rows), default=0)
+def padded_tensor(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype, width: int | None = None) -> torch.Tensor:
+    """``rows`` (lists of numbers) as one [len(rows), width] tensor, each row right-padded
+    with ``value`` (``width``: the longest row's length unless given), made in one
+    conversion (not one per row)."""
+    width = max((len(row) for row in rows), default=0) if width is None else width
     return torch.tensor([[*row, *[value] * (width - len(row))] for row in rows], dtype=dtype).view(len(rows), width)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 import torch
 
-from posttrain.batch import Batch
+from posttrain.batch import Batch, padded_tensor
 from posttrain.data.chat import ChatEncoder, Encoded
 from posttrain.data.columns import plan_columns, rename_row
 from posttrain.data.files import Unparsable
@@ -264,12 +264,8 @@ class _TableBuilder:
 
 
 def _pad(seqs: Sequence[tuple[list[int], list[int]]], sample_mask: Sequence[int], pad_token_id: int) -> Batch:
-    width = max(len(ids) for ids, _ in seqs)
-    input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
-    token_mask = torch.zeros((len(seqs), width), dtype=torch.float32)
-    for i, (ids, mask) in enumerate(seqs):
-        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        token_mask[i, : len(mask)] = torch.tensor(mask, dtype=torch.float32)
+    input_ids = padded_tensor([ids for ids, _ in seqs], pad_token_id, torch.long)
+    token_mask = padded_tensor([mask for _, mask in seqs], 0.0, torch.float32, width=input_ids.shape[1])
     return Batch(
         input_ids=input_ids,
         input_lengths=torch.tensor([len(ids) for ids, _ in seqs], dtype=torch.long),
