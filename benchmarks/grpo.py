@@ -38,6 +38,8 @@ remote-reward environments do: every environment call waits ``S`` seconds and an
 asynchronous comparison: ``--sides posttrain-apart,posttrain-async --latency 1.5 --turns 3``.
 ``--prompts N`` (default 16, the TRL comparison's) sets the prompts per step, 8 generations
 each: fewer make the training stage shorter against a fixed environment latency.
+``--max-new-tokens N`` (default 64) sets the budget of every completion (of every assistant
+turn with ``--turns``) on every side: an agent's turns are often short tool calls.
 
 ``--activation-checkpointing``: posttrain's sides recompute each decoder layer in the
 backward pass, as TRL's defaults do (``gradient_checkpointing``): the setting to compare peak
@@ -84,7 +86,8 @@ sys.path.insert(0, str(BENCHMARKS))
 from common import Workload, child_result, forward_flops, length_stats, main, random_text, set_eos_rate  # noqa: E402
 
 #: Prompts per step (``--prompts`` sets another count; 16 is the TRL comparison's), generations
-#: per prompt, new tokens per completion (per assistant turn with ``--turns``).
+#: per prompt, new tokens per completion (per assistant turn with ``--turns``; ``--max-new-tokens``
+#: sets another budget).
 PROMPTS, GENERATIONS, MAX_NEW_TOKENS = 16, 8, 64
 #: Per-token EOS probability of the skewed form's model: geometric lengths, mean about 19 tokens
 #: within the 64-token budget, about 4% of completions reach it.
@@ -146,12 +149,13 @@ def grpo_step_record(prompt_ids: list[list[int]], completion_lengths: list[int])
     }
 
 
-def check_completions(steps: list[dict[str, Any]], form: str) -> None:
-    """Dense form: every completion must be exactly ``MAX_NEW_TOKENS`` tokens."""
-    if form == "dense":
-        bad = [(k, s["completion_lengths"][0]) for k, s in enumerate(steps, 1) if s["completion_lengths"][0] != MAX_NEW_TOKENS]
+def check_completions(steps: list[dict[str, Any]], spec: dict[str, Any]) -> None:
+    """Dense form: every completion must be exactly the budget, ``spec["max_new_tokens"]``."""
+    if spec["form"] == "dense":
+        budget = spec["max_new_tokens"]
+        bad = [(k, s["completion_lengths"][0]) for k, s in enumerate(steps, 1) if s["completion_lengths"][0] != budget]
         if bad:
-            raise AssertionError(f"dense form: completions shorter than {MAX_NEW_TOKENS} tokens (step, shortest): {bad}")
+            raise AssertionError(f"dense form: completions shorter than {budget} tokens (step, shortest): {bad}")
 
 
 def common_settings(spec: dict[str, Any]) -> dict[str, Any]:
@@ -223,7 +227,7 @@ def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, co
             "dtensor": {"activation_checkpointing": spec["activation_checkpointing"]},
         },
         "generation": {
-            "backend": generation_backend, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0,
+            "backend": generation_backend, "max_new_tokens": spec["max_new_tokens"], "temperature": 1.0, "top_p": 1.0,
             "top_k": None, "ignore_eos": dense, "colocated": colocated,
             "in_policy_workers": in_policy_workers,
             "resources": {"cpus": threads - policy_threads if split_cores else threads, "env_vars": {**engine_env, **wait}},
@@ -254,7 +258,7 @@ def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, co
         if steps[-1]["completion_tokens"] != rec["rollout/generated_tokens"]:
             raise RuntimeError(f"the environment saw {steps[-1]['completion_tokens']} completion tokens, "
                                f"the run logged {rec['rollout/generated_tokens']}")
-    check_completions(steps, spec["form"])
+    check_completions(steps, spec)
     p, g, grpo = config.policy, config.generation, config.section("grpo")
     settings = {
         **common_settings(spec),
@@ -303,12 +307,12 @@ def trl_grpo(spec: dict[str, Any], best: bool) -> dict[str, Any]:
         raise ValueError("--latency and --turns apply to posttrain's sides only; run TRL's sides without them")
     dense = spec["form"] == "dense"
     options = dict(TRL_BEST[spec["trl_best"]]) if best else {}
-    if dense:  # EOS suppressed until the budget: exactly MAX_NEW_TOKENS tokens
-        options["generation_kwargs"] = {"min_tokens" if options.get("use_vllm") else "min_new_tokens": MAX_NEW_TOKENS}
+    if dense:  # EOS suppressed until the budget: exactly max_new_tokens tokens
+        options["generation_kwargs"] = {"min_tokens" if options.get("use_vllm") else "min_new_tokens": spec["max_new_tokens"]}
     args = trl.GRPOConfig(
         output_dir=str(Path(spec["workdir"]) / f"trl_grpo_{time.time_ns()}"), report_to=[], use_cpu=True, bf16=False,
         per_device_train_batch_size=samples_per_step(spec), gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
-        num_generations=GENERATIONS, max_completion_length=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
+        num_generations=GENERATIONS, max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=spec["lr"], lr_scheduler_type="constant", max_grad_norm=1.0, max_steps=spec["warmup"] + spec["steps"],
         beta=0.0, epsilon=0.2, epsilon_high=0.2, loss_type="dapo", scale_rewards="group", shuffle_dataset=False,
         logging_steps=1, save_strategy="no", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=False, **options,
@@ -346,7 +350,7 @@ def trl_grpo(spec: dict[str, Any], best: bool) -> dict[str, Any]:
     trainer = Observed(model=model, reward_funcs=[vowel_share], args=args, train_dataset=Dataset.from_list(rows),
                        processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]), callbacks=[StepEnds()])
     trainer.train()
-    check_completions(steps, spec["form"])
+    check_completions(steps, spec)
     group = trainer.optimizer.param_groups[0]
     top_k = args.top_k or None
     settings = {
@@ -382,7 +386,7 @@ def side_extras(reports: list[dict[str, Any]], spec: dict[str, Any], config: Any
     every ``timing/<stage>`` and the floors of the rollout (generation) and training stages."""
     timed = [s for r in reports for s in r["steps"][spec["warmup"]:]]
     extras: dict[str, Any] = {
-        "completions": length_stats([n for s in timed for n in s["completion_lengths"]], MAX_NEW_TOKENS),
+        "completions": length_stats([n for s in timed for n in s["completion_lengths"]], spec["max_new_tokens"]),
         "prompt_tokens_per_step": statistics.mean(s["prompt_tokens"] for s in timed),
         "completion_tokens_per_step": statistics.mean(s["completion_tokens"] for s in timed),
         "mean_reward": statistics.mean(x for r in reports for x in r["rewards"]),
@@ -397,7 +401,7 @@ def side_extras(reports: list[dict[str, Any]], spec: dict[str, Any], config: Any
 
 def extra_table(result: dict[str, Any]) -> str:
     """Completion lengths per side and posttrain's stage times next to their floors."""
-    lines = ["", "| side | completion tokens / step | prompt tokens / step | mean | median | p90 | share at 64 | floor s | mean reward |",
+    lines = ["", "| side | completion tokens / step | prompt tokens / step | mean | median | p90 | share at budget | floor s | mean reward |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in result["sides"].items():
         c = s["completions"]
@@ -437,7 +441,9 @@ WORKLOAD = Workload(
     flops_rule="4 x forward over every sequence's prompt + completion tokens: generation 1x, training 3x "
                "(on policy: no previous-policy pass)",
     options={"form": {"choices": ("skewed", "dense"), "default": "skewed",
-                      "help": f"skewed: completions stop at EOS (rate {EOS_RATE} per token); dense: all 64 tokens"},
+                      "help": f"skewed: completions stop at EOS (rate {EOS_RATE} per token); dense: all take the whole budget"},
+             "max_new_tokens": {"type": int, "default": MAX_NEW_TOKENS,
+                                "help": "new tokens per completion (per assistant turn with --turns), every side"},
              "trl_best": {"choices": tuple(TRL_BEST), "default": "cpu", "help": "trl-best's options (grpo.TRL_BEST)"},
              "prompts": {"type": int, "default": PROMPTS, "help": f"prompts per step ({GENERATIONS} generations each)"},
              "latency": {"type": float, "default": 0.0, "help": "seconds every environment call waits (posttrain sides)"},

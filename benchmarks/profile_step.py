@@ -7,7 +7,7 @@ this process (world size 1, no Ray) under ``torch.profiler``, on a benchmark's d
 ``RUN_DIR`` is the ``--out`` folder of ``sft.py`` (SFT data: the NLL step), of ``dpo.py``
 (preference pairs: the reference-logprob pass with the reference weights swapped in, then
 the sigmoid DPO step) or of ``grpo.py`` (its prompts, 8 times each, with completions of random tokens whose lengths
-follow the run's form: geometric at the benchmark's EOS rate, capped at 64, or all 64; the
+follow the run's form: geometric at the benchmark's EOS rate, capped at the run's budget (64 unless ``--max-new-tokens`` set another), or all of it; the
 clipped policy-gradient step with random advantages, on policy). After one warm-up step it
 times ``--steps`` steps without the profiler, then runs the same steps again under it (the
 profiler added 10 to 30% to the small model's GRPO step here). Prints the unprofiled step time, the floor
@@ -156,11 +156,11 @@ def rollout_batch(prompts: Batch, spec: dict) -> Batch:
     the completion, random advantages."""
     g = torch.Generator().manual_seed(spec["seed"])
     lengths = prompts["input_lengths"].repeat_interleave(GENERATIONS)
-    n = len(lengths)
+    n, budget = len(lengths), spec.get("max_new_tokens", MAX_NEW_TOKENS)
     if spec["form"] == "dense":
-        completions = torch.full((n,), MAX_NEW_TOKENS)
+        completions = torch.full((n,), budget)
     else:  # the number of tokens up to and including the first EOS, at most the budget
-        completions = (torch.log(torch.rand(n, generator=g)) / math.log(1 - EOS_RATE)).ceil().clamp(1, MAX_NEW_TOKENS).long()
+        completions = (torch.log(torch.rand(n, generator=g)) / math.log(1 - EOS_RATE)).ceil().clamp(1, budget).long()
     total = lengths + completions
     ids = torch.randint(3, 100, (n, int(total.max())), generator=g)
     ids[:, : prompts["input_ids"].shape[1]] = prompts["input_ids"].repeat_interleave(GENERATIONS, dim=0)[:, : ids.shape[1]]

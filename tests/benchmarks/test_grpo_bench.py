@@ -81,9 +81,20 @@ def test_step_record_counts_prompt_and_completion_tokens():
     record = grpo.grpo_step_record([[1, 5, 6], [1, 7]], [4, 64])
     assert record["prompt_tokens"] == 5 and record["completion_tokens"] == 68 and record["samples"] == 2
     assert record["lengths"] == [7, 66] and record["completion_lengths"] == [4, 64]
-    grpo.check_completions([grpo.grpo_step_record([[1]], [64])], "dense")
-    with pytest.raises(AssertionError, match="dense form"):
-        grpo.check_completions([record], "dense")
+    dense = {"form": "dense", "max_new_tokens": 64}
+    grpo.check_completions([grpo.grpo_step_record([[1]], [64])], dense)
+    with pytest.raises(AssertionError, match="dense form: completions shorter than 64 tokens"):
+        grpo.check_completions([record], dense)
+    grpo.check_completions([record], {"form": "skewed", "max_new_tokens": 64})
+    grpo.check_completions([grpo.grpo_step_record([[1]], [16])], {"form": "dense", "max_new_tokens": 16})
+
+
+def test_max_new_tokens_option_sets_the_budget_of_every_side(tmp_path):
+    """``--max-new-tokens 16`` reaches the spec, which both sides' configs read; 64 by default."""
+    args = common.parse_args(grpo.WORKLOAD, ["--model", "tiny", "--max-new-tokens", "16"])
+    assert common.make_spec(grpo.WORKLOAD, args, tmp_path / "a")["max_new_tokens"] == 16
+    args = common.parse_args(grpo.WORKLOAD, ["--model", "tiny"])
+    assert common.make_spec(grpo.WORKLOAD, args, tmp_path / "b")["max_new_tokens"] == grpo.MAX_NEW_TOKENS == 64
 
 
 def test_floor_rule_is_four_forward_passes_split_by_stage():
@@ -95,7 +106,7 @@ def test_floor_rule_is_four_forward_passes_split_by_stage():
     assert grpo.step_flops(config, lengths) == 4 * one
     reports = [{"steps": [grpo.grpo_step_record([[1] * 26, [1] * 26], [4, 64])], "rewards": [0.1],
                 "stages": [{"rollout": 2.0, "logprobs": 1.0, "training": 3.0, "step": 6.0}]}]
-    extras = grpo.side_extras(reports, {"warmup": 0}, config, rate=1e9)
+    extras = grpo.side_extras(reports, {"warmup": 0, "max_new_tokens": 64}, config, rate=1e9)
     assert extras["stage_floor_s"] == pytest.approx({"rollout": one / 1e9, "training": 3 * one / 1e9})
     assert extras["stage_s_median"]["training"] == 3.0 and extras["completions"]["at_budget"] == 0.5
 

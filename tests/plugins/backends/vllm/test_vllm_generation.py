@@ -32,8 +32,8 @@ pytestmark = [
     ),
 ]
 
-# The last prompt fills a whole 128-token KV block (vLLM's CPU block size), which the prefix
-# cache keeps: a refit that did not reset the cache would reuse it.
+# The last prompt fills whole KV blocks (posttrain's CPU block size, 32 tokens), which the
+# prefix cache keeps: a refit that did not reset the cache would reuse them.
 PROMPTS = [[1, 40, 41, 42, 43, 44, 45], [1, 50, 51], [1, 60, 61, 62, 63, 7, 8, 9, 10, 11], [1, 12], [1] + [7 + i % 90 for i in range(139)]]
 EOS = [2]
 
@@ -67,7 +67,7 @@ def contract(ray_cluster, vllm_model_path, hf_model):
 
 
 def test_kv_cache_holds_the_most_rows_the_engine_runs_at_once(contract):
-    """256 rows (vLLM's max_num_seqs) of 256 tokens (max_total_sequence_length, two 128-token
+    """256 rows (vLLM's max_num_seqs) of 256 tokens (max_total_sequence_length, eight 32-token
     blocks), not the 1 GiB (a million tokens of this model) VLLM_CPU_KVCACHE_SPACE=1 asks for."""
     from posttrain_vllm.worker import VllmEngineWorker
 

@@ -101,7 +101,8 @@ def test_a_rank_vllm_cannot_serve_is_refused(tiny_model_path, tmp_path):
 
 def test_kv_cache_sizes(tiny_model_path, tmp_path):
     """A size below one byte is refused where it was set; the CPU default fits the rows the
-    engine runs at once: max_num_seqs rows of max_model_len tokens in whole 128-token blocks."""
+    engine runs at once: max_num_seqs rows of max_model_len tokens in whole blocks (32 tokens unless
+    engine_kwargs sets block_size)."""
     from posttrain.config import load_config
     from posttrain.errors import ConfigError
     from posttrain_vllm.worker import AttentionShape, cpu_kv_cache_bytes
@@ -116,6 +117,6 @@ def test_kv_cache_sizes(tiny_model_path, tmp_path):
     shape = AttentionShape.of(tiny_model_path)
     assert shape == AttentionShape(layers=2, kv_heads=2, head_dim=32)
     per_token = 2 * 2 * 2 * 32 * 4  # key and value, 2 layers, 2 KV heads of 32, float32
-    assert cpu_kv_cache_bytes(shape, "float32", 96, {}) == 256 * 128 * per_token
-    assert cpu_kv_cache_bytes(shape, "bfloat16", 129, {"max_num_seqs": 8}) == 8 * 256 * per_token // 2
-    assert cpu_kv_cache_bytes(shape, "float32", 100, {"block_size": 32}) == 256 * 128 * per_token
+    assert cpu_kv_cache_bytes(shape, "float32", 96, {}) == 256 * 96 * per_token
+    assert cpu_kv_cache_bytes(shape, "bfloat16", 129, {"max_num_seqs": 8}) == 8 * 160 * per_token // 2
+    assert cpu_kv_cache_bytes(shape, "float32", 100, {"block_size": 128}) == 256 * 128 * per_token
