@@ -71,7 +71,8 @@ def test_kv_cache_holds_the_most_rows_the_engine_runs_at_once(contract):
     blocks), not the 1 GiB (a million tokens of this model) VLLM_CPU_KVCACHE_SPACE=1 asks for."""
     from posttrain_vllm.worker import VllmEngineWorker
 
-    assert contract.generation._group.run_all(VllmEngineWorker.kv_cache_tokens) == [256 * 256]
+    # 32-token blocks (vLLM-CPU's default is 128), so that the prefix cache can reuse shorter prefixes
+    assert contract.generation._group.run_all(VllmEngineWorker.kv_cache_blocks) == [(256 * 256 // 32, 32)]
 
 
 def test_greedy_equals_transformers_generate(contract):

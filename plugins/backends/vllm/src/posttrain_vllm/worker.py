@@ -181,10 +181,10 @@ class VllmEngineWorker(EngineWorker):
             completions.append(Completion(tokens, logprobs, truncated=sample.finish_reason == "length"))
         return completions
 
-    def kv_cache_tokens(self) -> int:
-        """Tokens the engine's KV cache holds (its blocks times their size)."""
+    def kv_cache_blocks(self) -> tuple[int, int]:
+        """The engine's KV cache: its number of blocks and the tokens a block holds."""
         cache = self.llm.llm_engine.vllm_config.cache_config
-        return cache.num_gpu_blocks * cache.block_size
+        return cache.num_gpu_blocks, cache.block_size
 
     # ------------------------------------------------------------------ weights
 
