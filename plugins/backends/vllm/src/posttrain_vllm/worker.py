@@ -54,7 +54,7 @@ DEFAULT_MAX_NUM_SEQS = 256
 #: whole blocks only, so with 128 a GRPO group's shared prompt or a multi-turn episode's earlier
 #: turns, mostly shorter than a block, were computed again for every row and turn: 32 decoded a
 #: three-turn rollout (128 rows, small model) in 0.6x the time and a one-turn one in 0.9x
-#: (docs/benchmarks.md).
+#: (docs/backends/vllm.md, "On CPUs").
 CPU_BLOCK_TOKENS = 32
 #: vLLM-CPU's KV cache size in GiB; when set it replaces ``kv_cache_memory_bytes``.
 KV_SPACE_VAR = "VLLM_CPU_KVCACHE_SPACE"
