@@ -6,8 +6,9 @@ this process (world size 1, no Ray) under ``torch.profiler``, on a benchmark's d
 
 ``RUN_DIR`` is the ``--out`` folder of ``sft.py`` (SFT data: the NLL step), of ``dpo.py``
 (preference pairs: the reference-logprob pass with the reference weights swapped in, then
-the sigmoid DPO step) or of ``grpo.py`` (its prompts, 8 times each, with completions of random tokens whose lengths
-follow the run's form: geometric at the benchmark's EOS rate, capped at the run's budget (64 unless ``--max-new-tokens`` set another), or all of it; the
+the sigmoid DPO step) or of ``grpo.py`` (its prompts, 8 times each, with completions of
+random tokens whose lengths follow the run's form: geometric at the benchmark's EOS rate,
+capped at the run's budget (64 unless ``--max-new-tokens`` set another), or all of it; the
 clipped policy-gradient step with random advantages, on policy). After one warm-up step it
 times ``--steps`` steps without the profiler, then runs the same steps again under it (the
 profiler added 10 to 30% to the small model's GRPO step here). Prints the unprofiled step time, the floor

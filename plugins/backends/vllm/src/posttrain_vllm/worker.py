@@ -108,6 +108,7 @@ class VllmEngineWorker(EngineWorker):
         # random generator after a partial prefill, which CPU generators cannot do ("CPU
         # Generator does not use offset"), so a call whose prompts exceed one step's token
         # budget (4096 by default) failed. Whole prompts are scheduled, as many as fit.
+        # KV blocks of CPU_BLOCK_TOKENS, so that the prefix cache can reuse short prefixes.
         cpu_scheduling = {} if on_cuda else {
             "enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, CPU_STEP_TOKENS),
             "block_size": CPU_BLOCK_TOKENS,
