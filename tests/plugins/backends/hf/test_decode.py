@@ -10,7 +10,7 @@ import torch
 from posttrain.backend.generation_group import GenerationRequest
 from posttrain.errors import WorkerError
 from posttrain.testing.generation import stop_string_prefix
-from posttrain_hf.decode import RowSampler, decode
+from posttrain_hf.decode import NOISE_STEPS_AHEAD, RowSampler, decode, noise_steps_ahead
 from posttrain_hf.stop_strings import StopStringMatcher
 
 PROMPTS = [[1, 40, 41, 42, 43, 44, 45], [1, 50, 51], [1, 60, 61, 62, 63, 7, 8, 9, 10, 11]]
@@ -85,14 +85,17 @@ def test_row_sample_does_not_depend_on_the_rest_of_the_batch(model):
     assert [c.token_ids for c in reseeded] != [c.token_ids for c in together]
 
 
+@pytest.mark.parametrize("max_steps", [1, 24])
 @pytest.mark.parametrize("vocab", [7, 103, 4099, 32000])
-def test_row_sampler_draws_what_multinomial_draws_from_each_rows_generator(vocab):
-    """The decode loop's sampler makes torch.multinomial's draws, token for token, and leaves
-    every generator as multinomial does, while rows leave the batch; on several vocabulary
-    sizes (vectorised and scalar tails) and distributions from flat to peaked, with zeros."""
+def test_row_sampler_draws_what_multinomial_draws_from_each_rows_generator(vocab, max_steps):
+    """The decode loop's sampler makes torch.multinomial's draws, token for token, while rows
+    leave the batch, on several vocabulary sizes (vectorised and scalar tails) and
+    distributions from flat to peaked, with zeros; drawing one step's noise per call it also
+    leaves every generator as multinomial does. With ``max_steps=24`` it draws 8 steps per row
+    and call, and rows leave in the middle of those blocks."""
     seeds = list(range(40, 72))
     generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-    sampler = RowSampler(seeds, torch.device("cpu"))
+    sampler = RowSampler(seeds, torch.device("cpu"), max_steps=max_steps)
     rows = list(range(len(seeds)))
     random = torch.Generator().manual_seed(vocab)
     for step in range(24):
@@ -104,15 +107,27 @@ def test_row_sampler_draws_what_multinomial_draws_from_each_rows_generator(vocab
         assert sampler.draw(logprobs, rows).tolist() == expected, step
         if step % 5 == 4:
             rows = rows[1::2]  # rows finish and leave the batch
-    for mine, theirs in zip(sampler.generators, generators, strict=True):
-        assert torch.equal(mine.get_state(), theirs.get_state())
+    assert sampler.noise.shape[1] == (1 if max_steps == 1 else 8)
+    if max_steps == 1:
+        for mine, theirs in zip(sampler.generators, generators, strict=True):
+            assert torch.equal(mine.get_state(), theirs.get_state())
+
+
+def test_noise_is_drawn_ahead_on_a_cpu_only_and_within_its_budget():
+    cpu = torch.device("cpu")
+    assert noise_steps_ahead(cpu, 128, 103, 64) == NOISE_STEPS_AHEAD == 8
+    assert noise_steps_ahead(cpu, 128, 103, 3) == 3
+    assert noise_steps_ahead(cpu, 128, 151936, 64) == 1  # 19.4M elements: one step over the budget
+    assert noise_steps_ahead(cpu, 64, 151936, 64) == 1
+    assert noise_steps_ahead(cpu, 16, 151936, 64) == 6
+    assert noise_steps_ahead(torch.device("cuda"), 128, 103, 64) == 1
 
 
 def test_row_sampler_refuses_a_distribution_that_is_not_finite():
     logprobs = torch.zeros(2, 5).log_softmax(dim=-1)
     logprobs[1, 3] = float("nan")
     with pytest.raises(WorkerError, match=r"next-token probabilities are not finite \(NaN or inf logits\)"):
-        RowSampler([1, 2], torch.device("cpu")).draw(logprobs, [0, 1])
+        RowSampler([1, 2], torch.device("cpu"), max_steps=4).draw(logprobs, [0, 1])
 
 
 def test_budget_truncates_and_a_stop_token_on_the_last_step_is_a_stop(model):
