@@ -48,11 +48,13 @@ def segment_sdpa(
     (grouped-query heads are shared, not copied).
 
     Segments of similar length (:data:`BUCKET_SPREAD`) are gathered into one right-padded
-    batch, run as one causal call and scattered back: a few kernel calls per layer however
-    many samples a row holds (a call costs about a millisecond on CPU), and each gather's
-    backward is one scatter. Padding repeats a segment's last token; causality keeps it
-    out of every real token's view. Outputs at a row's padding tail are computed like any
-    segment's and mean nothing."""
+    batch, run as one causal call and their real tokens copied back: a few kernel calls per
+    layer however many samples a row holds (a call costs about a millisecond on CPU). Tokens
+    are gathered and placed whole (all heads at once, ``index_select`` / ``index_copy``,
+    whose backwards are one scatter-add and one gather); Hugging Face's projections leave
+    queries, keys and values token-major in memory, so no layout copy comes first. Padding
+    repeats a segment's last token; causality keeps it out of every real token's view.
+    Outputs at a row's padding tail are computed like any segment's and mean nothing."""
     if attention_mask is not None:
         raise ValueError(f"{SEGMENT_SDPA} takes segment bounds (cu_seq_lens_q), not an attention mask")
 
@@ -67,19 +69,23 @@ def segment_sdpa(
     bounds = cu_seq_lens_q.tolist()
     _check_bounds(bounds, rows, width)
 
-    def flat(x: torch.Tensor) -> torch.Tensor:  # [rows, h, width, d] -> [h, rows * width, d]
-        return x.transpose(0, 1).reshape(x.shape[1], rows * width, x.shape[3])
+    def tokens(x: torch.Tensor) -> torch.Tensor:  # [rows, h, width, d] -> [rows * width, h, d]
+        return x.transpose(1, 2).reshape(rows * width, x.shape[1], head_dim)
 
-    q, k, v = flat(query), flat(key), flat(value)
-    out = q.new_zeros(heads, rows * width, head_dim)
+    q, k, v = tokens(query), tokens(key), tokens(value)
+    outputs, places = [], []
     for starts, lengths in _buckets(bounds):
-        steps = torch.arange(int(lengths.max()))
-        index = starts[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)  # [n, longest]
-        real = steps[None, :] < lengths[:, None]
+        count, longest = len(starts), int(lengths.max())
+        steps = torch.arange(longest)
+        index = (starts[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)).flatten()  # [count * longest]
+        real = (steps[None, :] < lengths[:, None]).flatten().nonzero()[:, 0]  # batch positions of real tokens
         index, real = index.to(q.device), real.to(q.device)
-        batch = [x[:, index].transpose(0, 1) for x in (q, k, v)]  # [n, h, longest, d]
-        out[:, index[real]] = causal(*batch).transpose(0, 1)[:, real]
-    return out.view(heads, rows, width, head_dim).permute(1, 2, 0, 3).contiguous(), None
+        batch = [x.index_select(0, index).view(count, longest, x.shape[1], head_dim).transpose(1, 2) for x in (q, k, v)]
+        output = causal(*batch).transpose(1, 2).reshape(count * longest, heads, head_dim)
+        outputs.append(output.index_select(0, real))
+        places.append(index[real])
+    out = q.new_zeros(rows * width, heads, head_dim).index_copy(0, torch.cat(places), torch.cat(outputs))
+    return out.view(rows, width, heads, head_dim), None
 
 
 def _check_bounds(bounds: list[int], rows: int, width: int) -> None:
