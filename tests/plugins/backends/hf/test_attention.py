@@ -1,21 +1,25 @@
 """The hf engine's attention on the CPU: grouped-query heads shared with the left-padding
-mask, instead of transformers' ``sdpa`` copying the keys and values per head group, with
-the same completions."""
+mask, instead of transformers' ``sdpa`` copying the keys and values per head group, and
+decoding steps given that mask ready-made, with the same completions."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers.integrations.sdpa_attention as hf_sdpa
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers.masking_utils import AttentionMaskInterface
 
 from posttrain.backend.generation_group import GenerationRequest
 from posttrain.models.tiny import build_tiny_model
-from posttrain_hf.attention import SHARED_KV_SDPA
+from posttrain_hf.attention import SHARED_KV_SDPA, takes_ready_step_masks
 from posttrain_hf.decode import decode
 from posttrain_hf.worker import HFEngineWorker
 
 #: Lengths differ: the prompts are left-padded and every step has an attention mask.
 PROMPTS = [[1, 40, 41, 42, 43, 44, 45], [1, 50, 51], [1, 60, 61, 62, 63, 7, 8, 9, 10, 11], [1, 30]]
+#: One length: no padding, so transformers' ``sdpa`` decodes without a mask.
+SAME_LENGTH = [[1, 40, 41, 42], [1, 50, 51, 52], [1, 60, 61, 62], [1, 30, 31, 32]]
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +37,31 @@ def kv_copies(monkeypatch):
     return calls
 
 
-def _decode(model_path: str, kernel: str) -> list:
+@pytest.fixture
+def masks_built(monkeypatch):
+    """How many masks transformers built for the shared-heads kernel (one per forward pass
+    that did not get a ready-made one)."""
+    calls = []
+    real = AttentionMaskInterface._global_mapping[SHARED_KV_SDPA]
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, SHARED_KV_SDPA, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def _decode(model_path: str, kernel: str, prompts: list[list[int]] = PROMPTS, new_tokens: int = 16) -> list:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=kernel).eval()
     request = GenerationRequest(
-        prompts=[list(p) for p in PROMPTS], seeds=[7, 8, 9, 10], max_new_tokens=[16] * len(PROMPTS),
-        stop_strings=[[]] * len(PROMPTS), stop_token_ids=[], temperature=1.0, top_p=1.0, top_k=None,
+        prompts=[list(p) for p in prompts], seeds=[7, 8, 9, 10], max_new_tokens=[new_tokens] * len(prompts),
+        stop_strings=[[]] * len(prompts), stop_token_ids=[], temperature=1.0, top_p=1.0, top_k=None,
     )
     return decode(model, request, pad_token_id=0)
+
+
+def _assert_same_completions(ours: list, theirs: list) -> None:
+    assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+    for o, t in zip(ours, theirs, strict=True):
+        assert o.logprobs == pytest.approx(t.logprobs, abs=1e-6)
 
 
 def test_shared_heads_give_sdpas_completions_without_copying_the_cache(gqa_model_path, kv_copies):
@@ -51,9 +71,51 @@ def test_shared_heads_give_sdpas_completions_without_copying_the_cache(gqa_model
 
     assert copies_by_sdpa > 0 and set(kv_copies) == {2}  # sdpa copies (so the count can tell)
     assert len(kv_copies) == copies_by_sdpa  # the shared kernel copied nothing
-    assert [c.token_ids for c in shared] == [c.token_ids for c in copied]
-    for s, c in zip(shared, copied, strict=True):
-        assert s.logprobs == pytest.approx(c.logprobs, abs=1e-6)
+    _assert_same_completions(shared, copied)
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS, SAME_LENGTH], ids=["padded", "same-length"])
+def test_decoding_steps_take_the_mask_ready_made_with_sdpas_completions(gqa_model_path, masks_built, prompts):
+    """Only the prompt's forward pass has transformers build a mask; the 15 decoding steps
+    get theirs ready-made, and the completions are those of transformers' ``sdpa``, with
+    left padding and without (where ``sdpa`` decodes with no mask at all)."""
+    shared = _decode(gqa_model_path, SHARED_KV_SDPA, prompts)
+    assert len(masks_built) == 1
+    _assert_same_completions(shared, _decode(gqa_model_path, "sdpa", prompts))
+
+
+def test_a_sliding_window_model_keeps_its_window_while_decoding(tmp_path, masks_built):
+    """A Mistral model with a 4-token window: transformers builds every step's mask (a
+    ready-made one would drop the window), and the completions are ``sdpa``'s. The same
+    decode with the window dropped gives other completions, so the check can tell."""
+    from transformers import MistralForCausalLM
+
+    config = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=4, pad_token_id=0)
+    torch.manual_seed(0)
+    MistralForCausalLM(config).save_pretrained(tmp_path / "windowed")
+    config.sliding_window = None
+    torch.manual_seed(0)
+    MistralForCausalLM(config).save_pretrained(tmp_path / "unwindowed")
+
+    windowed = _decode(str(tmp_path / "windowed"), SHARED_KV_SDPA, new_tokens=12)
+    assert len(masks_built) == 12  # the prompt's pass and 11 decoding steps
+    _assert_same_completions(windowed, _decode(str(tmp_path / "windowed"), "sdpa", new_tokens=12))
+    unwindowed = _decode(str(tmp_path / "unwindowed"), SHARED_KV_SDPA, new_tokens=12)
+    assert [c.token_ids for c in unwindowed] != [c.token_ids for c in windowed]
+
+
+def test_ready_step_masks_need_the_shared_kernel_and_full_attention_in_every_layer():
+    def loaded(config, kernel=SHARED_KV_SDPA):
+        config._attn_implementation = kernel
+        return config
+
+    assert takes_ready_step_masks(loaded(LlamaConfig()))
+    assert takes_ready_step_masks(loaded(Qwen2Config(use_sliding_window=False)))
+    assert not takes_ready_step_masks(loaded(LlamaConfig(), "eager"))
+    assert not takes_ready_step_masks(loaded(LlamaConfig(), "sdpa"))
+    assert not takes_ready_step_masks(loaded(MistralConfig(sliding_window=4096)))
+    assert not takes_ready_step_masks(loaded(Qwen2Config(use_sliding_window=True, max_window_layers=1, num_hidden_layers=2)))
 
 
 @pytest.mark.parametrize(("configured", "loaded"), [("sdpa", SHARED_KV_SDPA), ("eager", "eager")])

@@ -15,6 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 from posttrain.backend.generation_group import Completion, GenerationRequest
 from posttrain.backend.sampling import sampling_logprobs
 from posttrain.errors import WorkerError
+from posttrain_hf.attention import takes_ready_step_masks
 from posttrain_hf.stop_strings import StopStringMatcher
 
 
@@ -60,6 +61,7 @@ def decode(
         logits_to_keep=1,
     ).logits[:, -1]
     next_position = positions[:, -1] + 1
+    ready_masks = takes_ready_step_masks(model.config)
     live = list(range(num_rows))  # the original row of each batch row still decoding
     tokens: list[list[int]] = [[] for _ in range(num_rows)]
     logprobs: list[list[float]] = [[] for _ in range(num_rows)]
@@ -91,7 +93,7 @@ def decode(
         attention = torch.cat([attention, attention.new_ones((len(live), 1))], dim=1)
         logits = model(
             input_ids=chosen[:, None],
-            attention_mask=attention,
+            attention_mask=attention.bool()[:, None, None, :] if ready_masks else attention,
             position_ids=next_position[:, None],
             past_key_values=cache,
             use_cache=True,
