@@ -126,7 +126,7 @@ class RowSampler:
 
     def __init__(self, seeds: list[int], device: torch.device, *, max_steps: int):
         self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
-        self.device, self.max_steps = device, max_steps
+        self.max_steps = max_steps
         self.step = 0
         self.probs = self.noise = torch.empty(0)
 
@@ -136,7 +136,7 @@ class RowSampler:
         Raises :class:`WorkerError` on a non-finite distribution."""
         live, vocab = logprobs.shape
         if self.noise.shape[-1] != vocab:  # the first step has every row
-            steps = noise_steps_ahead(self.device, len(self.generators), vocab, self.max_steps)
+            steps = noise_steps_ahead(logprobs.device, len(self.generators), vocab, self.max_steps)
             self.probs = logprobs.new_empty((len(self.generators), vocab))
             self.noise = logprobs.new_empty((len(self.generators), steps, vocab))
         ahead = self.step % self.noise.shape[1]
