@@ -120,17 +120,21 @@ def reference_is_weight(cfg: ClippedPGConfig, token_log_w: float, seq_log_w: flo
 
 
 def reference_kl(cfg: ClippedPGConfig, ref: float, lp: torch.Tensor) -> torch.Tensor:
+    """The estimate with its score-function term; a token where a clamp binds is a constant
+    (value only, no gradient of any kind)."""
     x = ref - lp  # log(pi_ref / pi)
-    if cfg.kl_input_clamp is not None:
-        x = torch.clamp(x, -cfg.kl_input_clamp, cfg.kl_input_clamp)
+    if cfg.kl_input_clamp is not None and abs(float(x)) > cfg.kl_input_clamp:
+        x = torch.tensor(math.copysign(cfg.kl_input_clamp, float(x)), dtype=F64)
     if cfg.kl_estimator == "k1":
         k = -x
     elif cfg.kl_estimator == "k2":
         k = 0.5 * x * x
     else:
         k = torch.exp(x) - 1 - x
-    if cfg.kl_output_clamp is not None:
-        k = torch.clamp(k, -cfg.kl_output_clamp, cfg.kl_output_clamp)
+    if cfg.kl_output_clamp is not None and abs(float(k)) > cfg.kl_output_clamp:
+        return torch.tensor(math.copysign(cfg.kl_output_clamp, float(k)), dtype=F64)
+    if not x.requires_grad:  # the input clamp bound
+        return x.new_tensor(float(k))
     return k + k.detach() * (lp - lp.detach())
 
 
@@ -224,6 +228,45 @@ def test_gradcheck(name):
     lp, batch = make_case(seed=7, batch_size=3, seq_len=6)
     seqs, toks = global_counts(batch)
     assert torch.autograd.gradcheck(lambda x: loss_fn(x, batch, seqs, toks)[0], (lp,), eps=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- KL gradient
+
+
+def one_token_kl_gradient(logp: float, ref: float, **options) -> float:
+    """d loss / d logp of the KL term alone (beta 1, no advantage) for one sampled token."""
+    lp = torch.tensor([[logp]], dtype=F64, requires_grad=True)
+    batch = Batch(
+        token_mask=torch.ones(1, 1, dtype=F64),
+        sample_mask=torch.ones(1, dtype=F64),
+        advantages=torch.zeros(1, dtype=F64),
+        reference_logprobs=torch.tensor([[ref]], dtype=F64),
+    )
+    loss_fn = ClippedPGLoss(ClippedPGConfig(kl_penalty=1.0, kl_estimator="k3", **options))
+    loss, _ = loss_fn(lp, batch, torch.tensor(1.0), torch.tensor(1.0))
+    (grad,) = torch.autograd.grad(loss, lp)
+    return float(grad)
+
+
+@pytest.mark.parametrize(
+    ("logp", "ref", "options", "expected"),
+    [
+        # unclamped: k3 plus its score-function term gives the reverse-KL gradient logp - ref
+        (-1.5, 0.0, {}, -1.5),
+        (-0.2, -2.0, {}, 1.8),
+        (-4.0, 0.0, {"kl_output_clamp": None}, -4.0),
+        # the output clamp binds (k3 = e^4 - 5 = 49.6 > 10): no gradient, never the clamp's +10
+        (-4.0, 0.0, {}, 0.0),
+        # the input clamp binds (|lr| = 4 > 3): no gradient
+        (-4.0, 0.0, {"kl_input_clamp": 3.0, "kl_output_clamp": None}, 0.0),
+        (0.0, -4.0, {"kl_input_clamp": 3.0}, 0.0),
+    ],
+    ids=["pull_up", "push_down", "no_output_clamp", "output_clamp_binds", "input_clamp_binds", "input_clamp_below"],
+)
+def test_kl_gradient_points_toward_the_reference_and_vanishes_where_a_clamp_binds(logp, ref, options, expected):
+    """Gradient descent on the KL term moves a token's logprob toward the reference's; where a
+    clamp binds the term has no gradient (NeMo RL's semantics), so it never pushes away."""
+    assert one_token_kl_gradient(logp, ref, **options) == pytest.approx(expected, abs=1e-12)
 
 
 # ----------------------------------------------------------------------------- metrics

@@ -31,8 +31,10 @@ class ClippedPGConfig:
     # per-token estimate of KL(policy || reference) from lr = log(ref/current): k1 = -lr,
     # k2 = lr^2 / 2, k3 = exp(lr) - 1 - lr
     kl_estimator: KLEstimator = "k3"
-    kl_input_clamp: float | None = 20.0  # |log(ref/current)| clamp before the estimator (> 0); None: none
-    kl_output_clamp: float | None = 10.0  # |estimate| clamp after it (> 0); None: none
+    # clamps (> 0; None: none) of |log(ref/current)| before the estimator and of |estimate| after
+    # it; a token where either binds keeps its clamped value and carries no gradient
+    kl_input_clamp: float | None = 20.0
+    kl_output_clamp: float | None = 10.0
     # Train/inference mismatch correction, weights exp(logp_prev - logp_generation):
     # tis truncates the weights to [is_min, is_max] (is_min optional); icepop zeroes tokens
     # whose weight is outside [is_min, is_max]; seq_mask_tis zeroes whole sequences whose

@@ -19,7 +19,10 @@ the gradient of ``logp``):
 - KL: ``beta * k(lr)`` with ``lr = clamp(reference_logprobs - logp, ±kl_input_clamp)``,
   ``k1 = -lr``, ``k2 = lr^2 / 2``, ``k3 = e^lr - 1 - lr``, clamped to ``±kl_output_clamp``,
   times ``exp(logp - sg(logp))``: 1 in value, it adds the score-function term so the
-  gradient estimates the gradient of KL(pi || pi_ref) for samples drawn from the policy.
+  gradient estimates the gradient of KL(pi || pi_ref) for samples drawn from the policy
+  (for k3, ``logp - reference_logprobs`` per token). Where either clamp binds the token's
+  estimate is a constant and carries no gradient at all, as in NeMo RL: the score-function
+  term alone would be ``beta * clamp``, of the opposite sign to the unclamped gradient.
 
 Reduction over the global batch: token-level ``sum_{i,t} m (l + KL) / global_valid_toks``;
 sequence-level ``sum_i sample_mask_i * mean_t (l + KL) / global_valid_seqs`` (mean over the
@@ -124,12 +127,13 @@ class ClippedPGLoss(LossFunction):
         loss = pg_loss
 
         if cfg.kl_penalty > 0 or "reference_logprobs" in batch:
-            kl = self._kl_estimate(batch["reference_logprobs"].to(logp.dtype), logp, reduce)
+            kl, clamped = self._kl_estimate(batch["reference_logprobs"].to(logp.dtype), logp, reduce)
             kl_value = reduce(kl.detach())
             metrics["kl"] = kl_value
             metrics["kl_penalty"] = cfg.kl_penalty * kl_value
             if cfg.kl_penalty > 0:
-                loss = loss + cfg.kl_penalty * reduce(kl * torch.exp(logp - logp.detach()))
+                with_score = kl * torch.exp(logp - logp.detach())
+                loss = loss + cfg.kl_penalty * reduce(torch.where(clamped, kl, with_score))
 
         if "generation_logprobs" in batch:
             gen = torch.where(reduce.valid, batch["generation_logprobs"].to(logp.dtype), 0.0)
@@ -193,11 +197,16 @@ class ClippedPGLoss(LossFunction):
         metrics["is_oob_fraction"] = reduce(out_of_bounds)
         return weights
 
-    def _kl_estimate(self, reference: torch.Tensor, logp: torch.Tensor, reduce: _Reduction) -> torch.Tensor:
-        """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' logprobs."""
+    def _kl_estimate(
+        self, reference: torch.Tensor, logp: torch.Tensor, reduce: _Reduction
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' logprobs, and where
+        a clamp binds (there the estimate is a constant of ``logp``)."""
         cfg = self.config
         log_ratio = torch.where(reduce.valid, reference - logp, 0.0)
+        clamped = torch.zeros_like(log_ratio, dtype=torch.bool)
         if cfg.kl_input_clamp is not None:
+            clamped = log_ratio.detach().abs() > cfg.kl_input_clamp
             log_ratio = log_ratio.clamp(-cfg.kl_input_clamp, cfg.kl_input_clamp)
         if cfg.kl_estimator == "k1":
             kl = -log_ratio
@@ -206,8 +215,9 @@ class ClippedPGLoss(LossFunction):
         else:
             kl = torch.exp(log_ratio) - 1 - log_ratio
         if cfg.kl_output_clamp is not None:
+            clamped = clamped | (kl.detach().abs() > cfg.kl_output_clamp)
             kl = kl.clamp(-cfg.kl_output_clamp, cfg.kl_output_clamp)
-        return kl
+        return kl, clamped
 
 
 def _scalar(value: torch.Tensor | float) -> float:
