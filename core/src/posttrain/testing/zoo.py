@@ -1,0 +1,196 @@
+"""Tiny random checkpoints of the architectures users bring, for tests and benchmarks.
+
+Each entry of :data:`ARCHITECTURES` builds a model with transformers' own config class,
+2 layers, hidden size 64 and heads of 32 (vLLM's CPU attention refuses smaller ones), and
+keeps what makes its family distinctive: Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma's
+scaled and tied embeddings, soft-capping and sliding windows, Mistral's sliding window,
+Phi-3's fused projections, OLMo 2's norm placement, Llama 3's rope scaling, the experts of
+Qwen3-MoE and Mixtral. A distinctive feature is sized to change the numbers at this size:
+windows of :data:`WINDOW` tokens, soft-caps of 5, weights drawn with a standard deviation
+of :data:`INIT_STD` (transformers' default of 0.02 leaves a tiny model's logits so flat that
+a soft-cap of 30 moves its loss by less than 1e-6). A test that ignores a feature then gets
+numbers that differ from transformers'.
+
+The tokenizer is the character-level one of :mod:`posttrain.models.tiny`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Sliding-window width, in tokens, of every windowed architecture here.
+WINDOW = 8
+#: Standard deviation of the random weights (``initializer_range``).
+INIT_STD = 0.2
+
+_COMMON: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=1024,
+    initializer_range=INIT_STD,
+)
+_ALTERNATING = ["sliding_attention", "full_attention"]
+
+
+def _llama(**kw: Any):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_COMMON, **kw)
+
+
+def _llama3(**kw: Any):
+    from transformers import LlamaConfig
+
+    rope = dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    )
+    return LlamaConfig(**{**_COMMON, "rope_parameters": rope, **kw})
+
+
+def _llama_tied(**kw: Any):
+    return _llama(**{"tie_word_embeddings": True, **kw})
+
+
+def _qwen2(**kw: Any):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**{**_COMMON, "tie_word_embeddings": True, **kw})
+
+
+def _qwen3(**kw: Any):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**{**_COMMON, "head_dim": 32, "tie_word_embeddings": True, **kw})
+
+
+def _mistral(**kw: Any):
+    from transformers import MistralConfig
+
+    return MistralConfig(**{**_COMMON, "head_dim": 32, "sliding_window": WINDOW, **kw})
+
+
+def _gemma2(**kw: Any):
+    from transformers import Gemma2Config
+
+    return Gemma2Config(
+        **{
+            **_COMMON,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "sliding_window": WINDOW,
+            "layer_types": _ALTERNATING,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 5.0,
+            **kw,
+        }
+    )
+
+
+def _gemma3(**kw: Any):
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        **{
+            **_COMMON,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "sliding_window": WINDOW,
+            "layer_types": _ALTERNATING,
+            **kw,
+        }
+    )
+
+
+def _phi3(**kw: Any):
+    from transformers import Phi3Config
+
+    return Phi3Config(**{**_COMMON, **kw})
+
+
+def _olmo2(**kw: Any):
+    from transformers import Olmo2Config
+
+    return Olmo2Config(**{**_COMMON, **kw})
+
+
+def _qwen3_moe(**kw: Any):
+    from transformers import Qwen3MoeConfig
+
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1)
+    return Qwen3MoeConfig(**{**_COMMON, "head_dim": 32, **experts, **kw})
+
+
+def _mixtral(**kw: Any):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**{**_COMMON, "head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2, **kw})
+
+
+#: Architecture name -> config builder (keyword arguments override single fields).
+ARCHITECTURES: dict[str, Callable[..., Any]] = {
+    "llama": _llama,
+    "llama3": _llama3,
+    "llama_tied": _llama_tied,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "mistral": _mistral,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "phi3": _phi3,
+    "olmo2": _olmo2,
+    "qwen3_moe": _qwen3_moe,
+    "mixtral": _mixtral,
+}
+
+
+def zoo_config(name: str, **overrides: Any):
+    """The config of architecture ``name`` with the character tokenizer's vocabulary and
+    special tokens; ``overrides`` replace single fields."""
+    from posttrain.models.tiny import BOS, END, PAD, build_tokenizer
+
+    if name not in ARCHITECTURES:
+        raise KeyError(f"unknown zoo architecture {name!r}; known: {', '.join(ARCHITECTURES)}")
+    tokenizer = build_tokenizer()
+    ids = dict(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS),
+        eos_token_id=tokenizer.convert_tokens_to_ids(END),
+    )
+    config = ARCHITECTURES[name](**{**ids, **overrides})
+    config.dtype = torch.float32
+    return config
+
+
+def build_zoo_model(path: str | Path, name: str, *, seed: int = 0, **overrides: Any) -> Path:
+    """Write a seeded random model of architecture ``name`` and the character tokenizer to
+    ``path`` as a Hugging Face folder; return it. The same arguments give the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.models.tiny import build_tokenizer
+
+    path = Path(path)
+    config = zoo_config(name, **overrides)
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(state)
+    model.generation_config.pad_token_id = config.pad_token_id
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    build_tokenizer().save_pretrained(path)
+    return path
