@@ -9,7 +9,8 @@ Ray actors, with the tiny character-level model.
 - dynamic sampling decides from the data plane's tags and never fetches a dropped group;
 - a multi-turn game (guess_number) trains through the same loop;
 - samples an environment fails on score 0 and are counted; a NaN reward makes the loss
-  NaN: the run stops naming the step and the metric, and the last checkpoint stays as it was.
+  NaN: the run stops naming the step and the metric, and the last checkpoint stays as it was;
+- a refit that leaves the engine's weights stale stops the run at the mismatch guard.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import attrs
 import pytest
 import torch
 
+import posttrain_hf.generation
 from posttrain import cli
 from posttrain.builtin.memory_plane import MemoryDataPlane
 from posttrain.config.schema import (
@@ -38,8 +40,10 @@ from posttrain.run.context import RunContext, run_algorithm, seed_everything
 from posttrain.run.metrics import read_metrics
 from posttrain_env_math.guess_number import guess_number_prompt
 from posttrain_grpo.algorithm import GRPO
-from posttrain_grpo.config import DynamicSamplingConfig, GRPOConfig
+from posttrain_grpo.config import DynamicSamplingConfig, GRPOConfig, MismatchGuardConfig
+from posttrain_grpo.mismatch import MismatchTooLarge
 from posttrain_grpo.step import TrainingDiverged
+from tests.e2e.stale_engine import StaleHeadEngineWorker
 
 pytestmark = pytest.mark.ray
 
@@ -314,3 +318,28 @@ def test_failed_samples_score_zero_and_a_nan_loss_stops_the_run(ray_cluster, tin
     # Failed samples get reward 0 (not the 1.0 the data asked for) and are counted; the run goes on.
     assert (records[0]["reward"], records[0]["env/scripted/errors"]) == (0.0, 4.0)
     assert (records[1]["reward"], records[1]["env/scripted/errors"]) == (0.0, 0.0)
+
+
+def test_a_stale_refit_stops_the_run_at_the_mismatch_guard(ray_cluster, tiny_model_path, tmp_path, monkeypatch, capsys):
+    """The refit broken on purpose: the engine drops the output head it receives, so from step 2
+    it samples from a model whose head is stale, and the guard stops the run."""
+    monkeypatch.setattr(posttrain_hf.generation, "HFEngineWorker", StaleHeadEngineWorker)
+    train = write_rows(tmp_path / "train.jsonl", seven_rows(16))
+    guard = MismatchGuardConfig(warn_token_mult_prob_error=1.0001, stop_token_mult_prob_error=1.01)
+    grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=4, mismatch_guard=guard)
+    config = make_config(tiny_model_path, tmp_path / "run", train, grpo)
+    config = attrs.evolve(config, policy=attrs.evolve(config.policy, optimizer=OptimizerConfig(lr=3e-2)))
+    seed_everything(config.seed)
+    ctx = RunContext(config)
+    try:
+        with pytest.raises(MismatchTooLarge) as failure:
+            GRPO().run(ctx)
+    finally:
+        ctx.close()
+
+    message = str(failure.value)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
+    assert 1.0 <= records[0]["token_mult_prob_error"] < 1.0001, "step 1 samples from the weights it trains"
+    assert message.startswith(f"GRPO step {len(records) + 1}: token_mult_prob_error is "), message
+    assert "beyond grpo.mismatch_guard.stop_token_mult_prob_error (1.01)" in message
+    assert "a refit whose weights did not all land in the engine" in message

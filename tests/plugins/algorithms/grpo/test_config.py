@@ -16,6 +16,7 @@ from posttrain_grpo.config import (
     ClippedPGConfig,
     DynamicSamplingConfig,
     GRPOConfig,
+    MismatchGuardConfig,
     OverlongRewardShapingConfig,
     RewardScalingConfig,
 )
@@ -193,6 +194,21 @@ INVALID = {
         "grpo.asynchronous.max_staleness_steps=1 generates while the policy trains, which a colocated engine cannot "
         "do: it shares the policy's devices and takes turns with it. Set generation.colocated=false (the engines then "
         "run on resources of their own, generation.resources), or max_staleness_steps=0 for synchronous GRPO.",
+    ),
+    "mismatch_error_bound_at_one": (
+        grpo(mismatch_guard=MismatchGuardConfig(stop_token_mult_prob_error=1.0)),
+        "grpo.mismatch_guard.stop_token_mult_prob_error: must be > 1 (token_mult_prob_error is 1 when the engine and "
+        "the trainer agree) or null (no bound), got 1.0.",
+    ),
+    "mismatch_kl_negative": (
+        grpo(mismatch_guard=MismatchGuardConfig(warn_mismatch_kl=-0.1)),
+        "grpo.mismatch_guard.warn_mismatch_kl: must be > 0 (mismatch_kl is 0 when the engine and the trainer agree) "
+        "or null (no bound), got -0.1.",
+    ),
+    "mismatch_warn_above_stop": (
+        grpo(mismatch_guard=MismatchGuardConfig(warn_token_mult_prob_error=2.0, stop_token_mult_prob_error=1.5)),
+        "grpo.mismatch_guard.warn_token_mult_prob_error: 2.0 is greater than "
+        "grpo.mismatch_guard.stop_token_mult_prob_error=1.5; a run would stop before it warned.",
     ),
     "groups_ahead_when_synchronous": (
         grpo(asynchronous=AsynchronousConfig(max_groups_ahead=8)),

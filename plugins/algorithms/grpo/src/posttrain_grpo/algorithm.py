@@ -78,6 +78,7 @@ from posttrain.run.startup import Startup
 from posttrain_eval.evaluate import PromptRollout, validate_greedy
 from posttrain_grpo.config import GRPOConfig
 from posttrain_grpo.dynamic_sampling import DynamicSampler
+from posttrain_grpo.mismatch import check_mismatch
 from posttrain_grpo.prompts import PromptStream
 from posttrain_grpo.step import (
     LOGPROB_FIELDS,
@@ -424,7 +425,9 @@ class GRPORun(LoopSteps):
 
     def optimize(self, step: int, samples: PlaneSamples) -> dict[str, float]:
         """One optimizer step per ``policy.train_global_batch_size`` samples, in order;
-        raises :class:`TrainingDiverged` at the first non-finite loss or gradient norm."""
+        raises :class:`TrainingDiverged` at the first non-finite loss or gradient norm, and
+        :class:`~posttrain_grpo.mismatch.MismatchTooLarge` past a stop bound of
+        ``grpo.mismatch_guard`` (warns past a warn bound)."""
         parts = []
         for chunk in samples.chunks(self.config.policy.train_global_batch_size):
             metrics = self.policy.train_from(chunk, self.loss_fn)
@@ -432,7 +435,10 @@ class GRPORun(LoopSteps):
             if bad is not None:
                 raise self.diverged(step, bad, metrics[bad], chunk.get())
             parts.append(metrics)
-        return combine_train_passes(parts, self.loss_fn.metric_reductions)
+        metrics = combine_train_passes(parts, self.loss_fn.metric_reductions)
+        for warning in check_mismatch(step, metrics, self.grpo.mismatch_guard):
+            self.ctx.log.warning("the generation engine's logprobs are far from the trainer's", step=step, detail=warning)
+        return metrics
 
     def diverged(self, step: int, metric: str, value: float, batch: Batch) -> TrainingDiverged:
         latest = self.ctx.checkpoints.latest() if self.ctx.checkpoints is not None else None

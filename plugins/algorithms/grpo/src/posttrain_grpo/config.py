@@ -31,9 +31,9 @@ class ClippedPGConfig:
     # per-token estimate of KL(policy || reference) from lr = log(ref/current): k1 = -lr,
     # k2 = lr^2 / 2, k3 = exp(lr) - 1 - lr
     kl_estimator: KLEstimator = "k3"
-    # clamps (> 0; None: none) of |log(ref/current)| before the estimator and of |estimate| after
-    # it; a token where either binds keeps its clamped value and carries no gradient
+    # |log(ref/current)| clamp before the estimator (> 0; None: none); a token where it binds carries no gradient
     kl_input_clamp: float | None = 20.0
+    # |estimate| clamp after it (> 0; None: none); a token where it binds carries no gradient
     kl_output_clamp: float | None = 10.0
     # Train/inference mismatch correction, weights exp(logp_prev - logp_generation):
     # tis truncates the weights to [is_min, is_max] (is_min optional); icepop zeroes tokens
@@ -95,6 +95,22 @@ class AgentConfig:
     tool_call_format: Literal["hermes", "llama3_json"] | None = "hermes"
     host: str = "127.0.0.1"  # where the endpoint listens; 0.0.0.0 serves agents on other machines
     port: int = 0  # the endpoint's port; 0: any free one
+
+
+@attrs.define
+class MismatchGuardConfig:
+    """Bounds on how far the generation engine's logprobs of its own samples may be from the
+    trainer's for the same weights (the training metrics ``token_mult_prob_error``, the mean of
+    ``exp(|trainer - engine|)`` per token, and ``mismatch_kl``, the k3 estimate of
+    KL(engine || trainer) per token). Beyond a ``warn_`` bound a step logs a warning; beyond a
+    ``stop_`` bound the run stops after the step, naming the likely causes. null: no bound.
+    Float32 runs stay within 1e-5 of 1 and 1e-9; on-policy bf16 runs on GPUs typically
+    1.01-1.03; asynchronous runs add the drift of their stale samples."""
+
+    warn_token_mult_prob_error: float | None = 1.05  # > 1
+    stop_token_mult_prob_error: float | None = 1.5  # > 1, >= the warn bound
+    warn_mismatch_kl: float | None = 0.002  # > 0
+    stop_mismatch_kl: float | None = 0.1  # > 0, >= the warn bound
 
 
 #: The TIS bound asynchronous GRPO corrects with when ``grpo.loss`` names no correction.
@@ -168,6 +184,8 @@ class GRPOConfig:
     # false: a logprob pass for prev_logprobs every step
     skip_prev_logprobs_when_on_policy: bool = True
     loss: ClippedPGConfig = attrs.field(factory=ClippedPGConfig)  # the clipped policy-gradient loss
+    # warn or stop when the engine's logprobs of its samples are far from the trainer's
+    mismatch_guard: MismatchGuardConfig = attrs.field(factory=MismatchGuardConfig)
     # asynchronous GRPO: generation ahead of training, within a staleness bound (off: synchronous)
     asynchronous: AsynchronousConfig = attrs.field(factory=AsynchronousConfig)
     agent: AgentConfig = attrs.field(factory=AgentConfig)  # rollouts by an outside agent instead of environments

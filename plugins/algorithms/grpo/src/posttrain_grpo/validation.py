@@ -138,6 +138,7 @@ def check_grpo_config(grpo: GRPOConfig, config: RunConfig) -> None:
             "grpo.max_val_samples",
         )
     _require_choice(grpo.baseline, Baseline, "grpo.baseline", config)
+    _check_mismatch_guard(grpo, config)
     n = grpo.num_generations_per_prompt
     if grpo.baseline == "leave_one_out" and n < 2:
         raise _error(
@@ -288,3 +289,28 @@ def _require_choice(value: object, choices: object, key: str, config: RunConfig 
 def _error(config: RunConfig | None, message: str, *keys: str) -> ConfigError:
     """``message`` plus where the named keys were set (when the loader recorded it)."""
     return ConfigError(message + where_set(config, *keys))
+
+
+def _check_mismatch_guard(grpo: GRPOConfig, config: RunConfig) -> None:
+    """Each bound above its metric's on-policy value (1 for the error, 0 for the KL), and a
+    warn bound at most its stop bound."""
+    guard = grpo.mismatch_guard
+    for metric, floor in (("token_mult_prob_error", 1.0), ("mismatch_kl", 0.0)):
+        warn, stop = getattr(guard, f"warn_{metric}"), getattr(guard, f"stop_{metric}")
+        for kind, value in (("warn", warn), ("stop", stop)):
+            if value is not None and value <= floor:
+                key = f"grpo.mismatch_guard.{kind}_{metric}"
+                raise _error(
+                    config,
+                    f"{key}: must be > {floor:g} ({metric} is {floor:g} when the engine and the trainer agree) "
+                    f"or null (no bound), got {value}.",
+                    key,
+                )
+        if warn is not None and stop is not None and warn > stop:
+            raise _error(
+                config,
+                f"grpo.mismatch_guard.warn_{metric}: {warn} is greater than grpo.mismatch_guard.stop_{metric}={stop}; "
+                "a run would stop before it warned. Lower the warn bound or raise the stop bound.",
+                f"grpo.mismatch_guard.warn_{metric}",
+                f"grpo.mismatch_guard.stop_{metric}",
+            )
