@@ -26,29 +26,15 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import attrs
 
 from posttrain.errors import PluginError, PosttrainError, RunStopped
+from posttrain.interfaces.command import Command
 from posttrain.run_command import add_run_arguments, load_checked_config, parse_arguments
 
 #: Commands core defines itself; a plugin cannot register these names.
 CORE_COMMANDS = ("run", "config", "launch", "plugins")
-
-
-@attrs.frozen
-class Command:
-    """A subcommand a plugin registers through ``posttrain_commands``: ``posttrain NAME ...``.
-
-    ``add_arguments(parser)`` declares its arguments on its own ``argparse`` parser;
-    ``run(args)`` runs it with the parsed arguments and returns the exit status. Raise
-    :class:`~posttrain.errors.PosttrainError` for mistakes the user can fix (exit 2).
-    """
-
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -151,7 +137,7 @@ def _plugin_commands() -> dict[str, Command]:
         if not isinstance(command, Command):
             raise PluginError(
                 f"{registry.distribution_of(name)} registers the command '{name}' as a {type(command).__name__}; "
-                "posttrain_commands() must map names to posttrain.cli.Command"
+                "posttrain_commands() must map names to posttrain.interfaces.Command"
             )
     return commands
 
