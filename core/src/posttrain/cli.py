@@ -28,7 +28,6 @@ import signal
 import sys
 from collections.abc import Sequence
 
-
 from posttrain.errors import PluginError, PosttrainError, RunStopped
 from posttrain.interfaces.command import Command
 from posttrain.run_command import add_run_arguments, load_checked_config, parse_arguments

@@ -30,7 +30,25 @@ _MODULES = {
     "Policy": "policy",
     "RunContext": "context",
 }
-__all__ = sorted(_MODULES)
+__all__ = [
+    "Algorithm",
+    "Command",
+    "DataPlane",
+    "Environment",
+    "EnvironmentReturn",
+    "Generation",
+    "LossFunction",
+    "LossType",
+    "Message",
+    "MetricSink",
+    "PlaneSamples",
+    "Policy",
+    "RefitStats",
+    "RunContext",
+    "SampleMap",
+    "WorkerPlaneHandle",
+    "combine_metrics",
+]
 
 
 def __getattr__(name: str) -> Any:
