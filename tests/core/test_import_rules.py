@@ -198,3 +198,18 @@ def test_the_contract_imports_only_the_contract():
 def test_the_circle_finder_finds_circles():
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_circle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_interfaces_face_loads_each_name_from_its_module_and_nothing_at_import():
+    """``posttrain.interfaces`` lists every name once and loads it lazily: importing the package
+    (as a hook module importing ``Command`` does) imports no interface module and no torch."""
+    import subprocess
+    import sys
+
+    import posttrain.interfaces as face
+
+    assert sorted(face.__all__) == sorted(face._MODULES)
+    for name in face.__all__:
+        assert getattr(face, name).__module__ == f"posttrain.interfaces.{face._MODULES[name]}"
+    probe = "import sys, posttrain.interfaces; print(sorted(m for m in sys.modules if m.startswith(('torch', 'posttrain.interfaces.'))))"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "[]\n"
