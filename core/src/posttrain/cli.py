@@ -4,14 +4,12 @@
     posttrain config show ALGORITHM [--config FILE] [key=value ...]
                               the resolved config of that run, every key with its value,
                               its documentation and where it was set
-    posttrain launch slurm|kuberay|wait ...
-                              start a Ray cluster on Slurm or Kubernetes and run on it
-                              (posttrain.launch.command)
     posttrain plugins         installed plugins and what they register (a broken one with
                               its error); every other command refuses to start while an
                               installed plugin cannot be loaded, naming its distribution
     posttrain NAME ...        a command registered by a plugin (posttrain_commands), e.g.
-                              `posttrain quickstart` from posttrain-quickstart
+                              `posttrain quickstart` from posttrain-quickstart, `posttrain launch`
+                              from posttrain-launch
 
 Errors posttrain raises on purpose print as one ``error:`` paragraph and exit with status 2.
 A run stopped by SIGINT / SIGTERM saves a checkpoint at the step boundary, prints one
@@ -33,7 +31,7 @@ from posttrain.interfaces.command import Command
 from posttrain.run_command import add_run_arguments, load_checked_config, parse_arguments
 
 #: Commands core defines itself; a plugin cannot register these names.
-CORE_COMMANDS = ("run", "config", "launch", "plugins")
+CORE_COMMANDS = ("run", "config", "plugins")
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -105,10 +103,6 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--config", "-c", help="YAML config file (default: every key at its default)")
     show.add_argument("overrides", nargs="*", help="config overrides, e.g. policy.optimizer.lr=1e-5")
     show.set_defaults(func=_cmd_config_show)
-
-    from posttrain.launch.command import add_arguments as add_launch_arguments
-
-    add_launch_arguments(sub.add_parser("launch", help="start a Ray cluster on Slurm or Kubernetes and run on it"))
 
     plugins = sub.add_parser("plugins", help="list installed plugins and what they register")
     plugins.set_defaults(func=_cmd_plugins)
