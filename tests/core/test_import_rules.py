@@ -213,3 +213,36 @@ def test_the_interfaces_face_loads_each_name_from_its_module_and_nothing_at_impo
         assert getattr(face, name).__module__ == f"posttrain.interfaces.{face._MODULES[name]}"
     probe = "import sys, posttrain.interfaces; print(sorted(m for m in sys.modules if m.startswith(('torch', 'posttrain.interfaces.'))))"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+#: The page that declares the plugin API: every module of core a plugin may import.
+API_PAGE = ROOT / "docs" / "plugins" / "api.md"
+
+
+def public_modules() -> set[str]:
+    """The modules listed in the tables of the plugin API's page (a row's first cell)."""
+    import re
+
+    return set(re.findall(r"^\| `(posttrain[\w.]*)` \|", API_PAGE.read_text(), flags=re.MULTILINE))
+
+
+def core_module_of(name: str, modules: set[str]) -> str:
+    """The core module an imported ``name`` comes from: the longest prefix that is a module."""
+    parts = name.split(".")
+    return next(".".join(parts[:end]) for end in range(len(parts), 0, -1) if ".".join(parts[:end]) in modules)
+
+
+def test_plugins_and_examples_import_only_the_public_api():
+    modules = {module_name(path, CORE) for path in sources(CORE / "posttrain")}
+    public = public_modules()
+    assert {"posttrain", "posttrain.interfaces", "posttrain.backend.weight_sync"} <= public
+    assert not public - modules, f"{API_PAGE.name} lists modules that do not exist: {sorted(public - modules)}"
+    folders = [*ROOT.glob("plugins/*/*/src"), *ROOT.glob("examples/plugins/*/src"), ROOT / "examples"]
+    offences = sorted({
+        f"{path.relative_to(ROOT)}:{line} imports {core_module_of(name, modules)}"
+        for folder in folders
+        for path in sources(folder)
+        for name, line, _ in imported_modules(path, folder, skip_type_checking=False)
+        if name.split(".")[0] == "posttrain" and core_module_of(name, modules) not in public
+    })
+    assert not offences, f"imports beyond the plugin API ({API_PAGE.relative_to(ROOT)}):\n" + "\n".join(offences)
