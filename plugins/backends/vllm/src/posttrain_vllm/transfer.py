@@ -116,7 +116,7 @@ class PosttrainWeightTransferEngine(WeightTransferEngine[PosttrainInitInfo, Post
         if init.plan.checksums and self.parallel_config.world_size > 1:
             raise ValueError("generation.refit_checksums compares whole tensors: it needs an engine of one worker "
                              f"(this one has {self.parallel_config.world_size}); set it false, or "
-                             "generation.vllm.tensor_parallel_size: 1")
+                             "generation.tensor_parallel_size: 1")
         if self.layout is None:
             self.layout = conversion_model(self.model_config.hf_config)
         self.receiver = BroadcastReceiver(init, local_rank=self.parallel_config.rank, reuse_staging=False)
