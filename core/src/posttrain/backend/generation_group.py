@@ -285,6 +285,7 @@ class WorkerGroupGeneration(Generation):
                 tuple(self._group.actors), self.ranks_per_engine, weight_transport(self.config), name=self._group.name,
                 engine_nodes=tuple(self._group.node_ids),
                 shared_memory_on_one_node=self.config.generation.weight_transport == "auto",
+                checksums=self.config.generation.refit_checksums,
             )
         return self._endpoint
 

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from posttrain.backend.adapter_folder import MERGED_FOLDER, write_adapter_folder
 from posttrain.backend.hf_export import write_hf_metadata, write_hf_shards
+from posttrain.backend.hf_layout import checkpoint_tensors
 from posttrain.backend.logprobs import logsumexp_logits, loss_positions, sequence_logprobs, topk_logits
 from posttrain.backend.lr_schedule import build_scheduler
 from posttrain.backend.policy_worker import PolicyWorker, RankTrainResult
@@ -402,9 +403,14 @@ class DTensorPolicyWorker(PolicyWorker):
 
     def _export_model(self, path: str, view: WeightView, shard_bytes: int) -> None:
         """Collective: ``view``'s tensors as a Hugging Face model folder at ``path``."""
+        policy, lm = self.config.policy, self.model.lm
         sizes = [(meta.name, meta.nbytes) for meta in _metadata(view, self.compute_dtype)]
-        if write_hf_shards(path, sizes, lambda names: self._gather(view, names), shard_bytes, writer=self.rank == 0):
-            policy, lm = self.config.policy, self.model.lm
+
+        def gather(names: list[str]) -> dict[str, torch.Tensor] | None:
+            full = self._gather(view, names)  # in transformers' in-memory layout; the folder holds the checkpoint's
+            return None if full is None else dict(checkpoint_tensors(lm, full.items()))
+
+        if write_hf_shards(path, sizes, gather, shard_bytes, writer=self.rank == 0):
             write_hf_metadata(path, lm.config, policy.tokenizer or policy.model, self.compute_dtype,
                               getattr(lm, "generation_config", None))
         dist.barrier()
