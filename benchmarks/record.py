@@ -44,7 +44,7 @@ class Column:
 
 
 #: Every field a results row may hold, in the order tables show them. ``vs_baseline`` is not
-#: stored: the report divides a row's time by its run's baseline row's.
+#: stored: the report divides a row's time by its run's baseline row's (the baseline's is 1.00).
 COLUMNS: dict[str, Column] = {
     "side": Column("side", text=True),
     "seed": Column("seed"),
@@ -59,9 +59,9 @@ COLUMNS: dict[str, Column] = {
     "refit_s_min": Column("min"),
     "refit_s_max": Column("max"),
     "error": Column("error", text=True),
-    "vs_baseline": Column("time / {baseline}", fmt=".2f"),
+    "vs_baseline": Column("vs baseline", fmt=".2f"),
     "tokens_per_s": Column("tokens/s"),
-    "lengths": Column("completion length mean / median / p90 / max", text=True),
+    "lengths": Column("length mean / p50 / p90 / max", text=True),
     "at_budget": Column("at budget", text=True),
     "mb_moved": Column("MB moved"),
     "generation_s": Column("generation s"),
@@ -93,8 +93,8 @@ COLUMNS: dict[str, Column] = {
     "engine_mb": Column("engine MB"),
     "driver_mb": Column("driver MB"),
     "environment_mb": Column("environment MB"),
-    "peak_mb": Column("peak MB, training processes"),
-    "ray_mb": Column("Ray's own MB"),
+    "peak_mb": Column("peak MB"),
+    "ray_mb": Column("Ray MB"),
     "first_loss": Column("first loss"),
 }
 #: The time a row's ``vs_baseline`` divides, the first of these it has.

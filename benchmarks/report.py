@@ -76,7 +76,7 @@ def table(record: Mapping[str, Any]) -> str:
     wanted = record.get("columns")
     fields = [f for f in COLUMNS if f in present and (wanted is None or f in wanted or f == "vs_baseline")]
     several = len(record["runs"]) > 1
-    headings = [COLUMNS[f].heading.format(baseline=record.get("baseline")) for f in fields]
+    headings = [COLUMNS[f].heading for f in fields]
     aligns = ["---" if COLUMNS[f].text else "---:" for f in fields]
     if several:
         headings.insert(0, record.get("run_header", "run"))
@@ -111,7 +111,8 @@ def render(record: Mapping[str, Any]) -> str:
     command of each run (with its load and machine rates), the notes."""
     how = _commands(record["runs"])
     conditions = record["conditions"][:1].upper() + record["conditions"][1:]
-    parts = [f"**{record['title']}.** {conditions}. Machine: {record['machine']}.", "", table(record), "", how]
+    baseline = f" Baseline: `{record['baseline']}`." if record.get("baseline") else ""
+    parts = [f"**{record['title']}.** {conditions}. Machine: {record['machine']}.{baseline}", "", table(record), "", how]
     if record.get("notes"):
         parts += ["", *(f"- {note}" for note in record["notes"])]
     return "\n".join(parts) + "\n"

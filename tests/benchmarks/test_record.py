@@ -50,7 +50,7 @@ def test_a_generation_summary_becomes_rows_and_a_table():
                     "peak_mb": 1235, "lengths": "2.5 / 2 / 3 / 4", "at_budget": "25%"}  # NaN Ray memory: left out
     assert trl["call_s"] == 6.0 and trl["at_budget"] == "100%"
     table = report.table(file)
-    assert table.splitlines()[0].startswith("| side | call s (median) | min | max | time / posttrain-vllm | tokens/s |")
+    assert table.splitlines()[0].startswith("| side | call s (median) | min | max | vs baseline | tokens/s |")
     assert "| trl | 6.0 | 6.0 | 6.0 | 3.00 | 1 |" in table
 
 
