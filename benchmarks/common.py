@@ -597,6 +597,7 @@ def summarize(workload: Workload, spec: dict[str, Any], runs: dict[str, list[dic
         "floor_s": floor_s, "baseline": baseline, "steps": spec["steps"], "warmup": spec["warmup"],
         "max_len": spec["max_len"], "load_avg_1m": [x[0] for x in load], "machine": _machine(), "sides": rows,
         "settings": first["settings"], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **({"form": spec["form"]} if "form" in spec else {}),
     }
 
 

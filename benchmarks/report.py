@@ -143,7 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     page, records = args.page.read_text(), load_records(args.results)
-    updated = update(page, records)
+    try:
+        updated = update(page, records)
+    except ValueError as error:
+        print(f"{args.page}: {error}", file=sys.stderr)
+        return 2
     if args.check:
         stale = differing(page, records)
         if stale:

@@ -63,12 +63,14 @@ def grpo_report(step_times, stages, lengths):
 
 
 def test_a_grpo_summary_gives_stage_times_memory_by_process_and_the_training_floor():
-    spec = {"warmup": 1, "steps": 2, "model": "tiny", "rows_per_step": 2, "max_len": 64, "max_new_tokens": 64}
+    spec = {"warmup": 1, "steps": 2, "model": "tiny", "rows_per_step": 2, "max_len": 64, "max_new_tokens": 64,
+            "form": "skewed"}
     stages = [{"generation": 1.0, "training": 2.0, "refit": 0.1}, {"generation": 3.0, "training": 4.0, "refit": 0.3}]
     runs = {"posttrain-inside": [grpo_report([4.0, 6.0], stages, [4, 64])],
             "trl-default": [grpo_report([10.0, 12.0], [], [8, 60])]}
     rate = 1e9
     summary = common.summarize(grpo.WORKLOAD, spec, runs, tiny_config(), rate, [rate], [(1.0, 0, 0)])
+    assert record.harness_record(summary, "c")["runs"][0]["label"] == "skewed, 1 x 2 steps"
     ours, theirs = record.harness_rows(summary)
     floor = summary["sides"]["posttrain-inside"]["stage_floor_s"]["training"]
     assert ours["step_s"] == 5.0 and ours["generation_s"] == 2.0 and ours["training_s"] == 3.0
@@ -109,3 +111,18 @@ def test_a_table_names_a_field_it_does_not_know():
             "runs": [{"label": "l", "command": "c", "rows": [{"side": "a", "step_seconds": 1.0}]}]}
     with pytest.raises(ValueError, match=r"T: fields \['step_seconds'\] are not columns of record.COLUMNS"):
         report.table(file)
+
+
+def test_the_report_rewrites_a_stale_table_and_check_names_it(tmp_path, capsys):
+    results, page = tmp_path / "results", tmp_path / "page.md"
+    run = {"label": "l", "command": "c", "date": "d", "source": "s", "rows": [{"side": "a", "step_s": 1.5}]}
+    record.save("one", {"title": "T", "conditions": "c", "machine": "M", "runs": [run]}, results)
+    page.write_text("# Page\n\n<!-- results one -->\nold table\n<!-- /results -->\n\nrest\n")
+    options = ["--page", str(page), "--results", str(results)]
+    assert report.main(["--check", *options]) == 1
+    assert "tables differ from their results files: one" in capsys.readouterr().err
+    assert report.main(options) == 0 and report.main(["--check", *options]) == 0
+    assert page.read_text().endswith("| side | step s (median) |\n|---|---:|\n| a | 1.5 |\n\nCommand: `c`.\n<!-- /results -->\n\nrest\n")
+    record.save("two", {"title": "U", "conditions": "c", "machine": "M", "runs": [run]}, results)
+    assert report.main(options) == 2
+    assert "results files with no place in the page: ['two']" in capsys.readouterr().err
