@@ -1,4 +1,4 @@
-"""Mistakes caught before Ray starts (issue 20): each case fails while the config is loaded or
+"""Mistakes caught before Ray starts: each case fails while the config is loaded or
 the data is read, naming the key, the file and line (or the data row) and the fix, and no
 Ray session is created.
 
@@ -237,7 +237,7 @@ def test_an_empty_data_file(in_tmp, no_ray, tiny_model_path):
 
 
 def test_the_grpo_batch_suggestion_passes_the_next_check(in_tmp, no_ray):
-    """The issue's case: 32 samples per step and a micro batch of 12. Core once suggested a
+    """A reported case: 32 samples per step and a micro batch of 12. Core once suggested a
     global batch of 36, which GRPO then refused (36 does not divide 32)."""
     write(in_tmp / "exp.yaml", """
         policy:
