@@ -34,3 +34,39 @@ def test_the_contract_is_as_long_as_the_pages_say():
             assert abs(claim - lines) <= lines / 10, (
                 f"{page.relative_to(REPO)} says about {claim} lines; the contract's {len(files)} files have {lines}"
             )
+
+
+CORE_CLAIM = re.compile(r"All of core is about\s+([\d,]+)\s+lines,\s+([\d,]+)\s+of them code")
+
+
+def code_and_raw_lines(path) -> tuple[int, int]:
+    """Lines of ``path`` holding code (not blank, a comment or a docstring), and all its lines."""
+    import ast
+    import io
+    import tokenize
+
+    source = path.read_text(encoding="utf-8")
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    code = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in skip:
+            code.update(range(token.start[0], token.end[0] + 1))
+    return len(code - docstrings), len(source.splitlines())
+
+
+def test_core_is_as_long_as_the_readme_says():
+    counts = [code_and_raw_lines(path) for path in (REPO / "core" / "src" / "posttrain").rglob("*.py")]
+    code, raw = sum(c for c, _ in counts), sum(r for _, r in counts)
+    match = CORE_CLAIM.search(README.read_text())
+    assert match, "README.md: no 'All of core is about N lines, M of them code'"
+    said_raw, said_code = (int(n.replace(",", "")) for n in match.groups())
+    assert abs(said_raw - raw) <= raw / 10 and abs(said_code - code) <= code / 10, (
+        f"README.md says core is about {said_raw} lines, {said_code} of them code; it has {raw}, {code} of them code"
+    )
