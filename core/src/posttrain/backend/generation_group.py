@@ -198,7 +198,9 @@ class WorkerGroupGeneration(Generation):
     ``context_length`` is the most tokens (prompt + completion) an engine holds per row;
     ``context_key`` names the config key that sets it, for error messages.
     ``worker_kwargs`` go to ``worker_cls.__init__``; ``ranks_per_engine`` is how many ranks
-    of the weight-sync group each engine joins with (its tensor-parallel workers). With a
+    of the weight-sync group each engine joins with (its tensor-parallel workers), each a
+    process of the engine's own on a GPU of its own when the engines ask for GPUs
+    (``devices_per_worker`` of :class:`~posttrain.distributed.WorkerGroup`). With a
     ``host`` policy (``generation.in_policy_workers``), the engines are built inside its
     workers' processes, one per rank (:mod:`posttrain.backend.hosted`), and ``num_workers``,
     ``resources`` and ``ranks_per_engine`` play no part. Sampling seeds derive from
@@ -240,6 +242,7 @@ class WorkerGroupGeneration(Generation):
                 name=name,
                 num_workers=config.generation.num_workers,
                 resources=resources or config.generation.resources,
+                devices_per_worker=ranks_per_engine,
                 kwargs=dict(worker_kwargs),
             )
 

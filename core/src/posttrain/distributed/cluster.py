@@ -2,12 +2,13 @@
 
 :func:`init_ray` connects this process to Ray once. :class:`VirtualCluster` waits for the
 nodes the run needs (``cluster.num_nodes``) and reserves one placement group per worker
-group: one bundle ``{"CPU": cpus, "GPU": gpus}`` per worker (or per ``ranks_per_bundle``
-workers that must share a node), packed onto as few nodes as possible, the ranks ordered by
-node (:mod:`posttrain.distributed.placement`). Two groups that should share devices
-("colocated") each ask for a fraction (e.g. ``gpus=0.5``), and on a cluster of several
-nodes a colocated group's workers go to the nodes of the group they follow. Logical CPUs
-may exceed physical cores.
+group, packed onto as few nodes as possible: one bundle per GPU for a group that asks for
+GPUs, else one per ``ranks_per_bundle`` workers that must share a node; the ranks ordered by
+node (:mod:`posttrain.distributed.placement`). Two groups that share devices ("colocated")
+each ask for a fraction of a GPU (e.g. ``gpus=0.5``): the second goes on the first one's
+bundles, each of its workers on the GPU of the rank it shares with. A colocated group
+without GPUs goes to the nodes of the group it follows. Logical CPUs may exceed physical
+cores.
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
-from posttrain.config.schema import ClusterConfig, WorkerResources
+from posttrain.config.schema import ClusterConfig, RunConfig, WorkerResources
 from posttrain.distributed.nodes import Node, alive_nodes, cluster_address, per_node, wait_for_nodes
-from posttrain.distributed.placement import Placement, follow_nodes, rank_order
+from posttrain.distributed.placement import Layout, Placement, Shape, follow_nodes, layout, pinned, placed
 from posttrain.distributed.ray_output import show_forwarded_output
 from posttrain.errors import ConfigError, WorkerError
 from posttrain.log import library_env, library_log_level
@@ -34,6 +36,9 @@ from posttrain.log import library_env, library_log_level
 DRIVER_CWD_VAR = "POSTTRAIN_DRIVER_CWD"
 #: Seconds between two looks for the placement of the group a colocated group follows.
 FOLLOW_POLL_S = 0.05
+#: Ray's switch that hides every GPU from a task or actor that asks for none
+#: (``CUDA_VISIBLE_DEVICES=""``); without it, Ray 2.60 leaves them all visible to such a process.
+HIDE_UNASKED_GPUS_VAR = "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"
 
 
 def init_ray(config: ClusterConfig) -> bool:
@@ -54,6 +59,10 @@ def init_ray(config: ClusterConfig) -> bool:
     Ray ties the processes of a cluster it starts to the thread that started it (they die
     when that thread ends).
 
+    Every task and actor of the job that asks Ray for no GPU sees none
+    (:data:`HIDE_UNASKED_GPUS_VAR`), so a worker computes on CUDA only where its group asked
+    for GPUs.
+
     Logging follows the configured ``logger.level`` (:mod:`posttrain.log`): Ray's own logger
     gets :func:`~posttrain.log.library_log_level`, this job's workers the environment of
     :func:`~posttrain.log.library_env`, and what Ray forwards to this process is shown as
@@ -67,7 +76,7 @@ def init_ray(config: ClusterConfig) -> bool:
     previous = signal.getsignal(signal.SIGTERM) if on_main_thread else None
     address = joined_address(config)
     runtime_env = {
-        "env_vars": {**library_env(), DRIVER_CWD_VAR: os.getcwd()},
+        "env_vars": {**library_env(), DRIVER_CWD_VAR: os.getcwd(), HIDE_UNASKED_GPUS_VAR: "1"},
         "worker_process_setup_hook": f"{__name__}.{enter_driver_directory.__name__}",
     }
     options: dict[str, Any] = {"logging_level": library_log_level(), "runtime_env": runtime_env}
@@ -138,7 +147,7 @@ def bundle_nodes(group: PlacementGroup) -> list[str]:
 
 
 def bundle_of(resources: WorkerResources) -> dict[str, float]:
-    """The placement-group bundle one worker with these resources needs."""
+    """What one worker with these resources asks Ray for."""
     bundle = {"CPU": float(resources.cpus), "GPU": float(resources.gpus)}
     bundle = {key: value for key, value in bundle.items() if value > 0}
     if not bundle:
@@ -149,6 +158,29 @@ def bundle_of(resources: WorkerResources) -> dict[str, float]:
     return bundle
 
 
+@attrs.frozen
+class Colocated:
+    """A worker group that shares the devices of group ``host`` and takes turns with it.
+    ``shape`` is what it will ask for; when both groups ask for GPUs, the host's bundles hold
+    the two (:func:`~posttrain.distributed.placement.layout`), so it must be known before the
+    host is placed."""
+
+    host: str
+    shape: Shape | None = None
+
+
+def colocated_groups(config: RunConfig) -> dict[str, Colocated]:
+    """The run's colocated groups: with ``generation.colocated`` (engines of their own), the
+    ``generation`` group shares the ``policy``'s devices, its shape from the config (an
+    engine spans ``generation.tensor_parallel_size`` GPUs when it asks for GPUs)."""
+    gen = config.generation
+    if not gen.colocated or gen.in_policy_workers:
+        return {}
+    devices = gen.tensor_parallel_size if gen.resources.gpus > 0 else 1
+    return {"generation": Colocated("policy", Shape(gen.num_workers, gen.resources.cpus, gen.resources.gpus,
+                                                    devices_per_worker=devices))}
+
+
 class VirtualCluster:
     """The resources of a run, handed out to worker groups as placement groups.
 
@@ -157,9 +189,12 @@ class VirtualCluster:
     stop on a signal); a run that starts its own (one-node) Ray cannot ask for more.
     ``placement_timeout_s`` bounds the wait for a placement group: past it,
     :meth:`reserve` raises instead of hanging. ``colocate`` maps a worker group's name to
-    the group it shares devices with: on a cluster of several nodes, its workers go to that
-    group's nodes (:func:`~posttrain.distributed.placement.follow_nodes`), so it waits for
-    that group's placement.
+    the group it shares devices with (a name, or a :class:`Colocated`): when both ask for
+    GPUs, it is placed on that group's bundles, each of its workers on the GPU(s) of the
+    ranks it shares with (its :attr:`Colocated.shape` declared); otherwise, on a cluster of
+    several nodes, its workers go to that group's nodes
+    (:func:`~posttrain.distributed.placement.follow_nodes`). Either way it waits for that
+    group's placement.
     """
 
     def __init__(
@@ -167,12 +202,12 @@ class VirtualCluster:
         config: ClusterConfig,
         *,
         placement_timeout_s: float = 120.0,
-        colocate: Mapping[str, str] | None = None,
+        colocate: Mapping[str, str | Colocated] | None = None,
         check: Callable[[], None] | None = None,
     ):
         self.config = config
         self.placement_timeout_s = placement_timeout_s
-        self.colocate = dict(colocate or {})
+        self.colocate = {name: c if isinstance(c, Colocated) else Colocated(c) for name, c in (colocate or {}).items()}
         check_node_count(config)
         #: Whether this cluster started Ray itself (a local, one-node cluster sized by the config).
         self.started_ray = init_ray(config)
@@ -182,18 +217,23 @@ class VirtualCluster:
             timeout_key="cluster.node_wait_s", check=check,
         )
         self._placements: dict[str, Placement] = {}
+        self._guests: dict[str, tuple[Shape, Placement]] = {}  # guest name -> its declared shape, placed with its host
         self._lock = threading.Lock()  # worker groups may start from several threads at once
+        self._placing = threading.Lock()  # one placement group is placed at a time (see _place)
         self._closed = False
 
     def reserve(
-        self, name: str, num_workers: int, resources: WorkerResources, *, ranks_per_bundle: int = 1
+        self, name: str, num_workers: int, resources: WorkerResources, *, ranks_per_bundle: int = 1,
+        devices_per_worker: int = 1,
     ) -> Placement:
         """Reserve bundles for the ``num_workers`` workers of group ``name`` and wait for them.
 
-        Each bundle holds ``ranks_per_bundle`` workers (a tensor-parallel group), so those
-        ranks share a node; ranks are ordered by node (:func:`~posttrain.distributed.placement.rank_order`).
+        ``ranks_per_bundle`` consecutive ranks (a tensor-parallel group) share a node; each
+        worker spans ``devices_per_worker`` GPUs when it asks for GPUs (``resources.gpus``
+        over them: an engine with tensor-parallel workers of its own). Bundles and ranks
+        follow :mod:`posttrain.distributed.placement`.
         Raises :class:`ConfigError` when the cluster can never hold the request (in all, or
-        one bundle on any single node; the message lists what each node has) and
+        what must share a node on any single node; the message lists what each node has) and
         :class:`WorkerError` when it is not placed within the timeout (resources held by
         other groups or tasks), or when the cluster was shut down meanwhile (a run stopped
         during its start-up: the group is not placed).
@@ -210,40 +250,47 @@ class VirtualCluster:
                 "that share a node; make num_workers a multiple of it"
             )
         one = bundle_of(resources)
-        bundle = {key: value * ranks_per_bundle for key, value in one.items()}
-        count = num_workers // ranks_per_bundle
+        shape = Shape(num_workers, resources.cpus, resources.gpus, ranks_per_bundle,
+                      devices_per_worker if resources.gpus > 0 else 1)
+        if (shared := self._shared_with_host(name, shape)) is not None:
+            return shared
+        guest_name, guest = self._guest_of(name, shape)
+        plan = layout(shape, guest)
         asked = f"worker group '{name}' asked for {num_workers} x {one}"
-        if ranks_per_bundle > 1:
-            asked += f" ({ranks_per_bundle} workers on one node: {count} x {bundle})"
-        self._check_fits(asked, bundle, count)
-        selectors = self._follow(name, count)
-        group = placement_group(
-            [dict(bundle) for _ in range(count)], strategy="PACK", name=f"posttrain-{name}",
-            bundle_label_selector=selectors,
-        )
-        ready, _ = ray.wait([group.ready()], timeout=self.placement_timeout_s)
-        if not ready:
-            remove_placement_group(group)
-            pinned = f" (pinned to the nodes of '{self.colocate[name]}', colocated)" if selectors else ""
-            raise WorkerError(
-                f"{asked}{pinned} and was not placed within {self.placement_timeout_s:g} s. Cluster total: "
-                f"{_brief(ray.cluster_resources())}; available now: {_brief(ray.available_resources())}"
-                f"{self._per_node_text()}. Other worker groups or tasks hold the rest: shut them down, lower the "
-                "request, or give Ray more logical CPUs."
-            )
-        placement = Placement(group, *rank_order(bundle_nodes(group), ranks_per_bundle))
+        together = max(len(group) for group in plan.node_groups)
+        if not shape.on_gpus and ranks_per_bundle > 1:
+            asked += f" ({ranks_per_bundle} workers on one node: {len(plan.bundles)} x {plan.bundles[0]})"
+        if guest is not None:
+            asked += f" and shares its GPUs with '{guest_name}' ({guest.num_workers} x {guest.gpus:g} GPU)"
+        if shape.on_gpus and together > 1:
+            asked += f" ({together:g} GPUs on one node)"
+        self._check_fits(asked, plan)
+        selectors = self._follow(name, len(plan.bundles))
+        pinned_to = f" (pinned to the nodes of '{self.colocate[name].host}', colocated)" if selectors else ""
+        group, nodes, renumber = self._place(name, asked + pinned_to, plan, selectors)
+        workers = [tuple(renumber[b] for b in worker) for worker in plan.workers]
+        placement = placed(group, nodes, workers, on_gpus=shape.on_gpus, gpus_per_device=plan.gpus_per_device)
         with self._lock:
             if not self._closed:
                 self._placements[name] = placement
+                if guest is not None:
+                    guest_workers = [tuple(renumber[b] for b in worker) for worker in plan.guest_workers]
+                    self._guests[guest_name] = (guest, placed(group, nodes, guest_workers, on_gpus=True,
+                                                              gpus_per_device=plan.guest_gpus_per_device))
                 return placement
         remove_placement_group(group)
         raise WorkerError(f"worker group '{name}' cannot start: the run's cluster is shut down")
 
     def release(self, name: str) -> None:
-        """Remove the placement group of worker group ``name`` (no-op if it holds none)."""
+        """Let group ``name`` go; its placement group is removed once no group holds it
+        (a colocated guest holds its host's). No-op if it holds none."""
         with self._lock:
             placement = self._placements.pop(name, None)
-        if placement is not None:
+            for guest, colocated in self.colocate.items():
+                if colocated.host == name:
+                    self._guests.pop(guest, None)
+            held = placement is not None and any(p.group.id == placement.group.id for p in self._placements.values())
+        if placement is not None and not held:
             remove_placement_group(placement.group)
 
     def placement_groups(self) -> dict[str, PlacementGroup]:
@@ -261,21 +308,118 @@ class VirtualCluster:
         for name in list(self._placements):
             self.release(name)
 
-    def _check_fits(self, asked: str, bundle: dict[str, float], count: int) -> None:
-        """Raise :class:`ConfigError` when ``count`` bundles exceed the whole cluster or one
-        bundle exceeds every node."""
+    def _guest_of(self, name: str, shape: Shape) -> tuple[str, Shape | None]:
+        """The colocated group that goes on the bundles of group ``name`` (both ask for
+        GPUs), with its declared shape; ``("", None)`` when none does."""
+        guests = [(guest, c.shape) for guest, c in self.colocate.items() if c.host == name]
+        sharing = [(guest, s) for guest, s in guests if s is not None and s.on_gpus and shape.on_gpus]
+        if len(sharing) > 1:
+            raise WorkerError(f"worker group '{name}' shares its GPUs with {[g for g, _ in sharing]}; one group at most")
+        return sharing[0] if sharing else ("", None)
+
+    def _shared_with_host(self, name: str, shape: Shape) -> Placement | None:
+        """The placement of a colocated group on its host's bundles (placed with the host),
+        once the host is placed; None when the group has a placement group of its own."""
+        colocated = self.colocate.get(name)
+        if colocated is None or not shape.on_gpus:
+            return None
+        host = self._wait_for_host(name, colocated.host)
+        if not host.devices:
+            return None  # the host has no GPUs to share: this group's own, on the host's nodes
+        if name not in self._guests:
+            raise WorkerError(
+                f"worker group '{name}' is colocated with '{colocated.host}' and both ask for GPUs, but its shape was "
+                f"not declared when '{colocated.host}' was placed: pass VirtualCluster(colocate={{'{name}': "
+                f"Colocated('{colocated.host}', Shape(...))}})"
+            )
+        declared, placement = self._guests[name]
+        if declared != shape:
+            raise WorkerError(f"worker group '{name}' asked for {shape}, but {declared} was declared when "
+                              f"'{colocated.host}' was placed on the GPUs it shares")
+        with self._lock:
+            if self._closed:
+                raise WorkerError(f"worker group '{name}' cannot start: the run's cluster is shut down")
+            self._placements[name] = placement
+        return placement
+
+    def _wait_for_host(self, name: str, host: str) -> Placement:
+        """The placement of group ``host``, which group ``name`` is colocated with, once placed."""
+        deadline = time.monotonic() + self.placement_timeout_s
+        while (placement := self._placements.get(host)) is None:
+            if self._closed:
+                raise WorkerError(f"worker group '{name}' cannot start: the run's cluster is shut down")
+            if time.monotonic() > deadline:
+                raise WorkerError(
+                    f"worker group '{name}' is colocated with '{host}' and goes to the nodes of its workers, but "
+                    f"'{host}' was not placed within {self.placement_timeout_s:g} s. Start '{host}' before or "
+                    f"together with '{name}', or do not colocate them."
+                )
+            time.sleep(FOLLOW_POLL_S)
+        return placement
+
+    def _place(self, name: str, asked: str, plan: Layout, selectors: list[dict[str, str]] | None,
+               ) -> tuple[PlacementGroup, list[str], list[int]]:
+        """Create and wait for the placement group of ``plan``: ``(group, node of each bundle,
+        the new index of each of the plan's bundles)``.
+
+        A group with GPUs on a cluster of several nodes is placed twice: first one bundle per
+        node group (Ray places a bundle on a single node), read and removed, its nodes handed
+        out again in order (:func:`in_order`); then the group proper, its node groups in the
+        order of their nodes, each bundle pinned to its node group's node. So what must share
+        a node does, and ranks and bundles come in the same order (a colocated group's
+        workers on the GPUs of the ranks the layout meant). Groups are placed one at a time,
+        so that no other group of the run takes what the first placement found between the
+        two."""
+        bundles, renumber = list(plan.bundles), list(range(len(plan.bundles)))
+        with self._placing:
+            if selectors is None and plan.gpus_per_device > 0 and len(alive_nodes()) > 1:
+                sums = [_sum(plan.bundles[b] for b in group) for group in plan.node_groups]
+                probe = self._placed(name, asked, sums, None, suffix="-nodes")
+                where = in_order(bundle_nodes(probe), sums)
+                remove_placement_group(probe)
+                order = sorted(range(len(sums)), key=lambda g: (where.index(where[g]), g))
+                sequence = [b for g in order for b in plan.node_groups[g]]
+                bundles = [plan.bundles[b] for b in sequence]
+                renumber = [sequence.index(b) for b in range(len(sequence))]
+                node_of = {b: where[g] for g, group in enumerate(plan.node_groups) for b in group}
+                selectors = [pinned(node_of[b]) for b in sequence]
+            group = self._placed(name, asked, bundles, selectors)
+        return group, bundle_nodes(group), renumber
+
+    def _placed(self, name: str, asked: str, bundles: list[dict[str, float]],
+                selectors: list[dict[str, str]] | None, suffix: str = "") -> PlacementGroup:
+        """A placement group of ``bundles`` (packed, each pinned by its label selector), once
+        Ray placed it; raises :class:`WorkerError` past the timeout."""
+        group = placement_group([dict(b) for b in bundles], strategy="PACK", name=f"posttrain-{name}{suffix}",
+                                bundle_label_selector=selectors)
+        ready, _ = ray.wait([group.ready()], timeout=self.placement_timeout_s)
+        if ready:
+            return group
+        remove_placement_group(group)
+        raise WorkerError(
+            f"{asked} and was not placed within {self.placement_timeout_s:g} s. Cluster total: "
+            f"{_brief(ray.cluster_resources())}; available now: {_brief(ray.available_resources())}"
+            f"{self._per_node_text()}. Other worker groups or tasks hold the rest: shut them down, lower the "
+            "request, or give Ray more logical CPUs."
+        )
+
+    def _check_fits(self, asked: str, plan: Layout) -> None:
+        """Raise :class:`ConfigError` when the plan's bundles exceed the whole cluster or
+        what must share a node exceeds every node."""
         total = ray.cluster_resources()
         nodes = alive_nodes()
-        for key, value in bundle.items():
-            if value * count > total.get(key, 0.0) + 1e-9:
+        together = [_sum(plan.bundles[b] for b in group) for group in plan.node_groups]
+        for key, value in _sum(plan.bundles).items():
+            if value > total.get(key, 0.0) + 1e-9:
                 raise ConfigError(
-                    f"{asked} = {value * count:g} {key} in all, but the whole Ray cluster has "
+                    f"{asked} = {value:g} {key} in all, but the whole Ray cluster has "
                     f"{total.get(key, 0.0):g} {key}. {self._more(key, nodes)}"
                 )
+            need = max(group.get(key, 0.0) for group in together)
             largest = max((node.resources.get(key, 0.0) for node in nodes), default=0.0)
-            if value > largest + 1e-9:
+            if need > largest + 1e-9:
                 raise ConfigError(
-                    f"{asked}, {value:g} {key} on one node, but the largest node has {largest:g} {key}. "
+                    f"{asked}, {need:g} {key} on one node, but the largest node has {largest:g} {key}. "
                     f"{self._more(key, nodes)}"
                 )
 
@@ -296,22 +440,39 @@ class VirtualCluster:
 
     def _follow(self, name: str, count: int) -> list[dict[str, str]] | None:
         """The bundle label selectors that put group ``name`` on the nodes of the group it is
-        colocated with; None when it follows none or the cluster has one node."""
-        leader = self.colocate.get(name)
-        if leader is None or len(alive_nodes()) < 2:
+        colocated with (and does not share GPUs with); None when it follows none or the
+        cluster has one node."""
+        colocated = self.colocate.get(name)
+        if colocated is None or len(alive_nodes()) < 2:
             return None
-        deadline = time.monotonic() + self.placement_timeout_s
-        while (placement := self._placements.get(leader)) is None:
-            if self._closed:
-                raise WorkerError(f"worker group '{name}' cannot start: the run's cluster is shut down")
-            if time.monotonic() > deadline:
-                raise WorkerError(
-                    f"worker group '{name}' is colocated with '{leader}' and goes to the nodes of its workers, but "
-                    f"'{leader}' was not placed within {self.placement_timeout_s:g} s. Start '{leader}' before or "
-                    f"together with '{name}', or do not colocate them."
-                )
-            time.sleep(FOLLOW_POLL_S)
-        return follow_nodes(placement.nodes, count)
+        return follow_nodes(self._wait_for_host(name, colocated.host).nodes, count)
+
+
+def in_order(nodes: list[str], needs: list[dict[str, float]]) -> list[str]:
+    """The nodes Ray chose for ``needs`` (``nodes[i]`` for ``needs[i]``), handed out again in
+    order: the first node (by first appearance) to the first needs, as many as the GPUs Ray
+    found there hold, then the next node; so that consecutive needs share a node as far as
+    they can. ``nodes`` unchanged when needs of different GPU counts do not fit that way.
+    (CPUs are left to Ray's placement of the group proper: a colocated engine's CPUs make
+    otherwise equal needs differ by a few, which a GPU node has to spare.)"""
+    room: dict[str, float] = {}
+    for node, need in zip(nodes, needs, strict=True):
+        room[node] = room.get(node, 0.0) + need.get("GPU", 0.0)
+    given: list[str] = []
+    for node, gpus in room.items():
+        while len(given) < len(needs) and needs[len(given)].get("GPU", 0.0) <= gpus + 1e-9:
+            gpus -= needs[len(given)].get("GPU", 0.0)
+            given.append(node)
+    return given if len(given) == len(needs) else nodes
+
+
+def _sum(bundles: Iterable[dict[str, float]]) -> dict[str, float]:
+    """The resources of several bundles together."""
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for key, value in bundle.items():
+            total[key] = total.get(key, 0.0) + value
+    return total
 
 
 def _field(resource: str) -> str:

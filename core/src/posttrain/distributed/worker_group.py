@@ -1,8 +1,8 @@
 """Worker groups: N Ray actors of one class that act as the ranks of one job.
 
 Each actor runs in its own process, on a bundle of the group's placement group (ranks ordered
-by node; ``ranks_per_bundle`` consecutive ranks share one bundle, hence one node), with
-``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
+by node; ``ranks_per_bundle`` consecutive ranks share one node; see
+:mod:`posttrain.distributed.placement`), with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` in ``os.environ`` before the worker's ``__init__`` body runs, so
 ``torch.distributed.init_process_group(backend)`` with the default env init forms the
 group. ``MASTER_ADDR`` is 127.0.0.1 when every rank is on one node, else rank 0's node
@@ -103,7 +103,12 @@ def bound_method(worker: Worker, method: Callable[..., Any]) -> Callable[..., An
 class WorkerGroup(Generic[W]):
     """``num_workers`` actors of ``worker_cls`` on a placement group reserved from
     ``cluster`` under ``name`` (:meth:`VirtualCluster.reserve`), ``ranks_per_bundle``
-    consecutive ranks on one node (e.g. ``policy.tensor_parallel_size``).
+    consecutive ranks on one node (e.g. ``policy.tensor_parallel_size``). A worker that asks
+    for GPUs spans ``devices_per_worker`` of them: with more than one, its actor asks Ray for
+    none and finds the bundles it starts its own processes on in its environment
+    (:func:`~posttrain.distributed.placement.device_bundles`). An actor that asks for no GPU
+    sees none (``CUDA_VISIBLE_DEVICES=""`` in a cluster started or joined by
+    :func:`~posttrain.distributed.cluster.init_ray`).
 
     ``resources.env_vars`` and ``resources.runtime_env`` become the actors' Ray
     ``runtime_env`` (``env_vars`` merged into ``runtime_env["env_vars"]``), so a worker
@@ -122,6 +127,7 @@ class WorkerGroup(Generic[W]):
         num_workers: int,
         resources: WorkerResources,
         ranks_per_bundle: int = 1,
+        devices_per_worker: int = 1,
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ):
@@ -133,7 +139,8 @@ class WorkerGroup(Generic[W]):
         self.node_ids: list[str] = []
         self._calls: dict[str, tuple[int, str]] = {}  # ObjectRef hex -> (rank, method)
         self._closed = False
-        placement = cluster.reserve(name, num_workers, resources, ranks_per_bundle=ranks_per_bundle)
+        placement = cluster.reserve(name, num_workers, resources, ranks_per_bundle=ranks_per_bundle,
+                                    devices_per_worker=devices_per_worker)
         try:
             self.node_ids = list(placement.nodes)  # the Ray node of each rank
             for attempt in range(1, PORT_ATTEMPTS + 1):
@@ -295,19 +302,10 @@ class WorkerGroup(Generic[W]):
         self, placement: Placement, resources: WorkerResources, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> list[ray.actor.ActorHandle]:
         actor_cls = ray.remote(_actor_class(self.worker_cls))
-        runtime_env = merged_runtime_env(resources)
         token = uuid.uuid4().hex[:6]
         return [
-            actor_cls.options(
-                name=f"{self.name}-rank{rank}-{token}",
-                num_cpus=resources.cpus,
-                num_gpus=resources.gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement.group, placement_group_bundle_index=placement.bundles[rank]
-                ),
-                runtime_env=runtime_env,
-                max_restarts=0,
-            ).remote(env, args, kwargs)
+            actor_cls.options(name=f"{self.name}-rank{rank}-{token}", max_restarts=0,
+                              **rank_options(placement, rank, resources)).remote(env, args, kwargs)
             for rank, env in enumerate(rank_environments(placement))
         ]
 
@@ -383,8 +381,23 @@ class WorkerGroup(Generic[W]):
             ) from err
 
 
+def rank_options(placement: Placement, rank: int, resources: WorkerResources) -> dict[str, Any]:
+    """What rank ``rank``'s actor asks Ray for: its CPUs and GPUs (its share of its GPU, or
+    none for a worker that spans several), its bundle, and its runtime environment."""
+    return {
+        "num_cpus": resources.cpus,
+        "num_gpus": placement.actor_gpus,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement.group, placement_group_bundle_index=placement.bundles[rank]
+        ),
+        "runtime_env": merged_runtime_env(resources),
+    }
+
+
 def rank_environments(placement: Placement) -> list[dict[str, str]]:
-    """The torch.distributed variables of each rank of ``placement``."""
+    """The variables each rank of ``placement`` sets before its worker starts: those of
+    torch.distributed, and the bundles of a rank that spans several GPUs
+    (:meth:`~posttrain.distributed.placement.Placement.device_env`)."""
     nodes = list(placement.nodes)
     master = nodes[0]
     if master == ray.get_runtime_context().get_node_id():
@@ -406,6 +419,7 @@ def rank_environments(placement: Placement) -> list[dict[str, str]]:
                 "LOCAL_WORLD_SIZE": str(nodes.count(node)),
                 "MASTER_ADDR": address,
                 "MASTER_PORT": str(port),
+                **placement.device_env(rank),
             }
         )
     return envs

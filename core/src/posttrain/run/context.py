@@ -97,18 +97,18 @@ class RunContext:
         stop requested meanwhile is raised once it is up. The cluster waits for
         ``cluster.num_nodes`` nodes (a stop ends the wait), then every other node must see the
         run's folders (:meth:`check_storage`). With ``generation.colocated``, the generation
-        group goes to the policy's nodes."""
+        group shares the policy's GPUs, or goes to its nodes (:func:`colocated_groups`)."""
         self.stop.check_startup()
         with self._cluster_lock:
             if self._closed:
                 raise WorkerError(f"the run in {self.run_dir} has ended; its cluster does not start again")
             if self._cluster is None:
-                from posttrain.distributed.cluster import VirtualCluster, check_node_count
+                from posttrain.distributed.cluster import VirtualCluster, check_node_count, colocated_groups
 
                 check_node_count(self.config.cluster)
                 self._start_ray()
-                colocate = {"generation": "policy"} if self.config.generation.colocated else {}
-                self._cluster = VirtualCluster(self.config.cluster, colocate=colocate, check=self.stop.check_startup)
+                self._cluster = VirtualCluster(self.config.cluster, colocate=colocated_groups(self.config),
+                                               check=self.stop.check_startup)
                 self.check_storage()
         self.stop.check_startup()
         return self._cluster

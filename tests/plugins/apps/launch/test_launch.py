@@ -15,7 +15,6 @@ import pytest
 import yaml
 
 from posttrain import cli
-from posttrain.distributed.placement import follow_nodes, rank_order
 from tests.docs.commands import command_lines
 from tests.docs.pages import REPO, blocks
 
@@ -136,16 +135,6 @@ def test_launch_slurm_checks_the_run_config_before_writing_anything(capsys, tmp_
 
     code, out, _ = launch(["launch", "slurm", "--nodes", "2", "--dry-run", "--no-check", *argv[6:]], capsys)
     assert code == 0 and out.endswith("posttrain run sft --config sft.yaml \\\n  cluster.num_nodes=2\n")
-
-
-def test_ranks_are_ordered_by_node_and_share_bundles_in_groups():
-    # bundles 0 and 2 on node b, 1 and 3 on node a: b's ranks first (its bundle comes first)
-    assert rank_order(["b", "a", "b", "a"]) == ((0, 2, 1, 3), ("b", "b", "a", "a"))
-    # two ranks per bundle (a tensor-parallel group): ranks 0-1 on bundle 0, 2-3 on bundle 1
-    assert rank_order(["b", "a"], 2) == ((0, 0, 1, 1), ("b", "b", "a", "a"))
-    # a colocated group follows: 2 engines over 4 ranks on nodes a, a, b, b
-    assert follow_nodes(["a", "a", "b", "b"], 2) == [{"ray.io/node-id": "a"}, {"ray.io/node-id": "b"}]
-    assert follow_nodes(["a", "b"], 1) == [{"ray.io/node-id": "a"}]
 
 
 @pytest.mark.ray
