@@ -16,8 +16,11 @@ from posttrain_vllm.worker import VllmEngineWorker
 
 def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> WorkerGroupGeneration:
     """``generation.num_workers`` data-parallel vLLM engines, each an actor with
-    ``generation.resources`` (give it ``tensor_parallel_size`` GPUs on GPU machines; on a
-    CPU, ``cpus`` sets the engine's thread count).
+    ``generation.resources`` (on GPU machines ``gpus`` is the whole engine's: its
+    ``tensor_parallel_size`` GPUs, or that many shares of one when colocated; an engine of
+    several GPUs runs its workers on bundles of its own, see
+    :func:`~posttrain_vllm.worker.ray_executor`; on a CPU, ``cpus`` sets the engine's thread
+    count).
 
     The actors' environment gets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
     ``VLLM_LOGGING_LEVEL`` (``ERROR``; ``INFO`` at

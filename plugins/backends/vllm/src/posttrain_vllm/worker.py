@@ -23,6 +23,15 @@ for the rows the engine runs at once, each of ``max_model_len`` tokens), and on 
 ``gpu_memory_utilization`` leaves. The actor's environment loses ``VLLM_CPU_KVCACHE_SPACE``,
 vLLM-CPU's fixed size in GiB, which would replace either.
 
+Devices: the engine computes on CUDA exactly when its actor was given GPUs
+(:func:`~posttrain.distributed.placement.gpus_given`). An engine of several GPUs
+(``tensor_parallel_size`` > 1) holds none itself: posttrain gives it one bundle per GPU of its
+placement group (:func:`~posttrain.distributed.placement.device_bundles`), and vLLM's Ray
+executor starts its tensor-parallel workers there, each with its share of its GPU
+(:func:`ray_executor`). vLLM's own choice inside a placement group is that executor too, but
+over every GPU bundle of the group, and only after checking that the actor sees as many GPUs
+as the engine's workers ("World size (2) is larger than the number of available GPUs").
+
 Colocation: with CUDA and ``enable_sleep_mode``, :meth:`sleep` frees the weights and KV
 cache (level 1) and :meth:`wake_up` restores them; a refit wakes the weights first. On
 CPU vLLM refuses sleep mode, so both are no-ops there.
@@ -41,6 +50,7 @@ import torch
 from posttrain.backend.generation_group import Completion, EngineWorker, GenerationRequest
 from posttrain.backend.weight_sync import TransferInit
 from posttrain.config.schema import LoraConfig
+from posttrain.distributed.placement import DeviceBundles, device_bundles, gpus_given
 from posttrain.errors import ConfigError, WorkerError
 from posttrain_vllm.config import engine_lora_options
 
@@ -94,7 +104,9 @@ class VllmEngineWorker(EngineWorker):
 
         register()  # the weight-transfer engine, for an engine in this process
 
-        on_cuda = torch.cuda.is_available()
+        on_cuda = gpus_given()
+        executor, executor_env = ray_executor(device_bundles())
+        os.environ.update(executor_env)
         if not on_cuda:
             shape = AttentionShape.of(model_path)
             shape.check_cpu_head_size(model_path)
@@ -129,6 +141,7 @@ class VllmEngineWorker(EngineWorker):
             "enable_sleep_mode": self.sleep_enabled,
             "use_tqdm_on_load": log_level < logging.ERROR,
             **(engine_lora_options(adapters) if adapters is not None else {}),
+            **executor,
             **cpu_scheduling,
             **engine_kwargs,
         }
@@ -225,6 +238,21 @@ class VllmEngineWorker(EngineWorker):
         if self.asleep:
             self.llm.wake_up(tags=sorted(self.asleep))
             self.asleep.clear()
+
+
+def ray_executor(spans: DeviceBundles | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """``(vllm.LLM options, environment variables)`` that run an engine's workers on the GPU
+    bundles it was given: vLLM's Ray executor (``distributed_executor_backend="ray"``), its
+    workers on those bundles of the actor's placement group (``VLLM_RAY_BUNDLE_INDICES``,
+    one worker per bundle, in tensor-parallel rank order), each asking Ray for its share of
+    the bundle's GPU (``VLLM_RAY_PER_WORKER_GPUS``). Nothing for an engine that holds its GPU
+    itself or has none (vLLM runs its one worker in the actor's process)."""
+    if spans is None:
+        return {}, {}
+    return {"distributed_executor_backend": "ray"}, {
+        "VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, spans.bundles)),
+        "VLLM_RAY_PER_WORKER_GPUS": f"{spans.gpus_per_device:g}",
+    }
 
 
 class AdapterSlot:
