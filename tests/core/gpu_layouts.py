@@ -31,9 +31,9 @@ import ray
 
 from posttrain.config.schema import ClusterConfig, WorkerResources
 from posttrain.distributed.cluster import Colocated, VirtualCluster
-from posttrain.distributed.placement import Placement, Shape, device_bundles
+from posttrain.distributed.placement import Placement, Shape, device_bundles, uses_cuda
 from posttrain.distributed.worker_group import Worker, WorkerGroup, rank_environments, rank_options
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, WorkerError
 
 #: (name, the cluster's GPUs the policy spans, its GPUs per rank, its tensor-parallel size, the
 #: GPUs the engines span, GPUs per engine, an engine's tensor-parallel size, colocated): each
@@ -121,10 +121,16 @@ def run_scenario(config: ClusterConfig, total_gpus: int, scenario: tuple) -> dic
 
 
 class Where(Worker):
-    """The probe as a worker-group actor."""
+    """The probe as a worker-group actor; it also says whether a backend worker would
+    compute on CUDA there (:func:`~posttrain.distributed.placement.uses_cuda`), which on a
+    machine without CUDA is an error for an actor given GPUs."""
 
     def where(self) -> dict[str, Any]:
-        return where({})
+        try:
+            cuda: bool | str = uses_cuda()
+        except WorkerError as error:
+            cuda = str(error)
+        return {**where({}), "uses_cuda": cuda}
 
 
 def run_actors(config: ClusterConfig, total_gpus: int) -> dict[str, Any]:

@@ -89,6 +89,18 @@ def test_each_rank_computes_on_its_own_gpus_and_colocated_engines_on_their_ranks
 
 
 @pytest.mark.ray
+def test_a_worker_computes_on_cuda_only_when_given_a_gpu_and_says_so_when_torch_sees_none(layouts):
+    """Actors of real worker groups: the environment (no GPU) and the engines (their GPUs are
+    their processes') would compute on the CPU; a policy rank, given a logical GPU on a machine
+    without CUDA, raises instead of training on the CPU."""
+    seen = layouts["1x4"]["actors"]
+    assert [view["uses_cuda"] for view in seen["environment"] + seen["generation"]] == [False] * 3
+    for rank, view in enumerate(seen["policy"]):
+        assert view["uses_cuda"].startswith(f"this worker was given GPU(s) [{rank}] by Ray, but torch "), view
+        assert "Install a torch build for that CUDA version" in view["uses_cuda"]
+
+
+@pytest.mark.ray
 def test_a_tensor_parallel_group_wider_than_a_node_is_refused(layouts):
     message = layouts["2x4"]["too-wide"]
     assert message.startswith("worker group 'policy' asked for 8 x {'CPU': 1.0, 'GPU': 1.0} (8 GPUs on one node), "

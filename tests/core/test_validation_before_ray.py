@@ -134,6 +134,92 @@ def test_optimizer_and_schedule_values_are_checked_when_the_config_is_loaded(in_
     assert str(info.value) == message
 
 
+# ----------------------------------------------------------------------------- devices
+
+GPUS = "cluster:\n  use_gpus: true\n"
+
+
+@pytest.mark.parametrize(
+    ("yaml", "message"),
+    [
+        (
+            "policy:\n  resources:\n    gpus: 1\n",
+            "policy.resources.gpus is 1, but cluster.use_gpus is false. Set cluster.use_gpus: true to compute on "
+            "those GPUs, or set policy.resources.gpus: 0 to run on the CPU. Where set: policy.resources.gpus at "
+            "exp.yaml:3.",
+        ),
+        (
+            GPUS,
+            "cluster.use_gpus is true, but no worker group asks for a GPU (policy.resources.gpus and "
+            "generation.resources.gpus are 0), so every worker would compute on the CPU. Give the groups GPUs, e.g. "
+            "policy.resources.gpus: 1 (or 0.5 each for the policy and colocated engines), or set cluster.use_gpus: "
+            "false. Where set: cluster.use_gpus at exp.yaml:2.",
+        ),
+        (
+            GPUS + "  num_gpus: 4\npolicy:\n  num_workers: 8\n  tensor_parallel_size: 8\n  resources:\n    gpus: 1\n",
+            "policy.tensor_parallel_size is 8: a group of 8 GPUs on one node, but the node this run starts has 4 "
+            "(cluster.num_gpus). Lower policy.tensor_parallel_size to at most 4, or run on a cluster with larger "
+            "nodes. Where set: policy.tensor_parallel_size at exp.yaml:6; cluster.num_gpus at exp.yaml:3.",
+        ),
+        (
+            GPUS + "generation:\n  backend: vllm\n  colocated: false\n  tensor_parallel_size: 2\n  resources:\n"
+            "    gpus: 4\n",
+            "generation.resources.gpus is 4 for an engine of generation.tensor_parallel_size 2: each of its workers "
+            "computes on one GPU. Set generation.resources.gpus to 2 (or less, a share of each GPU, when colocated). "
+            "Where set: generation.resources.gpus at exp.yaml:8; generation.tensor_parallel_size at exp.yaml:6.",
+        ),
+        (
+            GPUS + "policy:\n  resources:\n    gpus: 0.5\ngeneration:\n  resources:\n    gpus: 1\n",
+            "generation.colocated is true: each GPU holds a policy rank (policy.resources.gpus 0.5) and an engine "
+            "process (generation.resources.gpus / generation.tensor_parallel_size = 1), 1.5 of a GPU in all. Make "
+            "the two add up to at most 1, e.g. 0.5 and 0.5, or set generation.colocated: false. Where set: "
+            "policy.resources.gpus at exp.yaml:5; generation.resources.gpus at exp.yaml:8.",
+        ),
+        (
+            GPUS + "policy:\n  resources:\n    gpus: 0.5\ngeneration:\n  num_workers: 2\n  resources:\n    gpus: 0.5\n",
+            "generation.colocated is true with 2 engine(s) of 1 GPU(s) (generation.num_workers x "
+            "generation.tensor_parallel_size = 2 GPUs), but the policy's 1 rank(s) have 1 GPU(s) to share. Lower "
+            "generation.num_workers, or set generation.colocated: false. Where set: generation.num_workers at "
+            "exp.yaml:7.",
+        ),
+        (
+            GPUS + "policy:\n  num_workers: 2\n  resources:\n    gpus: 0.5\ngeneration:\n  backend: vllm\n"
+            "  tensor_parallel_size: 2\n  resources:\n    gpus: 1\n",
+            "generation.colocated is true with engines on 2 GPUs and generation.weight_transport 'auto' (NCCL "
+            "between GPUs): policy rank 0 sends the weights, NCCL refuses an engine on its own GPU (Duplicate GPU "
+            "detected) and the CUDA IPC route reaches only engines on that GPU, so the first refit would fail. Set "
+            "generation.weight_transport: gloo (through CPU memory, slower), or generation.colocated: false (engines "
+            "on GPUs of their own), or one engine of one GPU (generation.num_workers: 1, "
+            "generation.tensor_parallel_size: 1). Where set: generation.tensor_parallel_size at exp.yaml:9.",
+        ),
+        (
+            "generation:\n  backend: hf\n  tensor_parallel_size: 2\n",
+            "generation.tensor_parallel_size is 2, but an hf engine runs in one process on one device (no tensor "
+            "parallelism); set generation.tensor_parallel_size: 1, or use generation.backend: vllm. Where set: "
+            "generation.tensor_parallel_size at exp.yaml:3.",
+        ),
+    ],
+    ids=["gpus-without-use_gpus", "use_gpus-without-gpus", "tensor-parallel-wider-than-the-node",
+         "engine-worker-of-two-gpus", "colocated-shares-above-one", "more-engine-gpus-than-ranks",
+         "colocated-engines-on-two-gpus-over-nccl", "hf-tensor-parallel"],
+)
+def test_gpus_that_cannot_work_are_refused_when_the_config_is_loaded(in_tmp, no_ray, yaml, message):
+    (in_tmp / "exp.yaml").write_text(yaml)
+    with pytest.raises(ConfigError) as info:
+        load_config("exp.yaml")
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("yaml", [
+    GPUS + "policy:\n  num_workers: 4\n  resources:\n    gpus: 0.5\ngeneration:\n  resources:\n    gpus: 0.5\n",
+    GPUS + "policy:\n  num_workers: 2\n  resources:\n    gpus: 0.5\ngeneration:\n  backend: vllm\n"
+    "  tensor_parallel_size: 2\n  weight_transport: gloo\n  resources:\n    gpus: 1\n",
+], ids=["one-engine-on-rank-0s-gpu", "colocated-engines-over-gloo"])
+def test_colocated_engines_the_weight_sync_reaches_are_accepted(in_tmp, no_ray, yaml):
+    (in_tmp / "exp.yaml").write_text(yaml)
+    assert load_config("exp.yaml").generation.colocated
+
+
 # ----------------------------------------------------------------------------- environments
 
 

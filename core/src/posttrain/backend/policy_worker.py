@@ -25,8 +25,9 @@ model of the run such as a critic or a teacher has its own) and return
 ``ShardedPolicy(config, group, dp_rank_of, result_ranks)``. By then the run has
 filled ``policy.scheduler.total_steps`` (the run's optimizer steps) when the user left it
 unset, so :func:`posttrain.backend.lr_schedule.build_scheduler` can be called as is. The
-worker computes on CUDA when ``config.cluster.use_gpus`` is set and CUDA is available, on
-the CPU otherwise.
+worker computes on CUDA when its actor was given a GPU
+(:func:`posttrain.distributed.placement.uses_cuda`, which raises when torch cannot see the
+GPU Ray gave), on the CPU otherwise.
 
 Computing logprobs: :func:`posttrain.backend.logprobs.sequence_logprobs` takes the model's
 final hidden states (after the final norm; for a transformers causal LM,

@@ -28,8 +28,8 @@ class ClusterConfig:
     node_wait_s: float = 300.0  # seconds to wait for num_nodes nodes to join; then the run stops, naming those alive
     num_cpus: int | None = None  # logical CPUs of a local cluster; None: os.cpu_count(); ignored when joining
     num_gpus: int | None = None  # GPUs of a local cluster; None: those Ray detects; ignored when joining
-    # dtensor policy workers compute on CUDA (NCCL between ranks) when it is available; the other
-    # backends use CUDA whenever it is present
+    # the run computes on GPUs: true exactly when policy.resources.gpus or generation.resources.gpus asks for some
+    # (checked at load); a worker computes on CUDA exactly when its group asks for GPUs, and sees none otherwise
     use_gpus: bool = False
 
 
@@ -109,7 +109,7 @@ class WorkerResources:
     """What each worker actor of a group asks Ray for, and its process environment."""
 
     cpus: float = 1.0  # Ray logical CPUs per worker (fractions allowed; may exceed the physical cores)
-    gpus: float = 0.0  # GPUs per worker; a fraction shares a device (e.g. 0.5 each for colocated groups)
+    gpus: float = 0.0  # GPUs per worker; a fraction shares a GPU with the colocated group (e.g. 0.5 each), never with the group's other ranks
     env_vars: dict[str, str] = attrs.field(factory=dict)  # each worker's environment variables (over runtime_env's)
     runtime_env: dict[str, Any] = attrs.field(factory=dict)  # Ray runtime_env of each worker (py_executable, pip, ...)
 
@@ -161,7 +161,7 @@ class GenerationConfig:
     model: str | None = None  # None: policy.model
     dtype: str = "float32"  # the engines' weights: float32 | bfloat16 | float16
     num_workers: int = 1  # data-parallel engines
-    tensor_parallel_size: int = 1  # GPUs per engine (vllm; hf ignores it)
+    tensor_parallel_size: int = 1  # GPUs per engine, one node (vllm; hf: 1); resources.gpus is the whole engine's
     max_new_tokens: int = 128  # tokens generated per turn at most (fewer when the engine's context is full)
     temperature: float = 1.0  # >= 0; 0: greedy. Policy backends compute logprobs at this temperature
     top_p: float = 1.0  # nucleus sampling, in (0, 1]: the most likely tokens holding this probability; 1: off

@@ -9,12 +9,19 @@ x the data-parallel size. The running algorithm may add rules (:class:`BatchSize
 through a ``batch_size_rules()`` method of its section (the one named like
 ``config.algorithm``, e.g. ``grpo``); core checks them together with its own, so the sizes
 a message suggests satisfy every rule at once.
+
+Devices: a worker computes on CUDA exactly when its group asks for GPUs
+(:func:`~posttrain.distributed.placement.gpus_given`); ``cluster.use_gpus`` says the run uses
+GPUs. The two must agree, a tensor-parallel group must fit the node a run starts itself, and
+colocated engines must fit the policy's GPUs (:mod:`posttrain.distributed.placement`) and be
+reachable by the weight sync (:func:`check_devices`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,7 +57,7 @@ def require_registered(registry: Registry, name: str, key: str, *, config: RunCo
 
 
 def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
-    """Check sizes, the optimizer and its schedule, ``policy.lora``, batch arithmetic (with the algorithm's
+    """Check sizes, the optimizer and its schedule, ``policy.lora``, the GPUs asked for, batch arithmetic (with the algorithm's
     :class:`BatchSizeRules`), the data plane, every configured environment (its name and
     options), then the plugins' checks.
 
@@ -66,6 +73,7 @@ def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
     check_optimizer(config)
     check_lora(config, host)
     check_generation_placement(config, host)
+    check_devices(config)
     check_batch_sizes(config, batch_size_rules(config))
     require_registered(host.data_planes, config.data_plane.backend, "data_plane.backend", config=config)
     check_environments(config, host)
@@ -192,6 +200,120 @@ def check_generation_placement(config: RunConfig, host: PluginHost) -> None:
             f"generation.num_workers is {gen.num_workers}, but with generation.in_policy_workers the engines are the "
             f"policy's {config.policy.num_workers} worker(s), one each; leave generation.num_workers at 1 or set it to "
             f"{config.policy.num_workers}.{where_set(config, 'generation.num_workers', 'policy.num_workers')}"
+        )
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def check_devices(config: RunConfig) -> None:
+    """Raise :class:`ConfigError` naming the keys and the fix when the config's GPUs cannot
+    work: GPUs without ``cluster.use_gpus`` or the opposite, a tensor-parallel group wider
+    than the node a run starts (``cluster.num_gpus``), an engine's tensor-parallel worker
+    asking for more than one GPU, colocated engines that do not fit the policy's GPUs, and
+    colocated engines on several GPUs with an NCCL weight sync."""
+    check_use_gpus(config)
+    check_node_width(config)
+    check_engine_gpus(config)
+    check_colocated_gpus(config)
+
+
+def _gpu_groups(config: RunConfig) -> list[tuple[str, float]]:
+    """``(key, value)`` of each ``resources.gpus`` of the run's groups that asks for GPUs."""
+    groups = [("policy.resources.gpus", config.policy.resources.gpus)]
+    if not config.generation.in_policy_workers:
+        groups.append(("generation.resources.gpus", config.generation.resources.gpus))
+    return [(key, gpus) for key, gpus in groups if gpus > 0]
+
+
+def check_use_gpus(config: RunConfig) -> None:
+    """``cluster.use_gpus`` true exactly when a group asks for GPUs."""
+    given = _gpu_groups(config)
+    if given and not config.cluster.use_gpus:
+        keys = " and ".join(f"{key} is {gpus:g}" for key, gpus in given)
+        raise ConfigError(
+            f"{keys}, but cluster.use_gpus is false. Set cluster.use_gpus: true to compute on those GPUs, or set "
+            f"{' and '.join(f'{key}: 0' for key, _ in given)} to run on the CPU."
+            f"{where_set(config, 'cluster.use_gpus', *(key for key, _ in given))}"
+        )
+    if config.cluster.use_gpus and not given:
+        raise ConfigError(
+            "cluster.use_gpus is true, but no worker group asks for a GPU (policy.resources.gpus and "
+            "generation.resources.gpus are 0), so every worker would compute on the CPU. Give the groups GPUs, e.g. "
+            "policy.resources.gpus: 1 (or 0.5 each for the policy and colocated engines), or set cluster.use_gpus: "
+            f"false.{where_set(config, 'cluster.use_gpus', 'policy.resources.gpus', 'generation.resources.gpus')}"
+        )
+
+
+def check_node_width(config: RunConfig) -> None:
+    """A tensor-parallel group (the policy's, or one engine) within the GPUs of the node a run
+    starts itself, when ``cluster.num_gpus`` says how many (a joined cluster is checked when
+    the group is placed, before any worker starts)."""
+    node = config.cluster.num_gpus
+    if node is None or config.cluster.ray_address or os.environ.get("RAY_ADDRESS"):
+        return
+    policy, gen = config.policy, config.generation
+    widths = [("policy.tensor_parallel_size", policy.tensor_parallel_size,
+               policy.tensor_parallel_size * max(1, math.ceil(policy.resources.gpus)) if policy.resources.gpus else 0)]
+    if not gen.in_policy_workers:
+        widths.append(("generation.tensor_parallel_size", gen.tensor_parallel_size,
+                       max(gen.tensor_parallel_size, math.ceil(gen.resources.gpus)) if gen.resources.gpus else 0))
+    for key, size, gpus in widths:
+        if gpus > node:
+            raise ConfigError(
+                f"{key} is {size}: a group of {gpus} GPUs on one node, but the node this run starts has {node} "
+                f"(cluster.num_gpus). Lower {key} to at most {node}, or run on a cluster with larger nodes."
+                f"{where_set(config, key, 'cluster.num_gpus')}"
+            )
+
+
+def check_engine_gpus(config: RunConfig) -> None:
+    """An engine of several GPUs gives each of its tensor-parallel workers at most one."""
+    gen = config.generation
+    if gen.tensor_parallel_size > 1 and gen.resources.gpus > gen.tensor_parallel_size:
+        raise ConfigError(
+            f"generation.resources.gpus is {gen.resources.gpus:g} for an engine of generation.tensor_parallel_size "
+            f"{gen.tensor_parallel_size}: each of its workers computes on one GPU. Set generation.resources.gpus to "
+            f"{gen.tensor_parallel_size} (or less, a share of each GPU, when colocated)."
+            f"{where_set(config, 'generation.resources.gpus', 'generation.tensor_parallel_size')}"
+        )
+
+
+def check_colocated_gpus(config: RunConfig) -> None:
+    """Colocated engines with GPUs of their own processes: on the policy's GPUs, at most one
+    engine process per GPU, the two shares of a GPU within one, and a weight sync that
+    reaches them (NCCL holds no two ranks of a group on one GPU, and the CUDA IPC route
+    serves engines on policy rank 0's GPU only)."""
+    policy, gen = config.policy, config.generation
+    if not gen.colocated or gen.in_policy_workers or not (policy.resources.gpus > 0 and gen.resources.gpus > 0):
+        return
+    tp = gen.tensor_parallel_size
+    share = gen.resources.gpus / tp
+    keys = ("policy.resources.gpus", "generation.resources.gpus", "generation.tensor_parallel_size")
+    if policy.resources.gpus + share > 1 + 1e-9:
+        raise ConfigError(
+            f"generation.colocated is true: each GPU holds a policy rank (policy.resources.gpus {policy.resources.gpus:g}) "
+            f"and an engine process (generation.resources.gpus / generation.tensor_parallel_size = {share:g}), "
+            f"{policy.resources.gpus + share:g} of a GPU in all. Make the two add up to at most 1, e.g. 0.5 and "
+            f"{0.5 * tp:g}, or set generation.colocated: false.{where_set(config, 'generation.colocated', *keys)}"
+        )
+    engines = gen.num_workers * tp
+    if engines > policy.num_workers:
+        raise ConfigError(
+            f"generation.colocated is true with {gen.num_workers} engine(s) of {tp} GPU(s) (generation.num_workers x "
+            f"generation.tensor_parallel_size = {engines} GPUs), but the policy's {policy.num_workers} rank(s) have "
+            f"{policy.num_workers} GPU(s) to share. Lower generation.num_workers, or set generation.colocated: false."
+            f"{where_set(config, 'generation.num_workers', 'generation.tensor_parallel_size', 'policy.num_workers')}"
+        )
+    if engines > 1 and gen.weight_transport in ("auto", "nccl"):
+        raise ConfigError(
+            f"generation.colocated is true with engines on {engines} GPUs and generation.weight_transport "
+            f"'{gen.weight_transport}' (NCCL between GPUs): policy rank 0 sends the weights, NCCL refuses an engine on "
+            "its own GPU (Duplicate GPU detected) and the CUDA IPC route reaches only engines on that GPU, so the "
+            "first refit would fail. Set generation.weight_transport: gloo (through CPU memory, slower), or "
+            "generation.colocated: false (engines on GPUs of their own), or one engine of one GPU "
+            "(generation.num_workers: 1, generation.tensor_parallel_size: 1)."
+            f"{where_set(config, 'generation.colocated', 'generation.weight_transport', 'generation.num_workers', 'generation.tensor_parallel_size')}"
         )
 
 

@@ -35,6 +35,8 @@ import attrs
 import ray
 from ray.util.placement_group import NODE_ID_LABEL_KEY, PlacementGroup
 
+from posttrain.errors import WorkerError
+
 #: The bundles (indices in the worker's placement group) on which a worker that spans
 #: several GPUs starts its processes, comma-separated; set in such a worker's environment.
 DEVICE_BUNDLES_VAR = "POSTTRAIN_DEVICE_BUNDLES"
@@ -93,6 +95,25 @@ def gpus_given() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def uses_cuda() -> bool:
+    """Whether the calling process computes on CUDA itself: it was given GPUs of its own
+    (:func:`gpus_given`, less an engine's GPUs for processes of its own). Raises
+    :class:`~posttrain.errors.WorkerError` when Ray gave it GPUs but torch sees none (a
+    driver older than torch's CUDA build needs), instead of computing on the CPU."""
+    import torch
+
+    if not gpus_given() or device_bundles() is not None:
+        return False
+    if not torch.cuda.is_available():
+        raise WorkerError(
+            f"this worker was given GPU(s) {ray.get_gpu_ids()} by Ray, but torch {torch.__version__} (built for CUDA "
+            f"{torch.version.cuda}) sees no CUDA device: the NVIDIA driver is missing or older than that CUDA needs "
+            "(nvidia-smi shows the newest CUDA the driver supports). Install a torch build for that CUDA version "
+            "(https://pytorch.org/get-started/locally/), or run on the CPU (resources.gpus: 0, cluster.use_gpus: false)."
+        )
+    return True
 
 
 @attrs.frozen

@@ -49,6 +49,7 @@ def _layout(name: str):
 def test_gpu_layout_matches_the_reference(layout, llama_path, virtual_cluster, mg):
     overrides = LAYOUTS[layout][1]
     config = mg.policy_config(llama_path, resources=WorkerResources(cpus=1, gpus=1), **overrides)
+    config.cluster.use_gpus = True  # ranks given GPUs are a run on GPUs (refused otherwise)
     policy = MegatronPolicy(config, virtual_cluster, name=f"megatron-gpu-{layout}")
     try:
         batch = mg.make_batch()

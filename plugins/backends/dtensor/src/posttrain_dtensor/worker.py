@@ -50,6 +50,7 @@ from posttrain.backend.weight_sync import ParamMeta
 from posttrain.backend.work import Batching, RankWork
 from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
+from posttrain.distributed.placement import uses_cuda
 from posttrain.interfaces.loss import LossFunction, combine_metrics, global_valid_counts
 from posttrain.models.folder import read_model_config
 from posttrain_dtensor import checkpoint
@@ -99,7 +100,7 @@ class DTensorPolicyWorker(PolicyWorker):
         policy = config.policy
         self.config = config
         self.options = options
-        use_cuda = config.cluster.use_gpus and torch.cuda.is_available()
+        use_cuda = config.cluster.use_gpus and uses_cuda()  # the worker was given a GPU (raises if torch sees none)
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         if not dist.is_initialized():
             dist.init_process_group("nccl" if use_cuda else "gloo")

@@ -6,7 +6,14 @@ engines, resources) is in the core ``generation`` section.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
+
+from posttrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from posttrain.config.schema import RunConfig
 
 SECTION = "generation.hf"
 
@@ -28,3 +35,16 @@ class HFGenerationConfig:
 
     max_batch_size: int = 64
     attn_implementation: str = "sdpa"
+
+
+def validate_generation_config(config: RunConfig) -> None:
+    """An ``hf`` engine is one process on one device: ``generation.tensor_parallel_size`` 1."""
+    from posttrain.config.validate import where_set
+
+    size = config.generation.tensor_parallel_size
+    if size != 1:
+        raise ConfigError(
+            f"generation.tensor_parallel_size is {size}, but an hf engine runs in one process on one device (no tensor "
+            "parallelism); set generation.tensor_parallel_size: 1, or use generation.backend: vllm."
+            f"{where_set(config, 'generation.tensor_parallel_size')}"
+        )

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from posttrain import hookimpl
-from posttrain_hf.config import SECTION, HFGenerationConfig
+from posttrain_hf.config import SECTION, HFGenerationConfig, validate_generation_config
 
 if TYPE_CHECKING:
     from posttrain.config.schema import RunConfig
@@ -34,3 +34,9 @@ def posttrain_generation_backends() -> Mapping[str, Any]:
 @hookimpl
 def posttrain_config_sections() -> Mapping[str, type]:
     return {SECTION: HFGenerationConfig}
+
+
+@hookimpl
+def posttrain_validate_config(config: RunConfig) -> None:
+    if config.generation.backend == "hf":
+        validate_generation_config(config)

@@ -10,6 +10,7 @@ import torch
 
 from posttrain.backend.generation_group import Completion, EngineWorker, GenerationRequest, model_tokens
 from posttrain.backend.weight_sync import BroadcastReceiver, ParamMeta, TransferInit
+from posttrain.distributed.placement import uses_cuda
 from posttrain.errors import WorkerError, did_you_mean
 from posttrain_hf.attention import SHARED_KV_SDPA
 from posttrain_hf.decode import decode
@@ -29,7 +30,7 @@ class HFEngineWorker(EngineWorker):
         super().__init__()
         from transformers import AutoModelForCausalLM
 
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device("cuda" if uses_cuda() else "cpu")  # CUDA only when the actor was given a GPU
         kernel = SHARED_KV_SDPA if attn_implementation == "sdpa" else attn_implementation
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=getattr(torch, dtype), attn_implementation=kernel

@@ -37,6 +37,7 @@ from posttrain.backend.weight_sync import ParamMeta
 from posttrain.backend.work import RankWork
 from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
+from posttrain.distributed.placement import uses_cuda
 from posttrain.errors import ConfigError
 from posttrain.interfaces.loss import LossFunction, combine_metrics, global_valid_counts
 from posttrain.models.folder import read_model_config
@@ -78,7 +79,7 @@ class MegatronPolicyWorker(PolicyWorker):
 
         policy = config.policy
         self.config, self.options = config, options
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if uses_cuda() else torch.device("cpu")
         if not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         parallel_state.initialize_model_parallel(
