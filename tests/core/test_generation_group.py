@@ -1,17 +1,22 @@
 """The driver half shared by worker-group generation backends: requests from batches,
-sharding bounds, output assembly, model token ids and sampling-config checks."""
+sharding bounds, output assembly, model token ids, sampling-config checks, and generate calls
+held while a refit runs."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import attrs
 import pytest
 import torch
 
+from posttrain.backend.engine import EngineWorker, GenerationRequest
 from posttrain.backend.generation_group import (
     Completion,
     ModelTokens,
+    WorkerGroupGeneration,
     assemble_output,
     build_request,
     check_sampling_config,
@@ -20,6 +25,7 @@ from posttrain.backend.generation_group import (
     weight_transport,
 )
 from posttrain.config.schema import ClusterConfig, GenerationConfig, PolicyConfig, RunConfig, WorkerResources
+from posttrain.distributed import VirtualCluster
 from posttrain.errors import ConfigError, DataError
 from posttrain.testing.generation import check_output_layout, prompt_batch
 
@@ -124,3 +130,50 @@ def test_the_weight_transport_is_nccl_only_when_both_sides_have_gpus():
     assert weight_transport(attrs.evolve(on_gpus, cluster=ClusterConfig())) == "gloo"
     forced = attrs.evolve(on_gpus, generation=GenerationConfig(resources=gpu, weight_transport="gloo"))
     assert weight_transport(forced) == "gloo"
+
+
+class StampingEngine(EngineWorker):
+    """An engine that answers one token per row and notes when each generate call began
+    (``time.monotonic``, one clock for every process of the machine)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.began: list[float] = []
+
+    def generate(self, request: GenerationRequest) -> list[Completion]:
+        self.began.append(time.monotonic())
+        return [Completion([3], [-0.5], truncated=False) for _ in request.prompts]
+
+    def init_weight_transfer(self, init) -> None:
+        raise NotImplementedError
+
+    def receive_weights(self, version: int) -> list[str]:
+        raise NotImplementedError
+
+    def calls(self) -> list[float]:
+        return self.began
+
+
+@pytest.mark.ray
+def test_a_generate_call_from_another_thread_waits_for_the_refit_in_progress(ray_cluster, tiny_model_path):
+    """Asynchronous GRPO generates in a thread of its own while the trainer refits: a call
+    made during the refit reaches the engines after it, not ahead of it."""
+    config = RunConfig(policy=PolicyConfig(model=tiny_model_path),
+                       generation=GenerationConfig(resources=WorkerResources(cpus=0.25)))
+    cluster = VirtualCluster(ClusterConfig())
+    generation = WorkerGroupGeneration(config, cluster, StampingEngine, context_length=64, context_key="ctx",
+                                       worker_kwargs={}, name="stamping")
+    try:
+        done = threading.Event()
+        with generation.refit_window():
+            rollout = threading.Thread(target=lambda: (generation.generate(prompt_batch(PROMPTS)), done.set()))
+            rollout.start()
+            assert not done.wait(1.0)  # held while the refit runs
+            ended = time.monotonic()
+        rollout.join(60)
+        assert done.is_set()
+        [began] = generation._group.run_all(StampingEngine.calls)
+        assert len(began) == 1 and began[0] > ended
+    finally:
+        generation.shutdown()
+        cluster.shutdown()

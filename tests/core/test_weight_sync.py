@@ -3,6 +3,7 @@ Ray actors, through the same code a policy's ranks run (posttrain.backend.weight
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -121,6 +122,10 @@ class Engine(Worker):
     def state(self) -> tuple[int, dict[str, torch.Tensor]]:
         return self.version, self.received
 
+    def busy(self, seconds: float) -> None:
+        """Stand for a generate call: the actor takes no other call meanwhile."""
+        time.sleep(seconds)
+
     def sent_checksums(self) -> dict[str, tuple[float, float]]:
         return self.receiver.sent_checksums
 
@@ -129,12 +134,17 @@ class Engines:
     """A generation backend's weight endpoint over a group of :class:`Engine` actors; with
     ``nodes``, the endpoint knows the engines share the sender's node (shared memory)."""
 
-    def __init__(self, group: WorkerGroup, *, nodes: bool = False, timeout_s: float = 30, checksums: bool = False):
+    def __init__(self, group: WorkerGroup, *, nodes: bool = False, timeout_s: float = 30, refit_wait_s: float = 30,
+                 checksums: bool = False):
         self.endpoint = BroadcastEndpoint(tuple(group.actors), 1, "gloo", name="engines", timeout_s=timeout_s,
-                                          engine_nodes=tuple(group.node_ids) if nodes else (), checksums=checksums)
+                                          refit_wait_s=refit_wait_s, engine_nodes=tuple(group.node_ids) if nodes else (),
+                                          checksums=checksums)
 
     def weight_endpoint(self) -> BroadcastEndpoint:
         return self.endpoint
+
+    def refit_window(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
 
 @pytest.fixture(scope="module")
@@ -230,12 +240,44 @@ def test_engines_that_do_not_join_in_time_are_named_and_a_later_sync_still_conne
                      kwargs={"stall_s": 1.5}) as group:
         start = time.monotonic()
         with pytest.raises(WorkerError, match=r"^weight sync: engines rank\(s\) \[1, 2\] of the sync group did not join "
-                                              r"within 0.5 s$"):
-            refit(ExportedWeights(WEIGHTS), Engines(group, timeout_s=0.5), bucket_bytes=150)
+                                              r"within 0.5 s \(generation.refit_wait_s\)$"):
+            refit(ExportedWeights(WEIGHTS), Engines(group, timeout_s=0.5, refit_wait_s=0.5), bucket_bytes=150)
         assert time.monotonic() - start < 1.5  # raised at the timeout, not when the engines came
         stats = refit(ExportedWeights(WEIGHTS), Engines(group), bucket_bytes=150, version=3)
         assert stats.num_tensors == len(WEIGHTS)
         assert all(version == 3 for version, _ in group.run_all(Engine.state))
+
+
+def connected(group: WorkerGroup, **timeouts: float):
+    """Policy rank 0's end of a sync with ``group``'s engines, connected while they are idle."""
+    metas_ = metas()
+    source = GatheredWeights(metas_, lambda names: {name: WEIGHTS[name] for name in names})
+    return Engines(group, **timeouts).endpoint.connect(source, rank=0, bucket_bytes=150)
+
+
+def test_a_sync_waits_for_an_engine_busy_generating_longer_than_the_transfer_timeout(cluster):
+    """An engine takes one call at a time: a refit that comes while it generates (asynchronous
+    GRPO) starts broadcasting once the engine receives, so a generate call longer than
+    ``weight_sync_timeout_s`` no longer fails the broadcast; ``refit_wait_s`` bounds the wait."""
+    with WorkerGroup(cluster, Engine, name="busy", num_workers=2, resources=WorkerResources(cpus=0.25)) as group:
+        sender = connected(group, timeout_s=1.0, refit_wait_s=30)
+        busy = group.run_all_async(Engine.busy, 2.5)
+        stats = sender.send(5)
+        group.get(busy)
+        assert stats.num_tensors == len(WEIGHTS) and stats.seconds > 2.0
+        assert all(version == 5 and received.keys() == WEIGHTS.keys() for version, received in group.run_all(Engine.state))
+
+
+def test_an_engine_busy_past_refit_wait_s_is_named(cluster):
+    with WorkerGroup(cluster, Engine, name="stuck", num_workers=1, resources=WorkerResources(cpus=0.25)) as group:
+        sender = connected(group, timeout_s=1.0, refit_wait_s=0.5)
+        group.run_all_async(Engine.busy, 3.0)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"^weight sync to engines: rank\(s\) \[1\] of the sync group did not start "
+                                              r"receiving within 0.5 s \(generation.refit_wait_s\): their engine is "
+                                              r"still busy"):
+            sender.send(5)
+        assert time.monotonic() - start < 2.5
 
 
 def test_a_non_positive_bucket_size_is_refused():

@@ -14,8 +14,10 @@ What a row's logprobs and seeds mean is defined once in :mod:`posttrain.backend.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -182,6 +184,9 @@ def check_sampling_config(config: RunConfig) -> None:
         problems.append(f"generation.max_new_tokens must be >= 1, got {gen.max_new_tokens}")
     if gen.num_workers < 1:
         problems.append(f"generation.num_workers must be >= 1, got {gen.num_workers}")
+    for key in ("weight_sync_timeout_s", "refit_wait_s"):
+        if not getattr(gen, key) > 0:
+            problems.append(f"generation.{key} must be > 0 seconds, got {getattr(gen, key)}")
     if gen.weight_transport not in WEIGHT_TRANSPORTS:
         problems.append(
             f"generation.weight_transport must be one of {', '.join(WEIGHT_TRANSPORTS)}, got '{gen.weight_transport}'"
@@ -232,6 +237,8 @@ class WorkerGroupGeneration(Generation):
         self.num_calls = 0
         self.ranks_per_engine = ranks_per_engine
         self._endpoint: BroadcastEndpoint | HostedEndpoint | None = None
+        self._refits = threading.Condition()
+        self._refitting = 0
         self._group: WorkerGroup[EngineWorker] | HostedGroup
         if host is not None:
             self._group = host.host_engines(worker_cls, worker_kwargs, name)
@@ -249,6 +256,9 @@ class WorkerGroupGeneration(Generation):
     # ------------------------------------------------------------------ generation
 
     def generate(self, batch: Batch, *, greedy: bool = False) -> Batch:
+        with self._refits:
+            while self._refitting:  # a refit from another thread goes to the engines first
+                self._refits.wait()
         request = build_request(
             batch,
             self.config.generation,
@@ -289,8 +299,24 @@ class WorkerGroupGeneration(Generation):
                 engine_nodes=tuple(self._group.node_ids),
                 shared_memory_on_one_node=self.config.generation.weight_transport == "auto",
                 checksums=self.config.generation.refit_checksums,
+                timeout_s=self.config.generation.weight_sync_timeout_s,
+                refit_wait_s=self.config.generation.refit_wait_s,
             )
         return self._endpoint
+
+    @contextlib.contextmanager
+    def refit_window(self) -> Iterator[None]:
+        """No generate call starts while a refit is in this window: one from another thread
+        (asynchronous GRPO's rollouts) waits for it, so the refit reaches each engine right
+        after the call it is busy with, ahead of the next."""
+        with self._refits:
+            self._refitting += 1
+        try:
+            yield
+        finally:
+            with self._refits:
+                self._refitting -= 1
+                self._refits.notify_all()
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -9,7 +9,9 @@ the engines' own actor handles, asks every engine to join a process group with i
 shapes and dtypes and how they are cut into buckets (:class:`TransferPlan`).
 
 Each sync: the driver calls ``send_weights(version)`` on every policy rank. Rank 0 asks every
-engine to receive (``receive_weights(version)``, an actor call of its own) and broadcasts
+engine to receive (``receive_weights(version)``, an actor call of its own), waits until
+every engine rank has started receiving (an engine takes one call at a time: one busy with
+a generate call takes the sync after it; at most ``refit_wait_s``), then broadcasts
 the weights: the ranks gather one layer group at a time (:func:`layer_groups`, a collective
 of the backend's ``gather_weights``), rank 0 packs the full tensors into buckets of at most
 ``generation.refit_bucket_bytes`` and broadcasts each bucket as one flat byte buffer; the
@@ -50,8 +52,13 @@ from posttrain.interfaces.generation import RefitStats
 if TYPE_CHECKING:
     from posttrain.distributed.placement import DevicePlacement
 
-#: Seconds a broadcast, or joining the group, may wait for a peer before failing.
+#: Seconds a broadcast, or joining the group, may wait for a peer before failing
+#: (``generation.weight_sync_timeout_s``).
 DEFAULT_TIMEOUT_S = 120.0
+#: Seconds a sync waits for every engine to start receiving, e.g. after the generate call it
+#: is busy with (``generation.refit_wait_s``). The policy's other ranks wait as long in their
+#: first gather, so it stays below their collective timeout (NCCL's default: 10 minutes).
+DEFAULT_REFIT_WAIT_S = 300.0
 #: Each tensor starts at a multiple of this many bytes in a bucket's buffer.
 ALIGN_BYTES = 16
 #: Where a same-node CPU sync keeps its shared-memory bucket (a tmpfs).
@@ -224,6 +231,12 @@ def host_store(address: str, world_size: int, timeout_s: float) -> Any:
     return dist.TCPStore(address, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
 
 
+def receiving_key(sync: int, rank: int) -> str:
+    """The key sync rank ``rank`` sets in the store when it starts receiving the ``sync``-th
+    sync (counted from 1 on both sides)."""
+    return f"posttrain-weight-sync-receiving/{sync}/{rank}"
+
+
 def joined_key(rank: int) -> str:
     """The key sync rank ``rank`` sets in the store once it is ready to open the group."""
     return f"posttrain-weight-sync-joined/{rank}"
@@ -366,17 +379,21 @@ class BroadcastReceiver:
         if self.staging is None and reuse_staging:
             self.staging = init.plan.staging_buffer(self.device)
         self.sent_checksums: dict[str, tuple[float, float]] = {}
-        rank = init.rank_offset + local_rank
-        store = dist.TCPStore(init.address, init.port, init.world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=init.timeout_s))
-        store.set(joined_key(rank), "")
-        self.group = open_group(store, rank, init.world_size, init.backend, init.timeout_s)
+        self.rank = init.rank_offset + local_rank
+        self.store = dist.TCPStore(init.address, init.port, init.world_size, is_master=False,
+                                   timeout=datetime.timedelta(seconds=init.timeout_s))
+        self.store.set(joined_key(self.rank), "")
+        self.group = open_group(self.store, self.rank, init.world_size, init.backend, init.timeout_s)
+        self.syncs = 0  # syncs received, to say which one this rank starts (receiving_key)
 
     def receive(self, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> None:
         """Receive one sync, passing each bucket's tensors to ``load`` (views into the
         bucket's buffer: copy what must outlive the call). When ``load`` raises, the rest of
         the sync is still received, so the sender is not left blocked, and the first error
-        is raised after it."""
+        is raised after it. Tells the sender first that this rank is receiving (it waits for
+        every rank before it broadcasts)."""
+        self.syncs += 1
+        self.store.set(receiving_key(self.syncs, self.rank), "")
         error: BaseException | None = None
         self.sent_checksums = {}
         garbled: list[str] = []
@@ -465,6 +482,7 @@ class BroadcastEndpoint:
     backend: str
     name: str = "generation"
     timeout_s: float = DEFAULT_TIMEOUT_S
+    refit_wait_s: float = DEFAULT_REFIT_WAIT_S
     engine_nodes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     shared_memory_on_one_node: bool = True
     checksums: bool = False  # generation.refit_checksums: each bucket carries its tensors' checksums
@@ -513,18 +531,19 @@ class BroadcastEndpoint:
                 os.unlink(shared_path)  # the engines that joined have mapped it; nothing leaks if one fails
         group = open_group(store, 0, world, backend, self.timeout_s)
         self._wait(joining, "init_weight_transfer")
-        return WeightSender(self, source, plan, group, staging, transport)
+        return WeightSender(self, source, plan, group, staging, transport, store=store)
 
     def _await_joined(self, store: Any, joining: list[Any], world: int) -> None:
         """Wait until every engine rank has checked the plan and reached the rendezvous
         (:func:`joined_key`), raising meanwhile for an engine that refused the plan (names or
-        shapes its model lacks: it never joins) or died, and after ``timeout_s``. Rank 0
+        shapes its model lacks: it never joins) or died, and after ``refit_wait_s`` (an engine
+        busy with a generate call joins after it). Rank 0
         enters the group's rendezvous only then, so a failed connect leaves nothing blocked
         behind on this side."""
         import ray
 
         keys = [joined_key(rank) for rank in range(1, world)]
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.refit_wait_s
         while not store.check(keys):
             done, _ = ray.wait(joining, num_returns=len(joining), timeout=0.05)
             failed = [ref for ref in done if _raises(ref)]
@@ -533,7 +552,7 @@ class BroadcastEndpoint:
             if time.monotonic() > deadline:
                 missing = [rank for rank in range(1, world) if not store.check([joined_key(rank)])]
                 raise WorkerError(f"weight sync: {self.name} rank(s) {missing} of the sync group did not join within "
-                                  f"{self.timeout_s:g} s")
+                                  f"{self.refit_wait_s:g} s (generation.refit_wait_s)")
 
     def _wait(self, refs: list[Any], method: str, engines: Sequence[int] | None = None) -> list[Any]:
         """The engines' answers (``engines[k]`` is the index of the engine of ``refs[k]``);
@@ -587,10 +606,13 @@ class WeightSender:
     """One policy rank's end of a connected sync (see the module docstring)."""
 
     def __init__(self, endpoint: BroadcastEndpoint, source: GatheredWeights, plan: TransferPlan, group: Any,
-                 shared: torch.Tensor | None = None, transport: str = ""):
+                 shared: torch.Tensor | None = None, transport: str = "", *, store: Any = None):
         """``shared``: the staging buffer the engines map (shared memory or CUDA IPC), which
-        ``transport`` names; without it the buckets are broadcast over ``group``."""
+        ``transport`` names; without it the buckets are broadcast over ``group``. ``store``:
+        the group's rendezvous store (rank 0), where the engines say they are receiving."""
         self.endpoint = endpoint
+        self.store = store
+        self.syncs = 0
         self.source = source
         self.plan = plan
         self.group = group
@@ -611,6 +633,8 @@ class WeightSender:
                 pass
             return None
         receiving = [engine.receive_weights.remote(version) for engine in self.endpoint.engines]
+        self.syncs += 1
+        self._await_receiving(receiving)
         try:
             send_buckets(self.group, self.plan, self.source.layers(), self.staging, shared=self.shared)
         except Exception as exc:
@@ -632,6 +656,28 @@ class WeightSender:
             num_buckets=len(self.plan.buckets),
             peak_staging_bytes=self.source.peak_group_bytes + self.plan.staging_bytes,
         )
+
+    def _await_receiving(self, receiving: list[Any]) -> None:
+        """Wait until every engine rank started receiving this sync (an engine busy with a
+        generate call takes it after), at most ``refit_wait_s``; raise for an engine whose
+        ``receive_weights`` failed meanwhile, and at the deadline, naming the ranks."""
+        import ray
+
+        world = 1 + len(self.endpoint.engines) * self.endpoint.ranks_per_engine
+        keys = [receiving_key(self.syncs, rank) for rank in range(1, world)]
+        deadline = time.monotonic() + self.endpoint.refit_wait_s
+        while not self.store.check(keys):
+            done, _ = ray.wait(receiving, num_returns=len(receiving), timeout=0.05)
+            if done:
+                self._raise_for_dead_engine(receiving)
+            if time.monotonic() > deadline:
+                missing = [rank for rank in range(1, world) if not self.store.check([receiving_key(self.syncs, rank)])]
+                raise WorkerError(
+                    f"weight sync to {self.endpoint.name}: rank(s) {missing} of the sync group did not start receiving "
+                    f"within {self.endpoint.refit_wait_s:g} s (generation.refit_wait_s): their engine is still busy, "
+                    "e.g. with a long generate call. Raise generation.refit_wait_s, or shorten the calls "
+                    "(generation.max_new_tokens, smaller batches)."
+                )
 
     def _raise_for_dead_engine(self, refs: list[Any]) -> None:
         import ray

@@ -174,6 +174,12 @@ class GenerationConfig:
     # no engine processes, weights loaded in memory at refit; needs colocated (generation and training take turns)
     in_policy_workers: bool = False
     refit_bucket_bytes: int = 256 * 1024 * 1024  # most bytes per bucket when the policy's weights go to the engines
+    # seconds each step of a weight sync may wait for a peer (engines joining the group, a bucket's broadcast, the
+    # engines loading it) before the refit fails
+    weight_sync_timeout_s: float = 120.0
+    # seconds a refit waits for every engine to take it, after what the engine is doing (asynchronous GRPO: the
+    # generate call in progress); stay below the policy's collective timeout (NCCL: 10 minutes)
+    refit_wait_s: float = 300.0
     refit_checksums: bool = False  # debug: after every refit the engines check each tensor they loaded against the trainer's checksum (costs a pass over the weights on each side)
     weight_transport: str = "auto"  # how weights go from the policy's workers to the engines: auto | gloo | nccl (auto: nccl when the policy and the engines have GPUs, through CUDA IPC to engines on policy rank 0's own GPU; else gloo)
     resources: WorkerResources = attrs.field(factory=WorkerResources)  # what each engine asks Ray for

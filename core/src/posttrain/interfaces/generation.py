@@ -20,6 +20,7 @@ temperature, so that they are comparable with a trainer that scales logits the s
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import Any, Protocol
 
 import attrs
@@ -72,6 +73,12 @@ class Generation(abc.ABC):
         the process: a resumed run samples what an uninterrupted one would). Default:
         nothing, for backends without seeded sampling.
         """
+
+    def refit_window(self) -> contextlib.AbstractContextManager[None]:
+        """Entered by :func:`posttrain.run.refit.refit` around a refit: a backend whose
+        ``generate`` other threads call meanwhile may hold new calls until it ends, so the
+        refit reaches the engines ahead of them. Default: nothing."""
+        return contextlib.nullcontext()
 
     def prepare_for_generation(self) -> None:
         """Wake up / move weights onto the device before generating (idempotent)."""
