@@ -9,6 +9,7 @@ import json
 import random
 import statistics
 
+import attrs
 import pytest
 import torch
 
@@ -83,6 +84,24 @@ def test_score_scales_then_shapes_then_computes_group_advantages():
     assert batch["advantages"].double().tolist() == pytest.approx(reference_advantages(shaped, 4), rel=1e-5)
     assert batch["rewards"].tolist() == env_rewards  # the environments' rewards stay for the logs
     assert batch["sample_mask"].tolist() == [0.0 if t else 1.0 for t in truncated]
+
+
+def test_score_leaves_filtered_samples_out_of_the_baseline_and_whitens_over_trained_tokens():
+    """overlong filtering marks the truncated samples before the advantages: with
+    grpo.baseline_valid_only they leave their group's baseline (group 0: mean of 1, 0, 1 = 2/3)
+    and get 0; whitening by tokens weighs the trained samples by their token_mask sums."""
+    grpo = GRPOConfig(num_prompts_per_step=1, num_generations_per_prompt=4, baseline="mean", normalize_rewards=False,
+                      overlong_filtering=True, baseline_valid_only=True)
+    batch = rollout_batch([1.0, 0.0, 1.0, 0.0], [2, 3, 1, 4], [False, False, False, True])
+    batch["token_mask"] = (torch.arange(5)[None, :] < torch.tensor([2, 3, 1, 4])[:, None]).float()
+    score(batch, grpo, max_new_tokens=4)
+    assert batch["advantages"].double().tolist() == pytest.approx([1 / 3, -2 / 3, 1 / 3, 0.0], rel=1e-6)
+    batch["sample_mask"] = torch.ones(4)
+    score(batch, attrs.evolve(grpo, whiten_advantages="tokens"), max_new_tokens=4)
+    weights, values = torch.tensor([2.0, 3.0, 1.0]), torch.tensor([1 / 3, -2 / 3, 1 / 3], dtype=torch.float64)
+    mean = (weights * values).sum() / 6
+    std = ((weights * (values - mean) ** 2).sum() / 6).sqrt()
+    assert batch["advantages"][:3].double().tolist() == pytest.approx(((values - mean) / std).tolist(), rel=1e-5)
 
 
 def test_score_with_default_options_uses_the_environment_rewards_as_they_are():

@@ -47,8 +47,10 @@ def score(batch: Batch, grpo: GRPOConfig, max_new_tokens: int) -> torch.Tensor:
     consecutive groups of ``grpo.num_generations_per_prompt`` samples, and apply overlong
     filtering to ``sample_mask``. ``rewards`` (the environments' sum) is left unchanged.
 
-    Order: reward scaling, then the overlong length penalty (``shaped_rewards``), then group
-    advantages of the shaped rewards. Returns the scaled rewards *before* shaping: the
+    Order: reward scaling, then the overlong length penalty (``shaped_rewards``), overlong
+    filtering, then group advantages of the shaped rewards (over the samples that train, with
+    ``grpo.baseline_valid_only``; whitened over them, with ``grpo.whiten_advantages``).
+    Returns the scaled rewards *before* shaping: the
     signal dynamic sampling decides on (a length penalty must not make a group of equally
     wrong answers look informative).
     """
@@ -61,12 +63,14 @@ def score(batch: Batch, grpo: GRPOConfig, max_new_tokens: int) -> torch.Tensor:
             max_response_length=shaping.max_response_length or max_new_tokens,
             buffer_length=shaping.buffer_length,
             penalty=shaping.penalty,
+            beyond_max=shaping.beyond_max,
         )
     groups = consecutive_group_ids(len(batch), grpo.num_generations_per_prompt)
-    batch["shaped_rewards"] = shaped
-    batch["advantages"] = grpo_advantages(shaped, groups, grpo)
     if grpo.overlong_filtering:
         batch["sample_mask"] = mask_truncated(batch["sample_mask"], batch["truncated"])
+    batch["shaped_rewards"] = shaped
+    tokens = batch["token_mask"].sum(dim=1) if grpo.whiten_advantages == "tokens" else None
+    batch["advantages"] = grpo_advantages(shaped, groups, grpo, trained=batch["sample_mask"] > 0, token_counts=tokens)
     return scaled
 
 
