@@ -237,6 +237,16 @@ INVALID = {
         grpo(overlong_reward_shaping=OverlongRewardShapingConfig(enabled=True, buffer_length=16, beyond_max="linearly")),
         "grpo.overlong_reward_shaping.beyond_max: expected one of capped, linear, got 'linearly'.",
     ),
+    "gdpo_whitened_twice": (
+        grpo(reward_aggregation="normalize_then_sum", whiten_advantages="tokens"),
+        "grpo.whiten_advantages: reward_aggregation=normalize_then_sum whitens the summed advantages over the samples "
+        "itself, so whiten_advantages=tokens would be a second whitening; remove grpo.whiten_advantages.",
+    ),
+    "reward_weights_without_gdpo": (
+        grpo(reward_weights=[1.0, 2.0]),
+        "grpo.reward_weights is set but grpo.reward_aggregation is sum (the environments' summed reward), so it would "
+        "be ignored; set grpo.reward_aggregation=normalize_then_sum or remove grpo.reward_weights.",
+    ),
     "loo_single_generation": (
         GRPOConfig(num_prompts_per_step=16, num_generations_per_prompt=1),
         "grpo.baseline: leave_one_out needs grpo.num_generations_per_prompt >= 2 (the baseline is the mean of the "

@@ -385,3 +385,29 @@ def test_gspo_weights_differ_between_the_geometric_mean_and_the_product():
     theirs = nemo_clipped_pg(nemo_cfg, torch.where(batch["token_mask"] > 0, lp, 0.0), nemo_inputs(batch), seqs, toks)
     torch.testing.assert_close(product, theirs, rtol=1e-7, atol=0)
     assert not math.isclose(float(product), float(geometric), rel_tol=1e-3)
+
+
+def nemo_gdpo(prompts, parts: torch.Tensor, weights, leave_one_out: bool = True):
+    """NeMo RL's GDPO estimator: each part's GRPO advantage, their weighted sum, then shifted
+    to mean 0 and divided by its (unbiased) std where that is > 0."""
+    valid = torch.ones(parts.shape[0], dtype=F64)
+    total = sum(w * nemo_grpo_advantages(prompts, parts[:, k], valid, leave_one_out, normalize=True)
+                for k, w in enumerate(weights))
+    std = total.std()
+    return (total - total.mean()) / std if std > 0 else total - total.mean()
+
+
+@pytest.mark.parametrize("leave_one_out", [True, False])
+@pytest.mark.parametrize("weights", [None, (1.0, 0.5, 2.0)])
+def test_gdpo_advantages_match_nemo_rl(leave_one_out, weights):
+    from posttrain_grpo.advantages import normalize_then_sum
+
+    g = torch.Generator().manual_seed(3)
+    parts = torch.stack([torch.randint(0, 2, (24,), generator=g).to(F64),  # correct
+                         torch.randint(0, 3, (24,), generator=g).to(F64) / 2,  # format
+                         torch.rand(24, generator=g, dtype=F64)], dim=1)  # a continuous score
+    parts[:6, 0] = 1.0  # a group whose correctness does not vary
+    groups = consecutive_group_ids(24, 6)
+    ours = normalize_then_sum(parts, groups, weights, leave_one_out=leave_one_out, normalize=True)
+    theirs = nemo_gdpo(groups, parts, weights or (1.0, 1.0, 1.0), leave_one_out)
+    torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9)

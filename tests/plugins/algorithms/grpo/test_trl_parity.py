@@ -230,3 +230,23 @@ def test_advantages_match_trl(scale):
     ours = compute_advantages(rewards, groups, leave_one_out=False, normalize=scale != "none",
                               std_scope="batch" if scale == "batch" else "group", std_epsilon=1e-4)
     torch.testing.assert_close(ours, trl_advantages(rewards, 4, scale), rtol=1e-12, atol=1e-15)
+
+
+def test_normalize_then_sum_matches_trl():
+    """TRL's multi_objective_aggregation=normalize_then_sum (GDPO): each reward function's
+    (r - group mean) / (group std + 1e-4), the weighted sum, then (sum - mean) / (std + 1e-4)
+    over the batch. posttrain's last division has no epsilon (NeMo RL's): relative differences
+    of about 1e-4 / std remain."""
+    from posttrain_grpo.advantages import normalize_then_sum
+
+    g = torch.Generator().manual_seed(1)
+    parts = torch.stack([torch.randint(0, 2, (24,), generator=g).to(F64),
+                         torch.rand(24, generator=g, dtype=F64)], dim=1)
+    weights = (1.0, 0.5)
+    grouped = parts.view(-1, 4, 2)
+    normalized = (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + 1e-4)
+    total = (normalized.view(-1, 2) * torch.tensor(weights, dtype=F64)).sum(dim=1)
+    theirs = (total - total.mean()) / (total.std() + 1e-4)
+    ours = normalize_then_sum(parts, consecutive_group_ids(24, 4), weights, leave_one_out=False, normalize=True,
+                              std_epsilon=1e-4)
+    torch.testing.assert_close(ours, theirs, rtol=2e-4, atol=1e-6)

@@ -10,6 +10,9 @@ zero advantage and is never divided by its (zero) std.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from posttrain_grpo.config import AdvantageWhitening, GRPOConfig, RewardStdScope
@@ -137,6 +140,34 @@ def _whiten(adv: torch.Tensor, trained: torch.Tensor | None, token_counts: torch
     return (adv - mean) / std if std > 0 else adv - mean
 
 
+def normalize_then_sum(
+    components: torch.Tensor,
+    group_ids: torch.Tensor,
+    weights: Sequence[float] | None = None,
+    *,
+    trained: torch.Tensor | None = None,
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    **group_options: Any,
+) -> torch.Tensor:
+    """GDPO's advantages [B] from reward parts ``components`` [B, K]: each part's advantage
+    by :func:`compute_advantages` (steps 1 and 2, with ``group_options``), their sum weighted
+    by ``weights`` (None: all 1), whitened over the ``trained`` samples (each once, unbiased
+    std), then clamped to ``[clip_low, clip_high]``."""
+    if components.dim() != 2 or components.shape[0] != group_ids.shape[0]:
+        raise ValueError(f"components must be [B, K] with B = {group_ids.shape[0]}, got {tuple(components.shape)}")
+    weights = [1.0] * components.shape[1] if weights is None else list(weights)
+    total = sum(
+        weight * compute_advantages(components[:, k], group_ids, **group_options).to(torch.float64)
+        for k, weight in enumerate(weights)
+    )
+    assert isinstance(total, torch.Tensor)
+    adv = _whiten(total, trained, None)
+    if clip_low is not None or clip_high is not None:
+        adv = adv.clamp(min=clip_low, max=clip_high)
+    return adv.to(components.dtype)
+
+
 def grpo_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
@@ -145,23 +176,23 @@ def grpo_advantages(
     trained: torch.Tensor | None = None,
     token_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`compute_advantages` with the options of a ``grpo`` section; ``trained`` (bool
-    [B]) marks the samples that train (the valid ones of ``grpo.baseline_valid_only``, the
-    whitened ones), ``token_counts`` [B] their loss tokens (token whitening)."""
+    """:func:`compute_advantages` with the options of a ``grpo`` section, or
+    :func:`normalize_then_sum` of reward parts ``rewards`` [B, K] with
+    ``grpo.reward_aggregation: normalize_then_sum``; ``trained`` (bool [B]) marks the samples
+    that train (the valid ones of ``grpo.baseline_valid_only``, the whitened ones),
+    ``token_counts`` [B] their loss tokens (token whitening)."""
     if config.whiten_advantages == "tokens" and token_counts is None:
         raise ValueError("grpo.whiten_advantages=tokens needs each sample's token count")
-    return compute_advantages(
-        rewards,
-        group_ids,
+    group_options: dict[str, Any] = dict(
         leave_one_out=config.baseline == "leave_one_out",
         normalize=config.normalize_rewards,
-        clip_low=config.advantage_clip_low,
-        clip_high=config.advantage_clip_high,
         subtract_baseline=config.baseline != "none",
         std_scope=config.reward_std_scope,
         std_epsilon=config.advantage_std_epsilon,
         valid=trained if config.baseline_valid_only else None,
-        whiten=config.whiten_advantages,
-        trained=trained,
-        token_counts=token_counts,
     )
+    clip = dict(clip_low=config.advantage_clip_low, clip_high=config.advantage_clip_high)
+    if config.reward_aggregation == "normalize_then_sum":
+        return normalize_then_sum(rewards, group_ids, config.reward_weights, trained=trained, **clip, **group_options)
+    return compute_advantages(rewards, group_ids, **group_options, **clip, whiten=config.whiten_advantages,
+                              trained=trained, token_counts=token_counts)

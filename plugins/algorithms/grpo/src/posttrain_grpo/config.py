@@ -22,6 +22,7 @@ NonfiniteGeneration = Literal["drop_sequence", "drop_token", "neutral_token"]
 RolloutCorrection = Literal["decoupled", "bypass"]
 RewardStdScope = Literal["group", "batch"]
 AdvantageWhitening = Literal["samples", "tokens"]
+RewardAggregation = Literal["sum", "normalize_then_sum"]
 OverlongBeyondMax = Literal["capped", "linear"]
 
 
@@ -230,6 +231,13 @@ class GRPOConfig:
     # trained samples: samples (each sample counts once, unbiased std); tokens (each sample weighs its
     # loss tokens, biased std: Reinforce++); None: not
     whiten_advantages: AdvantageWhitening | None = None
+    # sum: advantages of the summed reward; normalize_then_sum (GDPO): each named reward part the environments
+    # report (EnvironmentReturn.reward_components; the overlong penalty is one more) gets its own baseline and
+    # std, the parts' advantages are summed with reward_weights, and the sum whitened over the trained samples
+    reward_aggregation: RewardAggregation = "sum"
+    # normalize_then_sum: one weight per reward part, in the parts' alphabetical order (the overlong penalty,
+    # "overlong", among them); None: all 1
+    reward_weights: list[float] | None = None
     advantage_clip_low: float | None = None  # advantages clamped to [low, high]; None: no bound
     advantage_clip_high: float | None = None  # the upper bound of that clamp; None: no bound
     reward_scaling: RewardScalingConfig = attrs.field(factory=RewardScalingConfig)  # a linear map of rewards

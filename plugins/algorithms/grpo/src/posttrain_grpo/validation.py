@@ -23,6 +23,7 @@ from posttrain_grpo.config import (
     NonfiniteGeneration,
     OverlongBeyondMax,
     PolicyLoss,
+    RewardAggregation,
     RewardStdScope,
     RolloutCorrection,
     SequenceISWeight,
@@ -326,6 +327,24 @@ def _check_advantages(grpo: GRPOConfig, config: RunConfig) -> None:
             "grpo.whiten_advantages=samples or tokens to standardise raw rewards over the batch.",
             "grpo.normalize_rewards",
             "grpo.baseline",
+        )
+    _require_choice(grpo.reward_aggregation, RewardAggregation, "grpo.reward_aggregation", config)
+    if grpo.reward_aggregation == "normalize_then_sum" and grpo.whiten_advantages is not None:
+        raise _error(
+            config,
+            f"grpo.whiten_advantages: reward_aggregation=normalize_then_sum whitens the summed advantages over the "
+            f"samples itself, so whiten_advantages={grpo.whiten_advantages} would be a second whitening; remove "
+            "grpo.whiten_advantages.",
+            "grpo.whiten_advantages",
+            "grpo.reward_aggregation",
+        )
+    if grpo.reward_weights is not None and grpo.reward_aggregation != "normalize_then_sum":
+        raise _error(
+            config,
+            "grpo.reward_weights is set but grpo.reward_aggregation is sum (the environments' summed reward), so it "
+            "would be ignored; set grpo.reward_aggregation=normalize_then_sum or remove grpo.reward_weights.",
+            "grpo.reward_weights",
+            "grpo.reward_aggregation",
         )
     if grpo.reward_std_scope != "group" and not grpo.normalize_rewards:
         raise _error(
