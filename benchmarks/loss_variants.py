@@ -64,12 +64,13 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"| {row['seed']} | {row['after SFT']:.3f} | "
                      + " | ".join(f"{row[name]['accuracy']:.3f}" for name in names) + " |")
 
-    def mean_sd(values: list[float]) -> str:
-        return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+    def mean_sd(values: list[float], sign: str = "") -> str:
+        mean = f"{statistics.mean(values):{sign}.3f}"
+        return f"{mean} ± {statistics.stdev(values):.3f}" if len(values) > 1 else mean
 
     lines.append(f"| mean ± sd | {mean_sd([r['after SFT'] for r in rows])} | "
                  + " | ".join(mean_sd([r[name]["accuracy"] for r in rows]) for name in names) + " |")
-    gains = " | ".join(mean_sd([r[name]["accuracy"] - r["after SFT"] for r in rows]) for name in names)
+    gains = " | ".join(mean_sd([r[name]["accuracy"] - r["after SFT"] for r in rows], "+") for name in names)
     lines.append(f"| gain over SFT | | {gains} |")
     return "\n".join(lines) + "\n"
 
