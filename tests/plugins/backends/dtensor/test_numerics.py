@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from posttrain.backend.hf_export import bucket_names
-from posttrain.backend.logprobs import loss_positions, sequence_logprobs, target_logprobs, topk_logits
+from posttrain.backend.logprobs import (
+    logsumexp_logits,
+    loss_positions,
+    sequence_logprobs,
+    target_logprobs,
+    topk_logits,
+)
 from posttrain.backend.lr_schedule import build_scheduler, lr_factor
 from posttrain.backend.work import Batching, plan_pass
 from posttrain.config.schema import OptimizerConfig, SchedulerConfig
@@ -105,6 +111,44 @@ def test_logprobs_of_several_targets_per_row_and_grads_match_float64(chunk):
     assert_grads_match(h32, h64, w32, w64)
     inputs = (hidden[:4].double().requires_grad_(), weight.double().requires_grad_())
     assert torch.autograd.gradcheck(lambda h, w: target_logprobs(h, w, targets[:4], 8), inputs)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_softcapped_logprobs_topk_and_grads_match_float64_of_capped_logits(temperature):
+    """Gemma 2's final-logit soft-cap, ``cap * tanh(logits / cap)``, before the temperature:
+    logprobs of one and of several targets per row, their gradients, the normaliser and
+    top-k against float64 autograd of the capped logits; a cap of 3 binds on these logits
+    (up to about 10), so the uncapped numbers differ."""
+    cap = 3.0
+    hidden, weight, targets = _head_inputs(seed=7)
+    several = torch.randint(0, VOCAB, (len(hidden), 3), generator=torch.Generator().manual_seed(8))
+
+    def capped(h, w):
+        return torch.tanh(h @ w.T / cap) * cap
+
+    for ids in (targets, several):
+        coef = torch.linspace(-1.0, 2.0, ids.numel()).view(ids.shape)
+        h32, w32 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        got = target_logprobs(h32, w32, ids, 8, temperature, softcap=cap)
+        (got * coef).sum().backward()
+        h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+        logp = (capped(h64, w64) / temperature).log_softmax(-1)
+        want = logp.gather(-1, ids[:, None])[:, 0] if ids.dim() == 1 else logp.gather(-1, ids)
+        (want * coef.double()).sum().backward()
+        torch.testing.assert_close(got.double(), want.detach(), rtol=0, atol=1e-5)
+        assert_grads_match(h32, h64, w32, w64)
+        uncapped = target_logprobs(hidden, weight, ids, 8, temperature)
+        assert (got.detach() - uncapped).abs().max() > 0.1
+
+    full = capped(hidden.double(), weight.double())
+    torch.testing.assert_close(logsumexp_logits(hidden, weight, 8, temperature, softcap=cap).double(),
+                               (full / temperature).logsumexp(-1), rtol=0, atol=1e-5)
+    values, indices = topk_logits(hidden, weight, 5, 8, softcap=cap)
+    want_values, want_indices = full.topk(5, dim=-1)
+    torch.testing.assert_close(values.double(), want_values, rtol=0, atol=1e-5)
+    assert torch.equal(indices, want_indices)
+    inputs = (hidden[:4].double().requires_grad_(), weight.double().requires_grad_())
+    assert torch.autograd.gradcheck(lambda h, w: target_logprobs(h, w, several[:4], 8, temperature, softcap=cap), inputs)
 
 
 def test_logprob_temperature_must_be_positive():
