@@ -5,8 +5,8 @@ batch's longer samples (up to 24 tokens).
 
 At one rank and with FSDP over two ranks, padded and packed, the policy's logprobs and its
 step-0 loss and gradients equal transformers' eager float64 forward of each sample alone
-(:func:`posttrain.testing.policy.reference_step`), and the Hugging Face export of the trained
-weights reproduces the trainer's loss on them. SGD with lr=1: a step's weight change is the
+(:func:`posttrain.testing.policy.reference_step`), as do its top-k logits, and the Hugging
+Face export of the trained weights reproduces the trainer's loss on them. SGD with lr=1: a step's weight change is the
 gradient.
 """
 
@@ -62,6 +62,19 @@ def test_logprobs_equal_transformers_eager_forward(policy, setup, dt, packed):
     got = policy.get_logprobs(setup["batch"])["logprobs"]
     want = reference_logprobs(reference_model(setup["path"]), setup["batch"])
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
+def test_topk_logits_equal_transformers_topk(policy, setup):
+    """Raw top-k logits are the model's own, soft-capped where it caps them (Gemma 2)."""
+    batch = setup["batch"]
+    got = policy.get_topk_logits(batch, 3)
+    model = reference_model(setup["path"])
+    for i, n in enumerate(batch["input_lengths"].tolist()):
+        with torch.no_grad():
+            values, indices = model(batch["input_ids"][i : i + 1, :n]).logits[0].topk(3, dim=-1)
+        m = min(n, batch["input_ids"].shape[1] - 1)
+        torch.testing.assert_close(got["topk_logits"][i, :m].double(), values[:m], rtol=0, atol=1e-5)
+        assert torch.equal(got["topk_indices"][i, :m], indices[:m])
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
