@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import record
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -453,6 +454,11 @@ def parse_args(workload: Workload, argv: Sequence[str] | None = None) -> argpars
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side run")
     p.add_argument("--summarize", default=None,
                    help="rebuild the table from the finished side reports in this --out folder (e.g. of a stopped run)")
+    p.add_argument("--record", metavar="NAME", default=None,
+                   help="also write the results into benchmarks/results/NAME.json, a table of docs/benchmarks.md "
+                        "(then run python benchmarks/report.py)")
+    p.add_argument("--run", metavar="LABEL", default=None,
+                   help="the run's label in that file, replacing a run of the same label (default: form, reps x steps)")
     for name, kwargs in workload.options.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, **kwargs)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -463,10 +469,9 @@ def parse_args(workload: Workload, argv: Sequence[str] | None = None) -> argpars
 
 def main(workload: Workload, argv: Sequence[str] | None = None) -> dict[str, Any]:
     """The command line: a child runs one side; otherwise run every side ``--reps`` times,
-    check the settings, print the table and write ``results.json`` / ``results.md``."""
+    check the settings, print the table and write ``results.json`` / ``results.md`` (and,
+    with ``--record NAME``, the run into the results file ``benchmarks/results/NAME.json``)."""
     args = parse_args(workload, argv)
-    if args.summarize:
-        return summarize_folder(workload, Path(args.summarize))
     if args.child:
         os.nice(CHILD_NICENESS - os.nice(0))
         spec = json.loads(Path(args.spec).read_text())
@@ -474,7 +479,11 @@ def main(workload: Workload, argv: Sequence[str] | None = None) -> dict[str, Any
         report = workload.sides[args.child](spec)
         Path(args.out).write_text(json.dumps(report))
         return report
-    return run_benchmark(workload, args)
+    result = summarize_folder(workload, Path(args.summarize)) if args.summarize else run_benchmark(workload, args)
+    if args.record:
+        path = record.save(args.record, record.harness_record(result, record.command_line(), args.run))
+        print(f"recorded in {path}")
+    return result
 
 
 def make_spec(workload: Workload, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -588,6 +597,7 @@ def summarize(workload: Workload, spec: dict[str, Any], runs: dict[str, list[dic
         "floor_s": floor_s, "baseline": baseline, "steps": spec["steps"], "warmup": spec["warmup"],
         "max_len": spec["max_len"], "load_avg_1m": [x[0] for x in load], "machine": _machine(), "sides": rows,
         "settings": first["settings"], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **({"form": spec["form"]} if "form" in spec else {}),
     }
 
 

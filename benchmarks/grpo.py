@@ -62,8 +62,7 @@ Floor per step: 4 x :func:`common.forward_flops` over every sequence's prompt + 
 (generation 1x, training 3x). No previous-policy logprob pass is counted: with one optimizer
 step per GRPO step the policy is on policy, and neither side runs one (posttrain since commit
 7cec9ff, TRL with ``num_iterations=1`` and ``steps_per_generation=1`` without vLLM); both use
-the training pass's own logprobs, detached. Counting it (the issue's first rule) would raise
-the floor by a quarter.
+the training pass's own logprobs, detached. Counting one would raise the floor by a quarter.
 """
 
 from __future__ import annotations
@@ -177,7 +176,7 @@ def packed_row_tokens(spec: dict[str, Any]) -> int:
     a step in one row, but no more tokens than keep the row's largest activation (the MLP's
     ``tokens x intermediate_size`` float32) under half of :data:`MMAP_THRESHOLD_MAX`, in
     whole ``max_len`` units. On the small model (2560 tokens) that trained a dense step 15%
-    and a skewed one 10% faster than one row of every sample (docs/benchmarks.md)."""
+    and a skewed one 10% faster than one row of every sample."""
     from transformers import AutoConfig
 
     intermediate = AutoConfig.from_pretrained(spec["model_dir"]).intermediate_size

@@ -1,6 +1,6 @@
 """Start-up: the seconds from ``posttrain run`` to the first training step, and where they go.
 
-    python benchmarks/startup.py [--repeats 3] [--algorithms grpo grpo-inside sft] [--out FILE]
+    python benchmarks/startup.py [--repeats 3] [--algorithms grpo grpo-inside sft] [--out FILE] [--record NAME]
 
 Each repetition runs ``python -m posttrain.cli run ALGORITHM`` on the tiny model (built in
 a temporary folder, nothing downloaded) from the example config, in a fresh ``run_dir``
@@ -20,6 +20,8 @@ The parts, from the run's ``events.jsonl`` and ``metrics.jsonl``:
 
 The machine's 1-minute load average before each run is printed with it: start-up is CPU
 bound, so a loaded machine gives longer times. Medians over the repetitions, per algorithm.
+``--record NAME`` writes the runs into the results file ``benchmarks/results/NAME.json``, one
+run per algorithm (see ``record.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import argparse
 import datetime
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -37,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import record  # noqa: E402
 
 GRPO_ONE_STEP = ("grpo.max_num_steps=1", "grpo.val_at_start=false")
 #: Each run: its algorithm, example config and the overrides making it one step long.
@@ -91,11 +97,28 @@ def report(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def startup_record(results: list[dict[str, Any]], command: str) -> dict[str, Any]:
+    """A results file of these runs: one run per algorithm, a row per repetition."""
+    runs = []
+    for algorithm in dict.fromkeys(r["algorithm"] for r in results):
+        mine = [r for r in results if r["algorithm"] == algorithm]
+        rows = [{"repeat": k + 1, **{f"{part}_s": round(r[part], 2) for part in PARTS},
+                 "workers_by_part": ", ".join(f"{name} {seconds:.2f}" for name, seconds in r["worker_parts"].items())}
+                for k, r in enumerate(mine)]
+        loads = [r["load"] for r in mine]
+        runs.append({"label": algorithm, "command": command, "date": record.today(),
+                     "details": f"load before the runs {min(loads):.1f} to {max(loads):.1f}",
+                     "source": "written by the benchmark (--record)", "rows": rows})
+    return {"title": "Start-up", "conditions": "the tiny model, one training step, a fresh Ray cluster per run",
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "run_header": "run", "runs": runs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--algorithms", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--out", type=Path, help="write every run's parts here as JSON")
+    parser.add_argument("--record", metavar="NAME", help="also write them into benchmarks/results/NAME.json")
     args = parser.parse_args()
     from posttrain.models.tiny import build_tiny_model
 
@@ -111,6 +134,8 @@ def main() -> None:
     print(report(results))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
+    if args.record:
+        print(f"recorded in {record.save(args.record, startup_record(results, record.command_line()))}")
 
 
 if __name__ == "__main__":

@@ -88,8 +88,8 @@ def test_processes_are_told_apart_by_what_they_run():
     assert process_role("anything", root=True) == "driver"
     assert process_role("ray::DTensorPolicyWorker.train_from") == "ray::DTensorPolicyWorker"
     assert process_role("ray::IDLE") == "ray idle worker"
-    assert process_role("/venv/bin/python -m posttrain.distributed.deadline_pool 7 mod:fn 12") == (
-        "python -m posttrain.distributed.deadline_pool")
+    assert process_role("/venv/bin/python -m posttrain.deadline_pool 7 mod:fn 12") == (
+        "python -m posttrain.deadline_pool")
     assert process_role("/venv/lib/ray/core/src/ray/gcs/gcs_server --log_dir=/tmp") == "gcs_server"
     assert process_role("/venv/bin/python /venv/lib/ray/dashboard/agent.py --node-ip") == "agent.py"
     assert process_role("/venv/bin/python -u /venv/lib/ray/_private/log_monitor.py --x=1") == "log_monitor.py"
@@ -108,6 +108,6 @@ def test_ray_infrastructure_is_counted_apart_from_the_training():
         assert is_ray_infrastructure(ray_own), ray_own
     for training in ("ray::DTensorPolicyWorker.train", "ray::VllmEngineWorker", "ray::EnvironmentActor.step",
                      "/venv/bin/python -c from multiprocessing.spawn import spawn_main",
-                     "/usr/lib/gcc/x86_64-linux-gnu/12/cc1plus -quiet", "/venv/bin/python -m posttrain.distributed.deadline_pool"):
+                     "/usr/lib/gcc/x86_64-linux-gnu/12/cc1plus -quiet", "/venv/bin/python -m posttrain.deadline_pool"):
         assert not is_ray_infrastructure(training), training
     assert not is_ray_infrastructure("")  # a process whose command line could not be read

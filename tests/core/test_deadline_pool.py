@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from posttrain.distributed.deadline_pool import DeadlinePool
+from posttrain.deadline_pool import DeadlinePool
 
 
 @pytest.fixture

@@ -19,6 +19,8 @@ from posttrain.backend.weight_sync import (
     TransferInit,
     TransferPlan,
     bucket_layout,
+    checksum,
+    checksums_match,
     cuda_ipc_route,
     layer_groups,
 )
@@ -119,14 +121,17 @@ class Engine(Worker):
     def state(self) -> tuple[int, dict[str, torch.Tensor]]:
         return self.version, self.received
 
+    def sent_checksums(self) -> dict[str, tuple[float, float]]:
+        return self.receiver.sent_checksums
+
 
 class Engines:
     """A generation backend's weight endpoint over a group of :class:`Engine` actors; with
     ``nodes``, the endpoint knows the engines share the sender's node (shared memory)."""
 
-    def __init__(self, group: WorkerGroup, *, nodes: bool = False, timeout_s: float = 30):
+    def __init__(self, group: WorkerGroup, *, nodes: bool = False, timeout_s: float = 30, checksums: bool = False):
         self.endpoint = BroadcastEndpoint(tuple(group.actors), 1, "gloo", name="engines", timeout_s=timeout_s,
-                                          engine_nodes=tuple(group.node_ids) if nodes else ())
+                                          engine_nodes=tuple(group.node_ids) if nodes else (), checksums=checksums)
 
     def weight_endpoint(self) -> BroadcastEndpoint:
         return self.endpoint
@@ -155,6 +160,40 @@ def test_a_sync_reaches_every_engine_bit_for_bit_in_buckets(cluster, same_node, 
             assert version == 7 and received.keys() == WEIGHTS.keys()
             for name, tensor in WEIGHTS.items():
                 assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+
+
+@pytest.mark.parametrize("same_node", [False, True])
+def test_a_sync_with_checksums_delivers_the_senders_checksum_of_every_tensor(cluster, same_node):
+    with WorkerGroup(cluster, Engine, name="engines", num_workers=1, resources=WorkerResources(cpus=0.25)) as group:
+        refit(ExportedWeights(WEIGHTS), Engines(group, nodes=same_node, checksums=True), bucket_bytes=150, version=3)
+        [(version, received)] = group.run_all(Engine.state)
+        [sent] = group.run_all(Engine.sent_checksums)
+    assert version == 3 and all(torch.equal(received[name], tensor) for name, tensor in WEIGHTS.items())
+    assert sent == {name: checksum(tensor) for name, tensor in WEIGHTS.items()}
+
+
+def test_a_plan_with_checksums_ends_each_bucket_with_an_aligned_float64_pair_per_tensor():
+    plain, summed = TransferPlan.build(metas(), 150), TransferPlan.build(metas(), 150, checksums=True)
+    assert plain.buckets == summed.buckets and plain.offsets(1) == summed.offsets(1)
+    for bucket in range(len(summed.buckets)):
+        start = summed.checksum_offset(bucket)
+        assert start % 16 == 0 and start >= plain.bucket_bytes(bucket)
+        assert summed.bucket_bytes(bucket) == start + 16 * len(summed.buckets[bucket])
+        buffer = torch.zeros(summed.bucket_bytes(bucket), dtype=torch.uint8)
+        assert summed.bucket_checksums(bucket, buffer).shape == (len(summed.buckets[bucket]), 2)
+
+
+def test_checksums_match_up_to_rounding_to_the_coarser_dtype_and_no_further():
+    weights = torch.randn(1000, dtype=torch.float64)
+    sent = checksum(weights)
+    rounded = checksum(weights.to(torch.bfloat16))
+    assert checksums_match(sent, rounded, torch.bfloat16)
+    assert not checksums_match(sent, rounded, torch.float32)
+    one_changed = weights.clone()
+    one_changed[17] += 1e-3
+    assert not checksums_match(sent, checksum(one_changed.float()), torch.float32)
+    assert not checksums_match(sent, checksum(-weights), torch.float64)  # same absolute values, other sum
+    assert checksum(torch.stack([weights[:500], weights[500:]])) == pytest.approx(sent, rel=1e-12)
 
 
 def test_an_nccl_sync_goes_through_cuda_ipc_only_when_every_engine_is_on_the_senders_gpu():

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from packaging.requirements import Requirement
 
 from posttrain.config import RunConfig
-from posttrain.launch.command import run_command
+from posttrain_launch.command import run_command
 
 _ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 COMMAND_TIMEOUT_S = 240

@@ -1,7 +1,9 @@
 """The documentation site builds with ``mkdocs build --strict`` (as ``nox -s docs`` does: a
 broken link or anchor fails), and its configuration reference page lists every key of
 core's sections and of every installed plugin's sections, a plugin installed after the
-pages were written included."""
+pages were written included. Every built page shows the whole navigation with its own
+contents inside it (the content keeps the width wide tables need), renders every Markdown
+table as a table, and keeps code spans in table cells whole."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import subprocess
 import sys
 import types
 import typing
+from html.parser import HTMLParser
 from pathlib import Path
+from urllib.parse import urljoin
 
 import attrs
 import pytest
@@ -19,7 +23,7 @@ import pytest
 from posttrain.config.schema import RunConfig
 from posttrain.config.structure import LOADER_FIELDS
 from posttrain.plugins import plugin_host
-from tests.docs.pages import REPO
+from tests.docs.pages import DOCS, REPO, nav_pages
 
 #: A plugin the pages know nothing about, installed for the build only.
 PROBE_MODULE = '''
@@ -124,3 +128,92 @@ def test_every_page_is_built(site: Path) -> None:
         page = source.relative_to(REPO / "docs").with_suffix("")  # x.md -> x/index.html, a/index.md -> a/index.html
         folder = site / page.parent if page.name == "index" else site / page
         assert (folder / "index.html").is_file(), f"docs/{page}.md was not built"
+
+
+class Rendered(HTMLParser):
+    """What a built page shows a reader: the targets of its navigation links, its tables
+    (the cells of each row), the text of its paragraphs and the class of every element."""
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.links: list[str] = []
+        self.tables: list[list[int]] = []
+        self.paragraphs: list[str] = []
+        self.classes: set[str] = set()
+        self._in_paragraph = False
+        self.feed(html)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        named = dict(attrs)
+        classes = (named.get("class") or "").split()
+        self.classes.update(classes)
+        if tag == "a" and "md-nav__link" in classes and named.get("href"):
+            self.links.append(named["href"] or "")
+        elif tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self.tables[-1].append(0)
+        elif tag in ("td", "th"):
+            self.tables[-1][-1] += 1
+        elif tag == "p":
+            self._in_paragraph = True
+            self.paragraphs.append("")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "p":
+            self._in_paragraph = False
+
+    def handle_data(self, data: str) -> None:
+        if self._in_paragraph:
+            self.paragraphs[-1] += data
+
+
+def url_of(page: str) -> str:
+    """The site path of a page: ``index.md`` -> ``""``, ``a/index.md`` -> ``a/``, ``a/b.md`` -> ``a/b/``."""
+    stem = page.removesuffix(".md")
+    return "" if stem == "index" else stem.removesuffix("index") if stem.endswith("/index") else f"{stem}/"
+
+
+def rendered(site: Path, page: str) -> Rendered:
+    return Rendered((site / url_of(page) / "index.html").read_text(encoding="utf-8"))
+
+
+_SEPARATOR = re.compile(r"^\s*\|?\s*:?-{3,}:?\s*(\|\s*:?-{3,}:?\s*)+\|?\s*$")
+_FENCED = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
+
+
+def markdown_tables(page: str) -> int:
+    """The Markdown tables of a page's source, outside its code blocks (their separator rows)."""
+    text = _FENCED.sub("", (DOCS / page).read_text(encoding="utf-8"))
+    return sum(1 for line in text.splitlines() if _SEPARATOR.match(line))
+
+
+def test_every_page_shows_the_whole_navigation_with_its_contents_inside_it(site: Path) -> None:
+    pages = nav_pages()
+    for page in pages:
+        shown = rendered(site, page)
+        base = "http://site/" + url_of(page)
+        targets = {urljoin(base, href).removeprefix("http://site/").partition("#")[0] for href in shown.links}
+        missing = sorted({url_of(p) for p in pages} - targets)
+        assert not missing, f"docs/{page}: the navigation has no link to {missing}"
+        assert "md-nav--integrated" in shown.classes and "md-sidebar--secondary" not in shown.classes, (
+            f"docs/{page}: the table of contents is not inside the navigation (theme feature toc.integrate)"
+        )
+
+
+def test_every_markdown_table_renders_as_a_table(site: Path) -> None:
+    for page in nav_pages():
+        shown = rendered(site, page)
+        leaked = [text.strip()[:80] for text in shown.paragraphs if re.search(r"\|\s*:?-{3,}", text)]
+        assert not leaked, f"docs/{page}: table rows shown as text (a table needs a blank line before it): {leaked}"
+        assert len(shown.tables) >= markdown_tables(page), f"docs/{page}: {markdown_tables(page)} tables, {len(shown.tables)} rendered"
+        assert all(len(rows) >= 2 for rows in shown.tables), f"docs/{page}: a table without rows"
+    assert len(rendered(site, "reference/configuration.md").tables) > 20
+
+
+def test_code_in_table_cells_breaks_between_words_only(site: Path) -> None:
+    css = (site / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    assert re.search(r"\.md-typeset td code\s*\{[^}]*word-break:\s*normal;[^}]*overflow-wrap:\s*normal;", css)
+    for page in nav_pages():
+        html = (site / url_of(page) / "index.html").read_text(encoding="utf-8")
+        assert "stylesheets/extra.css" in html, f"docs/{page} does not load stylesheets/extra.css"

@@ -43,8 +43,8 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
 #: Metrics that measure time, not what was computed (``time``: when the record was written).
 TIMING = ("time", "step_time_s", "tokens_per_s", "time_s")
-#: Seconds from Ctrl-C during start-up to the CLI's exit: the issue measured 12.7 s before the
-#: fix, 2.0 s after it on the idle 2-core machine; the margin is for a loaded CI machine.
+#: Seconds from Ctrl-C during start-up to the CLI's exit: 12.7 s measured before the fix,
+#: 2.0 s after it on the idle 2-core machine; the margin is for a loaded CI machine.
 STOP_DURING_START_UP_S = 8
 WORKER_CLASS = "DTensorPolicyWorker"
 

@@ -84,7 +84,7 @@ def default_quickstart(tmp_path_factory, ray_cluster):
 def test_the_default_quickstart_gains_from_grpo(default_quickstart):
     """Seed 0 of the full quickstart: SFT teaches part of the skill and GRPO adds to it by
     more than the noise of the measure. Not its exact digits: those are reproducible on one
-    machine only (the README says why); seeds 0-4 measured on two machines gave after SFT
+    machine only (docs/getting-started.md says why); seeds 0-4 measured on two machines gave after SFT
     0.461 to 0.785 and a GRPO gain of +0.180 to +0.371, an untrained model 0.000."""
     _, accuracies = default_quickstart
 

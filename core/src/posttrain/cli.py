@@ -4,14 +4,12 @@
     posttrain config show ALGORITHM [--config FILE] [key=value ...]
                               the resolved config of that run, every key with its value,
                               its documentation and where it was set
-    posttrain launch slurm|kuberay|wait ...
-                              start a Ray cluster on Slurm or Kubernetes and run on it
-                              (posttrain.launch.command)
     posttrain plugins         installed plugins and what they register (a broken one with
                               its error); every other command refuses to start while an
                               installed plugin cannot be loaded, naming its distribution
     posttrain NAME ...        a command registered by a plugin (posttrain_commands), e.g.
-                              `posttrain quickstart` from posttrain-quickstart
+                              `posttrain quickstart` from posttrain-quickstart, `posttrain launch`
+                              from posttrain-launch
 
 Errors posttrain raises on purpose print as one ``error:`` paragraph and exit with status 2.
 A run stopped by SIGINT / SIGTERM saves a checkpoint at the step boundary, prints one
@@ -26,36 +24,23 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from collections.abc import Callable, Sequence
-
-import attrs
+from collections.abc import Sequence
 
 from posttrain.errors import PluginError, PosttrainError, RunStopped
+from posttrain.interfaces.command import Command
 from posttrain.run_command import add_run_arguments, load_checked_config, parse_arguments
 
 #: Commands core defines itself; a plugin cannot register these names.
-CORE_COMMANDS = ("run", "config", "launch", "plugins")
-
-
-@attrs.frozen
-class Command:
-    """A subcommand a plugin registers through ``posttrain_commands``: ``posttrain NAME ...``.
-
-    ``add_arguments(parser)`` declares its arguments on its own ``argparse`` parser;
-    ``run(args)`` runs it with the parsed arguments and returns the exit status. Raise
-    :class:`~posttrain.errors.PosttrainError` for mistakes the user can fix (exit 2).
-    """
-
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
+CORE_COMMANDS = ("run", "config", "plugins")
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    """List every installed plugin, what it registers and the features its config sections
-    declare (:mod:`posttrain.config.features`); one that could not be loaded is listed with
-    its error (the command still succeeds)."""
+    """List every installed plugin, what it registers, the features its config sections
+    declare (:mod:`posttrain.config.features`) and the packages they require, found or not
+    (:mod:`posttrain.config.requirements`); one that could not be loaded is listed with its
+    error (the command still succeeds)."""
     from posttrain.config.features import declared_features
+    from posttrain.config.requirements import section_requirements
     from posttrain.plugins import plugin_host
 
     for info in plugin_host(allow_broken=True).plugins():
@@ -73,6 +58,11 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
                     for text in declared_features(reg.value)]
         if features:
             print(f"  features: {', '.join(features)}")
+        for reg in info.registrations:
+            for requirement in section_requirements(reg.value) if reg.kind == "config section" else ():
+                problem = requirement.problem()
+                status = "installed" if problem is None else f"{problem}: {requirement.install}"
+                print(f"  requires: {requirement.module} ({status})")
     return 0
 
 
@@ -121,10 +111,6 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("overrides", nargs="*", help="config overrides, e.g. policy.optimizer.lr=1e-5")
     show.set_defaults(func=_cmd_config_show)
 
-    from posttrain.launch.command import add_arguments as add_launch_arguments
-
-    add_launch_arguments(sub.add_parser("launch", help="start a Ray cluster on Slurm or Kubernetes and run on it"))
-
     plugins = sub.add_parser("plugins", help="list installed plugins and what they register")
     plugins.set_defaults(func=_cmd_plugins)
 
@@ -151,7 +137,7 @@ def _plugin_commands() -> dict[str, Command]:
         if not isinstance(command, Command):
             raise PluginError(
                 f"{registry.distribution_of(name)} registers the command '{name}' as a {type(command).__name__}; "
-                "posttrain_commands() must map names to posttrain.cli.Command"
+                "posttrain_commands() must map names to posttrain.interfaces.Command"
             )
     return commands
 

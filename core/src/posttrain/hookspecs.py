@@ -24,10 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pluggy
 
 if TYPE_CHECKING:
-    from posttrain.cli import Command
-    from posttrain.config import RunConfig
-    from posttrain.distributed.cluster import VirtualCluster
-    from posttrain.interfaces import Algorithm, DataPlane, Environment, Generation, LossFunction, Policy
+    from posttrain.config.schema import RunConfig
+    from posttrain.interfaces import Algorithm, Command, DataPlane, Environment, Generation, LossFunction, Policy
     from posttrain.interfaces.metric_sink import MetricSink
 
 hookspec = pluggy.HookspecMarker("posttrain")
@@ -38,14 +36,14 @@ hookspec = pluggy.HookspecMarker("posttrain")
 
 class PolicyBackendFactory(Protocol):
     """``factory(config, cluster, name=..., reference=...)``: start a policy backend's workers on
-    ``cluster`` for the model ``config.policy`` describes, as the worker group ``name`` (its
+    ``cluster`` (the run's :class:`posttrain.distributed.VirtualCluster`) for the model ``config.policy`` describes, as the worker group ``name`` (its
     placement group; ``"policy"`` for the run's policy, another name for a second model of the
     run, e.g. a critic or a teacher), and return its :class:`~posttrain.interfaces.Policy`.
     ``reference`` False: the run never asks for reference logprobs, so the backend need not
     keep the initial weights for them (asking then raises)."""
 
     def __call__(
-        self, config: RunConfig, cluster: VirtualCluster, /, *, name: str = "policy", reference: bool = True
+        self, config: RunConfig, cluster: Any, /, *, name: str = "policy", reference: bool = True
     ) -> Policy: ...
 
 
@@ -56,7 +54,7 @@ class GenerationBackendFactory(Protocol):
     when ``generation.in_policy_workers`` is set: it builds its engines inside the policy's
     workers (:meth:`~posttrain.interfaces.Policy.host_engines`)."""
 
-    def __call__(self, config: RunConfig, cluster: VirtualCluster, /) -> Generation: ...
+    def __call__(self, config: RunConfig, cluster: Any, /, *, host: Policy | None = None) -> Generation: ...
 
 
 class EnvironmentFactory(Protocol):
@@ -100,11 +98,11 @@ def posttrain_policy_backends() -> Mapping[str, PolicyBackendFactory]:
     """Register policy (training) backends.
 
     Each factory is a :class:`PolicyBackendFactory`: called as ``factory(config: RunConfig,
-    cluster: VirtualCluster, name=...)``, it returns a :class:`posttrain.interfaces.Policy`
+    cluster, name=...)``, it returns a :class:`posttrain.interfaces.Policy`
     whose worker group is named ``name``. It reads ``config.policy`` (including
     ``policy.head``) and its own section (registered with :func:`posttrain_config_sections`).
     Selected by ``policy.backend``; an algorithm's second model (a critic, a teacher) is built
-    the same way with its own ``policy`` section and name (:meth:`posttrain.run.context.RunContext.build_policy`).
+    the same way with its own ``policy`` section and name (:meth:`posttrain.interfaces.RunContext.build_policy`).
     """
 
 
@@ -113,7 +111,7 @@ def posttrain_generation_backends() -> Mapping[str, GenerationBackendFactory]:
     """Register generation (rollout) backends.
 
     Each factory is a :class:`GenerationBackendFactory`: called as ``factory(config:
-    RunConfig, cluster: VirtualCluster)``, it returns a
+    RunConfig, cluster)``, it returns a
     :class:`posttrain.interfaces.Generation`. Selected by ``generation.backend``.
     """
 
@@ -170,7 +168,7 @@ def posttrain_algorithms() -> Mapping[str, AlgorithmFactory]:
 def posttrain_commands() -> Mapping[str, Command]:
     """Register subcommands of the ``posttrain`` command line (``posttrain NAME ...``).
 
-    Each value is a :class:`posttrain.cli.Command`: its ``help`` line, a function that adds
+    Each value is a :class:`posttrain.interfaces.Command`: its ``help`` line, a function that adds
     its arguments to an ``argparse`` parser, and a function that runs it with the parsed
     arguments and returns the exit status. ``run`` and ``plugins`` are core's own and cannot
     be registered. Errors raised as :class:`posttrain.errors.PosttrainError` print as one

@@ -1,6 +1,6 @@
 """The command line of ``posttrain run``: its arguments, how they are read, and the check a
 launcher makes of a run's config before it sends the run elsewhere (:mod:`posttrain.cli`
-and :mod:`posttrain.launch.command` both read runs through this module)."""
+and launchers, e.g. the posttrain-launch plugin, both read runs through this module)."""
 
 from __future__ import annotations
 

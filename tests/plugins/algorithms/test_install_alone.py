@@ -1,4 +1,4 @@
-"""Each algorithm distribution of issue 23 installs alone on core, as a third-party plugin
+"""Each algorithm distribution installs alone on core, as a third-party plugin
 would: a clean virtual environment with core (without torch or Ray), then the distribution
 and the posttrain distributions it declares, nothing else; ``posttrain plugins`` lists
 exactly what it registers, and uninstalling it leaves core's listing as it was."""

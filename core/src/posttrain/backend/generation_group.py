@@ -1,10 +1,10 @@
 """The driver half of a generation backend whose engines are the ranks of a WorkerGroup.
 
 :class:`WorkerGroupGeneration` implements :class:`~posttrain.interfaces.Generation` for any
-engine worker class that provides the :class:`EngineWorker` methods. It turns the batch
-into a :class:`GenerationRequest` (prompts without padding, one seed per row, stop
+engine worker class that provides the :class:`~posttrain.backend.engine.EngineWorker` methods. It turns the batch
+into a :class:`~posttrain.backend.engine.GenerationRequest` (prompts without padding, one seed per row, stop
 criteria, per-row token budgets), splits it into contiguous shards, one per
-data-parallel engine, and assembles the engines' :class:`Completion` lists into the output
+data-parallel engine, and assembles the engines' :class:`~posttrain.backend.engine.Completion` lists into the output
 batch described in :mod:`posttrain.interfaces.generation`. Weights reach the engines from
 the policy's workers directly (:meth:`WorkerGroupGeneration.weight_endpoint`,
 :mod:`posttrain.backend.weight_sync`).
@@ -14,7 +14,6 @@ What a row's logprobs and seeds mean is defined once in :mod:`posttrain.backend.
 
 from __future__ import annotations
 
-import abc
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,106 +21,16 @@ from typing import Any
 import attrs
 import torch
 
+from posttrain.backend.engine import Completion, EngineWorker, GenerationRequest
 from posttrain.backend.hosted import HostedEndpoint, HostedGroup
 from posttrain.backend.sampling import sample_seeds
-from posttrain.backend.weight_sync import BroadcastEndpoint, ParamMeta, TransferInit
+from posttrain.backend.weight_sync import BroadcastEndpoint
 from posttrain.batch import Batch, padded_tensor
 from posttrain.config.schema import GenerationConfig, RunConfig, WorkerResources
-from posttrain.distributed import VirtualCluster, Worker, WorkerGroup
+from posttrain.distributed import VirtualCluster, WorkerGroup
 from posttrain.errors import ConfigError, DataError
 from posttrain.interfaces.generation import Generation
 from posttrain.interfaces.policy import Policy
-
-
-@attrs.frozen
-class GenerationRequest:
-    """One engine's share of a ``generate`` call. Lists are per row, in batch order.
-
-    ``temperature == 0`` means greedy. ``max_new_tokens[i]`` is already capped so that the
-    prompt plus the completion fits the engine's context. ``stop_token_ids`` includes the
-    model's EOS ids.
-    """
-
-    prompts: list[list[int]]
-    seeds: list[int]
-    max_new_tokens: list[int]
-    stop_strings: list[list[str]]
-    stop_token_ids: list[int]
-    temperature: float
-    top_p: float
-    top_k: int | None
-
-    def __len__(self) -> int:
-        return len(self.prompts)
-
-    def rows(self, start: int, stop: int) -> GenerationRequest:
-        """Rows ``start:stop`` of this request."""
-        return attrs.evolve(
-            self,
-            prompts=self.prompts[start:stop],
-            seeds=self.seeds[start:stop],
-            max_new_tokens=self.max_new_tokens[start:stop],
-            stop_strings=self.stop_strings[start:stop],
-        )
-
-
-@attrs.frozen
-class Completion:
-    """The generated tokens of one row (stop token or stop string included), the logprob
-    of each under the distribution it was sampled from, and whether it ran out of budget."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    truncated: bool
-
-
-class EngineWorker(Worker, abc.ABC):
-    """The methods :class:`WorkerGroupGeneration` calls on every engine actor.
-
-    ``weight_version`` is the version of the weights the engine holds: 0 as loaded from the
-    model folder, then the ``version`` of each :meth:`receive_weights`."""
-
-    weight_version: int = 0
-
-    @abc.abstractmethod
-    def generate(self, request: GenerationRequest) -> list[Completion]:
-        """Complete every row of ``request`` (possibly none), in order."""
-
-    def generate_with_version(self, request: GenerationRequest) -> tuple[int, list[Completion]]:
-        """:meth:`generate`, with the version of the weights that generated it (an engine
-        takes one call at a time, so a weight sync lands before or after it, never inside)."""
-        return self.weight_version, self.generate(request)
-
-    @abc.abstractmethod
-    def init_weight_transfer(self, init: TransferInit) -> None:
-        """Join the weight-sync group that policy rank 0 opens (ranks ``init.rank_offset``
-        onwards, one per rank the engine declared; see :mod:`posttrain.backend.weight_sync`)
-        and keep ``init.plan``. Called again when the policy reconnects: leave the old group."""
-
-    @abc.abstractmethod
-    def receive_weights(self, version: int) -> list[str]:
-        """Receive one weight sync (the plan's buckets, broadcast by policy rank 0), load it
-        in place of the current weights, drop every cache computed with the old ones and
-        set :attr:`weight_version` to ``version``; return the names of the model's parameters
-        the sync did not cover (none, when the models match). Weights asleep are woken first."""
-
-    def check_weights(self, metas: Sequence[ParamMeta]) -> None:
-        """Raise :class:`~posttrain.errors.WorkerError` unless a sync of ``metas`` (names,
-        full shapes, dtypes) would replace every weight of the model: for an engine hosted in
-        the policy's workers (:mod:`posttrain.backend.hosted`), before its first load."""
-        raise NotImplementedError(f"{type(self).__name__} cannot run in the policy's workers")
-
-    def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy full Hugging Face-named ``tensors`` (a layer group) into the model, in place,
-        dropping every cache computed with the old weights: for an engine hosted in the
-        policy's workers. The tensors belong to the caller: copy, keep no reference."""
-        raise NotImplementedError(f"{type(self).__name__} cannot run in the policy's workers")
-
-    def sleep(self) -> None:
-        """Release device memory between generations (colocated mode); default: nothing."""
-
-    def wake_up(self) -> None:
-        """Undo :meth:`sleep` (idempotent); default: nothing."""
 
 
 @attrs.frozen
@@ -376,6 +285,7 @@ class WorkerGroupGeneration(Generation):
                 tuple(self._group.actors), self.ranks_per_engine, weight_transport(self.config), name=self._group.name,
                 engine_nodes=tuple(self._group.node_ids),
                 shared_memory_on_one_node=self.config.generation.weight_transport == "auto",
+                checksums=self.config.generation.refit_checksums,
             )
         return self._endpoint
 

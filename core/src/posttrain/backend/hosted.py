@@ -12,7 +12,7 @@ the engines' processes (their imports, their runtime, their copy of the framewor
 sync group with them; what it costs is that generation and training take turns in one
 process, so it is synchronous only (``generation.colocated``).
 
-The engine classes are the same :class:`~posttrain.backend.generation_group.EngineWorker`
+The engine classes are the same :class:`~posttrain.backend.engine.EngineWorker`
 classes as in a group of their own; a hosted one also implements ``check_weights`` and
 ``load_weights``.
 """
@@ -32,7 +32,7 @@ from posttrain.distributed.worker_group import Worker, WorkerGroup, bound_method
 from posttrain.errors import WorkerError
 
 if TYPE_CHECKING:
-    from posttrain.backend.generation_group import EngineWorker
+    from posttrain.backend.engine import EngineWorker
 
 #: This process's hosted engines, by group name.
 _HOSTED: dict[str, Any] = {}

@@ -22,6 +22,12 @@ coexists with whatever groups the trainer and the engines already run. Two same-
 skip the broadcast: engines on rank 0's node on the CPU map a shared-memory file, and engines
 on rank 0's own GPU (colocated, where NCCL refuses two ranks of one group on one GPU) map rank
 0's staging buffer through a CUDA IPC handle; the group (gloo) then only signals.
+
+Checksums (``generation.refit_checksums``, a plan with ``checksums``): each bucket ends with
+a :func:`checksum` of every tensor in it, taken by rank 0 from the tensor it packed; the
+receivers check what arrived against them (:meth:`BroadcastReceiver.receive`) and keep them
+(:attr:`BroadcastReceiver.sent_checksums`), so that an engine can compare the tensors it
+loaded into its model with the trainer's values (:func:`checksums_match`).
 """
 
 from __future__ import annotations
@@ -98,16 +104,39 @@ def bucket_layout(metas: Sequence[ParamMeta], bucket_bytes: int) -> list[list[in
     return [[index[name] for name in names] for names in bucket_names([(m.name, m.nbytes) for m in metas], bucket_bytes)]
 
 
+def checksum(tensor: torch.Tensor) -> tuple[float, float]:
+    """``(sum, sum of absolute values)`` of ``tensor``'s elements, in float64: the same for any
+    layout of the same values (a fused or padded-with-zeros copy of it, pieces of it stacked
+    with others), which is what a receiver that stores tensors its own way can compare."""
+    values = tensor.detach().to(torch.float64)
+    return float(values.sum()), float(values.abs().sum())
+
+
+def checksums_match(expected: tuple[float, float], found: tuple[float, float], dtype: torch.dtype) -> bool:
+    """Whether ``found`` holds the values of ``expected`` up to rounding each value to
+    ``dtype`` (at most ``eps`` of it, relative, per value, so at most ``eps`` times the sum of
+    absolute values in all)."""
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    tolerance = 2 * eps * max(expected[1], found[1]) + 1e-9 * (1 + expected[1])
+    return abs(expected[0] - found[0]) <= tolerance and abs(expected[1] - found[1]) <= tolerance
+
+
+#: Bytes of one tensor's checksum at the end of a bucket (two float64).
+CHECKSUM_BYTES = 16
+
+
 @attrs.frozen
 class TransferPlan:
-    """What both sides agree on once: the tensors in sending order and their buckets."""
+    """What both sides agree on once: the tensors in sending order, their buckets, and
+    whether each bucket ends with the checksums of its tensors (see the module docstring)."""
 
     metas: tuple[ParamMeta, ...] = attrs.field(converter=tuple)
     buckets: tuple[tuple[int, ...], ...] = attrs.field(converter=lambda b: tuple(tuple(x) for x in b))
+    checksums: bool = False
 
     @classmethod
-    def build(cls, metas: Sequence[ParamMeta], bucket_bytes: int) -> TransferPlan:
-        return cls(metas, bucket_layout(metas, bucket_bytes))
+    def build(cls, metas: Sequence[ParamMeta], bucket_bytes: int, *, checksums: bool = False) -> TransferPlan:
+        return cls(metas, bucket_layout(metas, bucket_bytes), checksums)
 
     @property
     def total_bytes(self) -> int:
@@ -123,10 +152,25 @@ class TransferPlan:
             end = start + self.metas[i].nbytes
         return out
 
+    def checksum_offset(self, bucket: int) -> int:
+        """Where ``bucket``'s checksums start in its buffer: after its last tensor, aligned."""
+        last = self.buckets[bucket][-1]
+        end = self.offsets(bucket)[-1] + self.metas[last].nbytes
+        return -(-end // ALIGN_BYTES) * ALIGN_BYTES
+
     def bucket_bytes(self, bucket: int) -> int:
-        """The size of ``bucket``'s buffer (its tensors and their alignment padding)."""
+        """The size of ``bucket``'s buffer (its tensors, their alignment padding and, with
+        :attr:`checksums`, one :data:`CHECKSUM_BYTES` per tensor)."""
+        if self.checksums:
+            return self.checksum_offset(bucket) + CHECKSUM_BYTES * len(self.buckets[bucket])
         last = self.buckets[bucket][-1]
         return self.offsets(bucket)[-1] + self.metas[last].nbytes
+
+    def bucket_checksums(self, bucket: int, buffer: torch.Tensor) -> torch.Tensor:
+        """The checksums region of ``bucket``'s ``buffer``: float64 [tensors, 2], a view."""
+        start = self.checksum_offset(bucket)
+        size = CHECKSUM_BYTES * len(self.buckets[bucket])
+        return buffer[start : start + size].view(torch.float64).view(-1, 2)
 
     @property
     def staging_bytes(self) -> int:
@@ -229,6 +273,10 @@ def send_buckets(
                 found = "nothing" if tensor is None else f"{name} {tensor.dtype} {tuple(tensor.shape)}"
                 raise ValueError(f"weight sync: expected {meta.name} {meta.dtype} {meta.shape} (tensor {i}), got {found}")
             buffer[offset : offset + meta.nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
+        if plan.checksums:
+            sums = [checksum(buffer[o : o + plan.metas[i].nbytes].view(plan.metas[i].torch_dtype))
+                    for i, o in zip(bucket, plan.offsets(index), strict=True)]
+            plan.bucket_checksums(index, buffer).copy_(torch.tensor(sums, dtype=torch.float64))
         if shared:
             _settle(buffer)  # the copies are on the buffer before the engines are told
             _broadcast(group, ready)
@@ -240,8 +288,9 @@ def send_buckets(
 def receive_buckets(
     group: Any, plan: TransferPlan, staging: torch.Tensor | None, device: torch.device, *, shared: bool,
     own_buffers: bool = False,
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The plan's tensors as rank 0 sends them, one bucket at a time. With ``staging``: views
+) -> Iterator[tuple[list[tuple[str, torch.Tensor]], list[tuple[float, float]]]]:
+    """The plan's tensors as rank 0 sends them, one bucket at a time, with the checksums rank
+    0 sent for them (empty without :attr:`TransferPlan.checksums`). With ``staging``: views
     into its front (load them before asking for the next bucket); without: each bucket in a
     buffer of its own on ``device``. ``shared``: ``staging`` is the shared-memory mapping
     rank 0 fills (required); the bucket is taken from it (copied into a buffer of its own
@@ -261,7 +310,8 @@ def receive_buckets(
              .view(plan.metas[i].shape))
             for i, offset in zip(bucket, plan.offsets(index), strict=True)
         ]
-        yield tensors
+        sums = [tuple(row) for row in plan.bucket_checksums(index, buffer).tolist()] if plan.checksums else []
+        yield tensors, sums
         if shared:
             _settle(buffer)  # the loader's reads of rank 0's buffer are done before it may refill it
             _barrier(group)
@@ -298,6 +348,10 @@ def transport_device(backend: str) -> torch.device:
 class BroadcastReceiver:
     """One engine rank's end of the sync group: rank ``init.rank_offset + local_rank``.
 
+    With checksums in the plan, :meth:`receive` checks every tensor that arrived against its
+    sender's checksum and keeps the sender's in :attr:`sent_checksums` (name -> ``(sum, sum of
+    absolute values)``, the last sync's).
+
     With ``reuse_staging`` every bucket is received into one buffer (the loader must copy
     each bucket's tensors before the next arrives); without it, each bucket gets a buffer of
     its own, for loaders that keep references to what they are given until later (vLLM's
@@ -311,6 +365,7 @@ class BroadcastReceiver:
         self.shared = self.staging is not None
         if self.staging is None and reuse_staging:
             self.staging = init.plan.staging_buffer(self.device)
+        self.sent_checksums: dict[str, tuple[float, float]] = {}
         rank = init.rank_offset + local_rank
         store = dist.TCPStore(init.address, init.port, init.world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=init.timeout_s))
@@ -323,9 +378,15 @@ class BroadcastReceiver:
         the sync is still received, so the sender is not left blocked, and the first error
         is raised after it."""
         error: BaseException | None = None
+        self.sent_checksums = {}
+        garbled: list[str] = []
         buckets = receive_buckets(self.group, self.plan, self.staging, self.device, shared=self.shared,
                                   own_buffers=self.own_buffers)
-        for bucket in buckets:
+        for bucket, sums in buckets:
+            for (name, tensor), sent in zip(bucket, sums, strict=False):
+                self.sent_checksums[name] = sent
+                if not checksums_match(sent, checksum(tensor), torch.float64):
+                    garbled.append(name)
             if error is None:
                 try:
                     load(bucket)
@@ -333,6 +394,9 @@ class BroadcastReceiver:
                     error = exc
         if error is not None:
             raise error
+        if garbled:
+            raise WorkerError(f"weight sync: {len(garbled)} tensor(s) arrived with other values than policy rank 0 "
+                              f"sent (checksums differ), e.g. {garbled[:5]}")
 
 
 @attrs.frozen
@@ -403,6 +467,7 @@ class BroadcastEndpoint:
     timeout_s: float = DEFAULT_TIMEOUT_S
     engine_nodes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     shared_memory_on_one_node: bool = True
+    checksums: bool = False  # generation.refit_checksums: each bucket carries its tensors' checksums
 
     def uses_shared_memory(self, node_id: str) -> bool:
         """Whether a sync from a sender on Ray node ``node_id`` goes through shared memory:
@@ -412,7 +477,7 @@ class BroadcastEndpoint:
 
     def connect(self, source: GatheredWeights, *, rank: int, bucket_bytes: int) -> WeightSender:
         """Called on every policy rank; rank 0 opens the group with the engines."""
-        plan = TransferPlan.build(source.metadata, bucket_bytes)
+        plan = TransferPlan.build(source.metadata, bucket_bytes, checksums=self.checksums)
         if rank != 0:
             return WeightSender(self, source, plan, group=None)
         import ray

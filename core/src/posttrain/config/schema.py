@@ -174,6 +174,7 @@ class GenerationConfig:
     # no engine processes, weights loaded in memory at refit; needs colocated (generation and training take turns)
     in_policy_workers: bool = False
     refit_bucket_bytes: int = 256 * 1024 * 1024  # most bytes per bucket when the policy's weights go to the engines
+    refit_checksums: bool = False  # debug: after every refit the engines check each tensor they loaded against the trainer's checksum (costs a pass over the weights on each side)
     weight_transport: str = "auto"  # how weights go from the policy's workers to the engines: auto | gloo | nccl (auto: nccl when the policy and the engines have GPUs, through CUDA IPC to engines on policy rank 0's own GPU; else gloo)
     resources: WorkerResources = attrs.field(factory=WorkerResources)  # what each engine asks Ray for
 

@@ -6,7 +6,7 @@ import abc
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from posttrain.run.context import RunContext
+    from posttrain.interfaces.context import RunContext
 
 
 class Algorithm(abc.ABC):

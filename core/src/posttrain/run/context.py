@@ -173,7 +173,7 @@ class RunContext:
                 f"{where_set(config, 'generation.in_policy_workers')}"
             )
         policy = host.wait_value(self.stop.check_startup) if isinstance(host, Started) else host
-        return factory(config, self.cluster, host=policy)  # type: ignore[call-arg]
+        return factory(config, self.cluster, host=policy)
 
     def build_data_plane(self) -> DataPlane:
         """The ``data_plane.backend`` data plane."""

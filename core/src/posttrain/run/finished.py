@@ -1,7 +1,7 @@
 """A run started again after it finished: said so, and nothing started.
 
 When a run completes its plan (the end-of-run validation and the export included), the loop
-marks its last checkpoint finished, with the plan (:class:`~posttrain.run.loop.LoopPlan`) and
+marks its last checkpoint finished, with the plan (:class:`~posttrain.run.plan.LoopPlan`) and
 the config keys that set its length. Started again with resuming on, the run has nothing left
 to do when that checkpoint is the one it would resume from and
 
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from posttrain.config import dump_config
 
 if TYPE_CHECKING:
-    from posttrain.run.context import RunContext
-    from posttrain.run.loop import LoopPlan
+    from posttrain.interfaces.context import RunContext
+    from posttrain.run.plan import LoopPlan
 
 
 def finished_unchanged(context: RunContext) -> dict[str, Any] | None:

@@ -164,11 +164,12 @@ class NegativeLogLikelihood(LossFunction):
 
 
 def check_trained_policy_refit(policy: Policy, generation: Generation, prompts: list[list[int]], *, bucket_bytes: int,
-                               steps: int = 1, max_difference: float | None = None) -> RefitStats:
+                               steps: int = 1, max_difference: float | None = None,
+                               mult_prob_error: float = 1.01) -> RefitStats:
     """Train ``policy`` ``steps`` steps on the backend's samples, refit, sample again: the
-    backend's logprobs then match ``policy.get_logprobs`` (mean of exp(|difference|) <= 1.01,
-    or, given ``max_difference``, every difference at most that), and did not before the
-    refit. Returns the refit's stats. The policy and the backend must have been built from the
+    backend's logprobs then match ``policy.get_logprobs`` (mean of exp(|difference|), GRPO's
+    ``token_mult_prob_error``, at most ``mult_prob_error``; given ``max_difference``, every
+    difference at most that too), and did not before the refit. Returns the refit's stats. The policy and the backend must have been built from the
     same ``generation.temperature`` (the policy's logprobs are those of ``logits / temperature``)."""
     for _ in range(steps):
         out = generation.generate(prompt_batch(prompts))
@@ -189,7 +190,8 @@ def check_trained_policy_refit(policy: Policy, generation: Generation, prompts: 
     diff = (out["logprobs"] - theirs["logprobs"])[mask]
     if max_difference is not None:
         assert float(diff.abs().max()) <= max_difference, f"max |difference| {diff.abs().max():.2e}"
-    assert torch.exp(diff.abs()).mean() <= 1.01, f"mean |difference| {diff.abs().mean():.2e}"
+    error = float(torch.exp(diff.abs()).mean())
+    assert error <= mult_prob_error, f"token_mult_prob_error {error:.7f}, mean |difference| {diff.abs().mean():.2e}"
     return stats
 
 

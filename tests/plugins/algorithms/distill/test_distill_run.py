@@ -30,7 +30,7 @@ def distill_config(student: str, teacher: str, tmp_path: Path, **distill) -> obj
         "policy": {"model": student, "train_global_batch_size": 16, "train_micro_batch_size": 16,
                    "logprob_micro_batch_size": 16, "max_total_sequence_length": 64, "optimizer": {"lr": 3e-3}},
         # the engine inside the student's worker: the same metrics as an engine process of its own
-        # (checked on 2026-11-27, every metric of 8 steps equal), one process fewer
+        # (checked: every metric of 8 steps equal), one process fewer
         "generation": {"max_new_tokens": 8, "in_policy_workers": True},
         "data": {"train": str(prompts), "validation": str(prompts)},
         "environments": {"math": {"num_workers": 1}},

@@ -34,11 +34,11 @@ from posttrain.run.environments import environment_names, shutdown_environments
 from posttrain.run.finished import finished_run
 from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
 from posttrain.run.metrics import StageTimer, combine_train_passes
+from posttrain.run.prompt_rollout import PromptRollout, validate_greedy
 from posttrain.run.refit import refit
 from posttrain_distill.config import DistillConfig
 from posttrain_distill.loss import DistillationLoss
 from posttrain_distill.teacher import check_teacher
-from posttrain_eval.evaluate import PromptRollout, validate_greedy
 from posttrain_grpo.prompts import PromptStream
 from posttrain_grpo.step import TrainingDiverged, first_nonfinite, rollout_summary, sample_keys, step_seed
 

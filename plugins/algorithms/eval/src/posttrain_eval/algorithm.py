@@ -29,9 +29,10 @@ from posttrain.interfaces import Algorithm, Generation
 from posttrain.run.checkpoint import INFO_FILE, POLICY_DIR
 from posttrain.run.context import RunContext
 from posttrain.run.environments import environment_names, shutdown_environments
+from posttrain.run.prompt_rollout import PromptRollout
 from posttrain.run.refit import refit
 from posttrain_eval.config import EvalConfig
-from posttrain_eval.evaluate import PromptRollout, evaluate
+from posttrain_eval.evaluate import evaluate
 
 
 class Eval(Algorithm):

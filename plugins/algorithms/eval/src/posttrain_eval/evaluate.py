@@ -1,62 +1,20 @@
 """One evaluation pass: roll prompts out, ``n`` completions each, and score them.
 
-:class:`PromptRollout` rolls a batch of prompts (a prompt dataset's collated rows) out
-through a generation backend and the environments (core's
-:func:`~posttrain.run.rollout.run_rollout`); :func:`evaluate` draws the completions and scores
-them (:mod:`posttrain_eval.metrics`). GRPO's validation and the ``eval`` algorithm both run
-through here.
+:func:`evaluate` draws the completions through a :class:`~posttrain.run.prompt_rollout.Rollout`
+(core's :class:`~posttrain.run.prompt_rollout.PromptRollout` for the ``eval`` algorithm) and
+scores them (:mod:`posttrain_eval.metrics`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
 from posttrain.batch import Batch
-from posttrain.interfaces import Environment, Generation
-from posttrain.run.rollout import run_rollout
+from posttrain.run.prompt_rollout import Rollout
 from posttrain_eval.metrics import score_prompts
-
-#: Per-sample fields of a prompt batch that the rollout reads.
-PROMPT_FIELDS = ("messages", "task", "metadata", "answer")
-
-
-class Rollout(Protocol):
-    """``rollout(prompts, greedy=..., repeats=...)``: each prompt ``repeats`` times in a row,
-    rolled out; the rollout batch and its metrics (see :func:`~posttrain.run.rollout.run_rollout`)."""
-
-    def __call__(self, prompts: Batch, *, greedy: bool, repeats: int) -> tuple[Batch, dict[str, float]]: ...
-
-
-@attrs.frozen
-class PromptRollout:
-    """A :class:`Rollout` through ``generation`` and ``environments``: conversations of at
-    most ``max_turns`` turns and ``max_total_length`` tokens, rendered with ``chat_template``
-    (None: the tokenizer's); a row without a ``task`` goes to ``default_task``."""
-
-    generation: Generation
-    environments: Mapping[str, Environment]
-    tokenizer: Any
-    max_total_length: int
-    max_turns: int = 1
-    chat_template: str | None = None
-    default_task: str | None = None
-
-    def __call__(self, prompts: Batch, *, greedy: bool, repeats: int) -> tuple[Batch, dict[str, float]]:
-        samples = prompts.fields(PROMPT_FIELDS)
-        samples["task"] = [task or self.default_task for task in samples["task"]]
-        return run_rollout(
-            samples.repeat_interleave(repeats),
-            self.generation,
-            self.environments,
-            self.tokenizer,
-            max_total_length=self.max_total_length,
-            max_turns=self.max_turns,
-            greedy=greedy,
-            chat_template=self.chat_template,
-        )
 
 
 @attrs.frozen
@@ -119,21 +77,3 @@ def evaluate(
         answers = [[batch["answers"][i] for i in row] for row in rows]
         metrics.update(score_prompts(per_prompt, answers, ks, correct_reward))
     return Evaluation(metrics, rollout_metrics, batch, num_samples)
-
-
-def validate_greedy(prompts: Batch, rollout: Rollout, generation: Generation, seed: int) -> dict[str, float]:
-    """The validation of rollout algorithms (GRPO, distillation): one greedy completion of
-    each prompt, with ``generation`` prepared for it and reseeded with ``seed``. Returns
-    ``accuracy`` (the mean environment reward: pass@1 when rewards are 0 or 1),
-    ``mean_response_length`` and the rollout metrics."""
-    generation.set_sampling_seed(seed)
-    generation.prepare_for_generation()
-    try:
-        result = evaluate(prompts, rollout, greedy=True)
-    finally:
-        generation.finish_generation()
-    return {
-        "accuracy": result.metrics["mean_reward"],
-        "mean_response_length": result.metrics["mean_response_length"],
-        **result.rollout_metrics,
-    }

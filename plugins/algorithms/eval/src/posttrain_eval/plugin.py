@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from posttrain import hookimpl
-from posttrain.cli import Command
 from posttrain.config import require_registered
 from posttrain.errors import ConfigError
+from posttrain.interfaces import Command
 from posttrain.plugins import plugin_host
 from posttrain_eval.config import EvalConfig, check_eval_config
 

@@ -22,7 +22,7 @@ One step, as data::
       -> metrics -> validation every grpo.val_period steps -> checkpoint every
          checkpointing.save_period steps and at the end
 
-Rounds and steps: a :class:`~posttrain.run.rounds.RoundProducer` produces the rounds in a
+Rounds and steps: a :class:`~posttrain_grpo.rounds.RoundProducer` produces the rounds in a
 driver thread, on the generation engines and the environment actors. Synchronous GRPO
 (``grpo.asynchronous.max_staleness_steps`` = 0, the default) starts round s when step s asks
 for it and waits; asynchronous GRPO (k >= 1, engines on their own workers) generates up to k
@@ -65,22 +65,22 @@ from posttrain.data import (
 )
 from posttrain.errors import WorkerError
 from posttrain.interfaces import Algorithm, PlaneSamples
-from posttrain.run.agents import AgentRollout, load_agent
 from posttrain.run.checkpoint import TrainingState
 from posttrain.run.context import RunContext
-from posttrain.run.endpoint import ChatEndpoint
 from posttrain.run.environments import environment_names, shutdown_environments
 from posttrain.run.finished import finished_run
 from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
 from posttrain.run.metrics import StageTimer, combine_train_passes
+from posttrain.run.prompt_rollout import PromptRollout, validate_greedy
 from posttrain.run.refit import refit
-from posttrain.run.rounds import RoundProducer, SharedPlane
 from posttrain.run.startup import Startup
-from posttrain_eval.evaluate import PromptRollout, validate_greedy
+from posttrain_grpo.agents import AgentRollout, load_agent
 from posttrain_grpo.config import GRPOConfig
 from posttrain_grpo.dynamic_sampling import DynamicSampler
+from posttrain_grpo.endpoint import ChatEndpoint
 from posttrain_grpo.mismatch import check_mismatch
 from posttrain_grpo.prompts import PromptStream
+from posttrain_grpo.rounds import RoundProducer, SharedPlane
 from posttrain_grpo.step import (
     LOGPROB_FIELDS,
     METRIC_FIELDS,
@@ -459,7 +459,7 @@ class GRPORun(LoopSteps):
     # ------------------------------------------------------------------ validation
 
     def validate(self, step: int) -> dict[str, float] | None:
-        """Greedy rollouts of the validation prompts (:func:`posttrain_eval.evaluate.validate_greedy`,
+        """Greedy rollouts of the validation prompts (:func:`posttrain.run.prompt_rollout.validate_greedy`,
         one completion each): ``accuracy`` (the mean environment reward: pass@1 for rewards of
         0 or 1), the mean response length, and the rollout and environment metrics; None
         without validation prompts."""

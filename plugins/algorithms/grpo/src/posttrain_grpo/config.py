@@ -133,7 +133,7 @@ class OverlongRewardShapingConfig:
 @attrs.define
 class AgentConfig:
     """Rollouts by an agent written outside posttrain, through an OpenAI-compatible endpoint
-    on the generation engines (``posttrain.run.agents``, ``posttrain.run.endpoint``)."""
+    on the generation engines (``posttrain_grpo.agents``, ``posttrain_grpo.endpoint``)."""
 
     # "package.module:function" of the agent, called as agent(task, base_url) -> reward for each sample;
     # None: the environments roll out

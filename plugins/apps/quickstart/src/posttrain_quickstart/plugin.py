@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from posttrain import hookimpl
-from posttrain.cli import Command
+from posttrain.interfaces import Command
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,13 +21,15 @@ class RefitExtension:
     model_runner: Any
     weight_transfer_engine: Any
 
-    def posttrain_after_update(self) -> list[str]:
+    def posttrain_after_update(self) -> tuple[list[str], list[str]]:
         """After a weight update: drop caches derived from the old weights and return the
-        names of model parameters (vLLM names) that received nothing."""
+        names of model parameters (vLLM names) that received nothing, and, with checksums,
+        those whose values differ from the trainer's."""
         self.model_runner.reset_lora_state()
         self.model_runner.reset_encoder_cache()
         self.model_runner.reset_mm_cache()
-        return self.weight_transfer_engine.uncovered_parameters()
+        engine = self.weight_transfer_engine
+        return engine.uncovered_parameters(), engine.mismatched_parameters()
 
     def posttrain_receive_adapter(self, folder: str, lora: dict[str, Any], base_model: str) -> None:
         """Receive one sync of LoRA adapter matrices (PEFT names) and, on the engine's first

@@ -41,7 +41,7 @@ import torch
 from posttrain.backend.generation_group import Completion, EngineWorker, GenerationRequest
 from posttrain.backend.weight_sync import TransferInit
 from posttrain.config.schema import LoraConfig
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, WorkerError
 from posttrain_vllm.config import engine_lora_options
 
 #: Prompt tokens one CPU engine step may prefill (whole prompts; at least max_model_len).
@@ -205,9 +205,13 @@ class VllmEngineWorker(EngineWorker):
         self.llm.collective_rpc("start_weight_update")
         self.llm.collective_rpc("update_weights", kwargs={"update_info": {"version": version}})
         self.llm.collective_rpc("finish_weight_update")
-        uncovered = self.llm.collective_rpc("posttrain_after_update")[0]
+        uncovered, mismatched = self.llm.collective_rpc("posttrain_after_update")[0]
         self.llm.reset_prefix_cache()  # KV blocks computed with the old weights must not be reused
         self.weight_version = version
+        if mismatched:
+            raise WorkerError(f"weight sync (version {version}): {len(mismatched)} parameter group(s) of the vLLM "
+                              f"model differ from what the trainer sent (generation.refit_checksums), e.g. "
+                              f"{'; '.join(mismatched[:3])}")
         return uncovered
 
     # ------------------------------------------------------------------ colocation

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from posttrain.distributed.deadline_pool import DeadlinePool
+from posttrain.deadline_pool import DeadlinePool
 from posttrain.interfaces import Environment, EnvironmentReturn, Message
 from posttrain_env_math.options import MathOptions
 

@@ -1,6 +1,6 @@
 """Score one response against a ground-truth answer with math-verify.
 
-Runs inside :class:`~posttrain.distributed.deadline_pool.DeadlinePool` worker processes, so
+Runs inside :class:`~posttrain.deadline_pool.DeadlinePool` worker processes, so
 math-verify's signal-based time limits are switched off (``parsing_timeout=None``,
 ``timeout_seconds=None``) and the pool enforces the deadline instead.
 """

@@ -3,7 +3,7 @@
 Each step looks at every sample's last assistant message:
 
 - it calls tools (in ``format``): each call runs in a worker process with a deadline of
-  ``tool_timeout_s`` (:class:`~posttrain.distributed.deadline_pool.DeadlinePool`) and the
+  ``tool_timeout_s`` (:class:`~posttrain.deadline_pool.DeadlinePool`) and the
   results, one line per call in order, come back as one ``tool`` message; the episode goes
   on. A call to a tool that does not exist, a call that raises and a call past its deadline
   are answered with an ``error: ...`` line and counted;
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from posttrain.data.tool_calls import FORMATS, MalformedToolCall, ToolCall
-from posttrain.distributed.deadline_pool import DeadlinePool
+from posttrain.deadline_pool import DeadlinePool
 from posttrain.interfaces import Environment, EnvironmentReturn, Message
 from posttrain.plugins import plugin_host
 from posttrain_env_tools.invoke import invoke

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from posttrain.run.rounds import RoundProducer
+from posttrain_grpo.rounds import RoundProducer
 
 
 class Trainer:

@@ -2,7 +2,7 @@
 
 An *agent* is a function ``agent(task, base_url) -> reward``: ``task`` is a data row's
 ``messages`` and ``metadata`` (plain JSON values), ``base_url`` the OpenAI-compatible
-endpoint of its own session (:mod:`posttrain.run.endpoint`). It talks to the policy with any
+endpoint of its own session (:mod:`posttrain_grpo.endpoint`). It talks to the policy with any
 OpenAI client (tools included), does whatever its harness does between calls, and returns
 its reward (a number). It is named in the config as ``"package.module:function"`` and needs
 no posttrain import.
@@ -31,8 +31,8 @@ import attrs
 from posttrain.batch import Batch
 from posttrain.errors import ConfigError
 from posttrain.log import get_logger
-from posttrain.run.endpoint import ChatEndpoint, Session
 from posttrain.run.rollout import Conversation, rollout_metrics, training_batch
+from posttrain_grpo.endpoint import ChatEndpoint, Session
 
 Agent = Callable[[dict[str, Any], str], float]
 _log = get_logger(__name__)

@@ -13,9 +13,9 @@ import pytest
 
 from posttrain.batch import Batch
 from posttrain.models.tiny import TOOL_CHAT_TEMPLATES, build_tokenizer
-from posttrain.run.agents import load_agent, run_agent_rollout
-from posttrain.run.endpoint import ChatEndpoint
 from posttrain.testing.scripted import ScriptedGeneration
+from posttrain_grpo.agents import load_agent, run_agent_rollout
+from posttrain_grpo.endpoint import ChatEndpoint
 from tests.e2e import openai_agent
 
 TEMPLATE = TOOL_CHAT_TEMPLATES["hermes"]

@@ -5,7 +5,7 @@ tool the model calls. This pool runs jobs in separate worker processes: a job st
 ``timeout_s`` seconds after it was handed to a worker is given up, that worker is killed and
 a fresh one started. It works from any thread (Ray actors, thread pools).
 
-Workers are fresh interpreters (``python -m posttrain.distributed.deadline_pool``) that import
+Workers are fresh interpreters (``python -m posttrain.deadline_pool``) that import
 only the job function's module, never the parent's ``__main__`` (unlike multiprocessing's
 ``spawn``), and talk to the parent over a socket pair. A worker exits when the parent
 closes its end or disappears; one stuck inside a long C call when the parent is killed

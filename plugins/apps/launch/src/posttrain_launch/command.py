@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 
 from posttrain.errors import ClusterError, ConfigError, PosttrainError
-from posttrain.launch.kuberay import RayJobSpec, rayjob_manifest
-from posttrain.launch.slurm import SlurmJob, sbatch_script
 from posttrain.run_command import check_run_config
+from posttrain_launch.kuberay import RayJobSpec, rayjob_manifest
+from posttrain_launch.slurm import SlurmJob, sbatch_script
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     slurm.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
     slurm.add_argument("--no-check", action="store_true",
                        help="do not load the run's config here first (e.g. when a --setup line changes directory)")
-    slurm.set_defaults(func=_cmd_slurm)
+    slurm.set_defaults(launch=_cmd_slurm)
 
     kuberay = sub.add_parser("kuberay", help="print a KubeRay RayJob manifest that runs the command")
     _common(kuberay)
@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="PersistentVolumeClaim (ReadWriteMany) every pod mounts (default: posttrain-shared)")
     kuberay.add_argument("--mount-path", default="/shared", help="where pods mount it (default: /shared)")
     kuberay.add_argument("--workdir", default="/shared", help="where the run starts (default: /shared)")
-    kuberay.set_defaults(func=_cmd_kuberay)
+    kuberay.set_defaults(launch=_cmd_kuberay)
 
     wait = sub.add_parser("wait", help="wait until the Ray cluster's nodes have joined")
     wait.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--nodes", nargs="+", default=[], metavar="NAME", help="host names (or addresses) to wait for")
     which.add_argument("--num-nodes", type=int, default=0, help="how many nodes to wait for")
     wait.add_argument("--timeout-s", type=float, default=600.0, help="seconds to wait in all (default: 600)")
-    wait.set_defaults(func=_cmd_wait)
+    wait.set_defaults(launch=_cmd_wait)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -163,7 +163,7 @@ def _cmd_kuberay(args: argparse.Namespace) -> int:
 
 
 def _cmd_wait(args: argparse.Namespace) -> int:
-    from posttrain.launch.wait import wait_for_cluster
+    from posttrain_launch.wait import wait_for_cluster
 
     if not args.address:
         raise ClusterError("posttrain launch wait: give --address HOST:PORT or set RAY_ADDRESS")

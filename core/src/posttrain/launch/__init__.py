@@ -1,8 +1,0 @@
-"""Launchers: start a Ray cluster on a batch system, then a ``posttrain run`` on its head.
-
-Ray is the scheduler; these only write what starts Ray on the nodes a batch system gives:
-an sbatch script for Slurm (:mod:`posttrain.launch.slurm`), a KubeRay ``RayJob`` manifest
-for Kubernetes (:mod:`posttrain.launch.kuberay`), and the wait for a cluster's nodes that the
-script runs before the run (:mod:`posttrain.launch.wait`). ``posttrain launch`` is their
-command line (:mod:`posttrain.launch.command`).
-"""

@@ -1,0 +1,74 @@
+"""Prompts rolled out: what validation and evaluation of rollout algorithms run through.
+
+:class:`PromptRollout` rolls a batch of prompts (a prompt dataset's collated rows) out
+through a generation backend and the environments (:func:`~posttrain.run.rollout.run_rollout`);
+:func:`validate_greedy` is the validation of rollout algorithms (GRPO, distillation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import attrs
+
+from posttrain.batch import Batch
+from posttrain.interfaces import Environment, Generation
+from posttrain.run.rollout import run_rollout
+
+#: Per-sample fields of a prompt batch that the rollout reads.
+PROMPT_FIELDS = ("messages", "task", "metadata", "answer")
+
+
+class Rollout(Protocol):
+    """``rollout(prompts, greedy=..., repeats=...)``: each prompt ``repeats`` times in a row,
+    rolled out; the rollout batch and its metrics (see :func:`~posttrain.run.rollout.run_rollout`)."""
+
+    def __call__(self, prompts: Batch, *, greedy: bool, repeats: int) -> tuple[Batch, dict[str, float]]: ...
+
+
+@attrs.frozen
+class PromptRollout:
+    """A :class:`Rollout` through ``generation`` and ``environments``: conversations of at
+    most ``max_turns`` turns and ``max_total_length`` tokens, rendered with ``chat_template``
+    (None: the tokenizer's); a row without a ``task`` goes to ``default_task``."""
+
+    generation: Generation
+    environments: Mapping[str, Environment]
+    tokenizer: Any
+    max_total_length: int
+    max_turns: int = 1
+    chat_template: str | None = None
+    default_task: str | None = None
+
+    def __call__(self, prompts: Batch, *, greedy: bool, repeats: int) -> tuple[Batch, dict[str, float]]:
+        samples = prompts.fields(PROMPT_FIELDS)
+        samples["task"] = [task or self.default_task for task in samples["task"]]
+        return run_rollout(
+            samples.repeat_interleave(repeats),
+            self.generation,
+            self.environments,
+            self.tokenizer,
+            max_total_length=self.max_total_length,
+            max_turns=self.max_turns,
+            greedy=greedy,
+            chat_template=self.chat_template,
+        )
+
+
+def validate_greedy(prompts: Batch, rollout: Rollout, generation: Generation, seed: int) -> dict[str, float]:
+    """One greedy completion of each prompt, with ``generation`` prepared for it and reseeded
+    with ``seed``. Returns ``accuracy`` (the mean environment reward: pass@1 when rewards
+    are 0 or 1), ``mean_response_length`` (generated tokens per completion) and the rollout
+    metrics."""
+    generation.set_sampling_seed(seed)
+    generation.prepare_for_generation()
+    try:
+        batch, rollout_metrics = rollout(prompts, greedy=True, repeats=1)
+    finally:
+        generation.finish_generation()
+    return {
+        "accuracy": float(batch["rewards"].float().mean()),
+        "mean_response_length": float(batch["response_lengths"].float().mean()),
+        **rollout_metrics,
+    }
