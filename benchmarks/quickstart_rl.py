@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,9 @@ def cached(run_dir: Path, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def run_seed(out: Path, seed: int, variants: list[str], staleness: int) -> dict[str, Any]:
+def run_seed(out: Path, seed: int, variants: Mapping[str, tuple[str, list[str]]]) -> dict[str, Any]:
+    """One seed's row: the quickstart's stages, then one RL stage per variant (its name: its
+    algorithm and overrides) from the same SFT model."""
     from posttrain_quickstart.run import run_quickstart
 
     sync_dir = out / f"seed_{seed}" / "sync"
@@ -76,8 +78,7 @@ def run_seed(out: Path, seed: int, variants: list[str], staleness: int) -> dict[
 
     sync = cached(sync_dir, quickstart)
     row: dict[str, Any] = {"seed": seed, "after SFT": sync.pop("after SFT"), "sync": sync}
-    for name in variants:
-        algorithm, overrides = VARIANTS[name](staleness)
+    for name, (algorithm, overrides) in variants.items():
         stage_dir = out / f"seed_{seed}" / name
 
         def variant(stage_dir: Path = stage_dir, algorithm: str = algorithm, overrides: list[str] = overrides) -> dict[str, Any]:
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out).resolve()
     rows = []
     for seed in args.seeds:
-        rows.append(run_seed(out, seed, args.variants, args.staleness))
+        rows.append(run_seed(out, seed, {name: VARIANTS[name](args.staleness) for name in args.variants}))
         (out / "results.json").write_text(json.dumps(rows, indent=1))  # kept as the seeds finish
     text = table(rows, args.variants, args.staleness)
     (out / "results.md").write_text(text)

@@ -24,6 +24,22 @@ def tiny_model_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def zoo_model(tmp_path_factory):
+    """``zoo_model(name)``: the folder of the seeded tiny checkpoint of
+    :mod:`posttrain.testing.zoo` architecture ``name``, built once per session."""
+    from posttrain.testing.zoo import build_zoo_model
+
+    built: dict[str, str] = {}
+
+    def path(name: str) -> str:
+        if name not in built:
+            built[name] = str(build_zoo_model(tmp_path_factory.mktemp(f"zoo_{name}"), name))
+        return built[name]
+
+    return path
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster for the whole session (4 logical CPUs on any machine)."""
     import ray

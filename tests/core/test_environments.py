@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import attrs
 import pytest
 import torch
 
@@ -69,11 +70,11 @@ def test_check_return_refuses_other_types_and_shapes():
     good = Flaky().step(logs("a", "b"), [{}, {}])
     with pytest.raises(PluginError, match=r"environment 'x' returned dict from step\(\); expected an EnvironmentReturn"):
         check_return("x", {}, 2)
-    import attrs
-
     with pytest.raises(PluginError, match=r"returned a Tensor\(2, 1\) of rewards for 2 message logs"):
         check_return("x", attrs.evolve(good, rewards=torch.zeros(2, 1)), 2)
     check_return("x", attrs.evolve(good, errors=[], answers=[]), 2)  # empty optional lists are fine
+    with pytest.raises(PluginError, match=r"returned 3 reward_components\['format'\] for 2 message logs"):
+        check_return("x", attrs.evolve(good, reward_components={"format": torch.zeros(3)}), 2)
 
 
 def test_a_per_sample_error_costs_only_that_sample():
@@ -81,6 +82,11 @@ def test_a_per_sample_error_costs_only_that_sample():
     assert (step.errors, step.timeouts) == (1, 0)
     assert step.result.rewards.tolist() == [1.0, 0.0, 1.0]
     assert step.result.terminateds.tolist() == [False, True, False]
+    with_parts = attrs.evolve(Flaky().step(logs("a", "bad", "c"), [{}, {}, {}]),
+                              reward_components={"format": torch.tensor([0.5, 0.5, 0.5])})
+    step = step_contained("parts", type("Parts", (), {"step": lambda self, m, d: with_parts})(), logs("a", "b", "c"),
+                          [{}, {}, {}])
+    assert step.result.reward_components["format"].tolist() == [0.5, 0.0, 0.5]  # the failed sample's parts are 0
 
 
 def test_a_lost_node_is_never_contained():

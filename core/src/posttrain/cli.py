@@ -35,10 +35,12 @@ CORE_COMMANDS = ("run", "config", "plugins")
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    """List every installed plugin, what it registers and the features its config sections
-    declare (:mod:`posttrain.config.features`); one that could not be loaded is listed with
-    its error (the command still succeeds)."""
+    """List every installed plugin, what it registers, the features its config sections
+    declare (:mod:`posttrain.config.features`) and the packages they require, found or not
+    (:mod:`posttrain.config.requirements`); one that could not be loaded is listed with its
+    error (the command still succeeds)."""
     from posttrain.config.features import declared_features
+    from posttrain.config.requirements import section_requirements
     from posttrain.plugins import plugin_host
 
     for info in plugin_host(allow_broken=True).plugins():
@@ -56,6 +58,11 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
                     for text in declared_features(reg.value)]
         if features:
             print(f"  features: {', '.join(features)}")
+        for reg in info.registrations:
+            for requirement in section_requirements(reg.value) if reg.kind == "config section" else ():
+                problem = requirement.problem()
+                status = "installed" if problem is None else f"{problem}: {requirement.install}"
+                print(f"  requires: {requirement.module} ({status})")
     return 0
 
 

@@ -12,6 +12,10 @@ distribution, see :mod:`posttrain.backend.sampling`); each chunk of logits is di
 computed, in that dtype, so temperature 1 leaves every value unchanged. Top-k logits are
 raw (unscaled) logits.
 
+Final-logit soft-capping (Gemma 2's ``final_logit_softcapping``): with ``softcap`` set, the
+logits are ``softcap * tanh(hidden @ weight.T / softcap)``, as the model's own head computes
+them, before any temperature; every function here takes it, top-k logits included.
+
 Vocabulary parallel: with a :class:`VocabShard`, ``weight`` holds only this rank's rows of
 the output embedding (tensor parallelism splits the vocabulary over ``shard.group``). The
 log-sum-exp and the target logits are combined over the group, so every rank returns the
@@ -42,6 +46,12 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return dtype
 
 
+def _logits(h: torch.Tensor, weight: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``h @ weight.T`` in ``h``'s dtype, soft-capped when ``softcap`` is set."""
+    logits = h @ weight.to(h.dtype).T
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
 def _chunks(vocab: int, chunk_size: int) -> range:
     if chunk_size <= 0:
         raise ValueError(f"logprob chunk size must be positive, got {chunk_size}")
@@ -57,11 +67,13 @@ def _group_logsumexp(lse: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     return peak + torch.log(total)
 
 
-def _local_logsumexp(h: torch.Tensor, weight: torch.Tensor, chunk_size: int, temperature: float) -> torch.Tensor:
-    """``logsumexp(h @ weight.T / temperature)`` per row over this rank's rows of ``weight``,
-    one chunk at a time (-inf for a rank without rows); ``h`` already in the compute dtype."""
+def _local_logsumexp(
+    h: torch.Tensor, weight: torch.Tensor, chunk_size: int, temperature: float, softcap: float | None
+) -> torch.Tensor:
+    """``logsumexp(logits / temperature)`` per row over this rank's rows of ``weight``, one
+    chunk at a time (-inf for a rank without rows); ``h`` already in the compute dtype."""
     parts = [
-        torch.logsumexp(h @ weight[v0:v0 + chunk_size].to(h.dtype).T / temperature, dim=-1)
+        torch.logsumexp(_logits(h, weight[v0:v0 + chunk_size], softcap) / temperature, dim=-1)
         for v0 in _chunks(weight.shape[0], chunk_size)
     ]
     return torch.logsumexp(torch.stack(parts), dim=0) if parts else h.new_full(h.shape[:1], float("-inf"))
@@ -69,20 +81,28 @@ def _local_logsumexp(h: torch.Tensor, weight: torch.Tensor, chunk_size: int, tem
 
 @torch.no_grad()
 def logsumexp_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int, temperature: float = 1.0, shard: VocabShard | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    chunk_size: int,
+    temperature: float = 1.0,
+    shard: VocabShard | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """``log sum_v exp(hidden @ weight[v] / temperature)`` per row, the normaliser of the
-    logprobs at that temperature ([N] from ``hidden`` [N, H]; over the whole vocabulary of the
-    group with ``shard``), one vocabulary chunk at a time; no gradient. ``logit / temperature -
-    logsumexp_logits(...)`` is the logprob :func:`target_logprobs` gives."""
+    """``log sum_v exp(logit_v / temperature)`` per row (``logit_v = hidden @ weight[v]``,
+    soft-capped with ``softcap``), the normaliser of the logprobs at that temperature ([N]
+    from ``hidden`` [N, H]; over the whole vocabulary of the group with ``shard``), one
+    vocabulary chunk at a time; no gradient. ``logit / temperature - logsumexp_logits(...)``
+    is the logprob :func:`target_logprobs` gives."""
     dtype = _compute_dtype(hidden, weight)
-    lse = _local_logsumexp(hidden.to(dtype), weight, chunk_size, temperature)
+    lse = _local_logsumexp(hidden.to(dtype), weight, chunk_size, temperature, softcap)
     return lse if shard is None else _group_logsumexp(lse, shard.group)
 
 
 class _ChunkedTargetLogprob(torch.autograd.Function):
-    """``log_softmax(hidden @ weight.T / temperature)[i, targets[i]]`` for every row ``i``
-    (``targets`` [N]), or ``[i, targets[i, j]]`` for every row and column (``targets`` [N, K])."""
+    """``log_softmax(logits / temperature)[i, targets[i]]`` for every row ``i`` (``targets``
+    [N]), or ``[i, targets[i, j]]`` for every row and column (``targets`` [N, K]); ``logits =
+    hidden @ weight.T``, soft-capped with ``softcap``. The cap's derivative, ``1 -
+    tanh(z / softcap) ** 2`` at raw logit ``z``, scales each logit's gradient."""
 
     @staticmethod
     def forward(
@@ -93,42 +113,50 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
         chunk_size: int,
         temperature: float,
         shard: VocabShard | None,
+        softcap: float | None,
     ) -> torch.Tensor:
         dtype = _compute_dtype(hidden, weight)
         h = hidden.to(dtype)
-        lse = _local_logsumexp(h, weight, chunk_size, temperature)
+        lse = _local_logsumexp(h, weight, chunk_size, temperature, softcap)
         one = targets.dim() == 1  # one target per row: [N], else [N, K]
         targets = targets[:, None] if one else targets
         if shard is None:
             local, inside = targets, None
-            target_logits = (h[:, None, :] * weight[local].to(dtype)).sum(-1) / temperature
         else:
             lse = _group_logsumexp(lse, shard.group)
             local = targets - shard.start
             inside = (local >= 0) & (local < weight.shape[0])
             local = torch.where(inside, local, 0)
-            target_logits = h.new_zeros(targets.shape)
-            if weight.shape[0]:
-                target_logits = torch.where(inside, (h[:, None, :] * weight[local].to(dtype)).sum(-1) / temperature, 0.0)
+        raw = (h[:, None, :] * weight[local].to(dtype)).sum(-1) if weight.shape[0] else h.new_zeros(targets.shape)
+        capped = raw if softcap is None else torch.tanh(raw / softcap) * softcap
+        target_logits = capped / temperature
+        if shard is not None:
+            target_logits = torch.where(inside, target_logits, 0.0)
             dist.all_reduce(target_logits, group=shard.group)
-        ctx.save_for_backward(hidden, weight, local, lse, inside)
+        # d(capped)/d(raw) at the targets: 1 - tanh^2, from the capped logits
+        slope = None if softcap is None else 1 - (capped / softcap) ** 2
+        ctx.save_for_backward(hidden, weight, local, lse, inside, slope)
         ctx.chunk_size = chunk_size
         ctx.temperature = temperature
+        ctx.softcap = softcap
         ctx.one = one
         out = target_logits - lse[:, None]
         return out[:, 0] if one else out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        hidden, weight, local, lse, inside = ctx.saved_tensors
-        chunk_size, temperature = ctx.chunk_size, ctx.temperature
+        hidden, weight, local, lse, inside, slope = ctx.saved_tensors
+        chunk_size, temperature, softcap = ctx.chunk_size, ctx.temperature, ctx.softcap
         dtype = lse.dtype
         h = hidden.to(dtype)
-        # d(logprob)/d(raw logits) = (onehot - softmax) / temperature: fold 1/T into g.
+        # d(logprob)/d(logits) = (onehot - softmax) / temperature: fold 1/T into g; the
+        # soft-cap's slope then carries each logit's share back to the raw logit.
         g = grad_out.to(dtype) / temperature
         g = g[:, None] if ctx.one else g  # [N, K]: one column per target
         # the onehot part: only for targets among this rank's rows
         g_target = g if inside is None else torch.where(inside, g, 0.0)
+        if slope is not None:
+            g_target = g_target * slope
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
@@ -140,8 +168,11 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
         g_total = g.sum(-1)  # every target's softmax term has the same shape
         for v0 in _chunks(weight.shape[0], chunk_size):
             w = weight[v0:v0 + chunk_size].to(dtype)
+            logits = _logits(h, w, softcap)
             # the softmax part of the gradient; the onehot part is added above.
-            grad_logits = -g_total[:, None] * torch.exp(h @ w.T / temperature - lse[:, None])
+            grad_logits = -g_total[:, None] * torch.exp(logits / temperature - lse[:, None])
+            if softcap is not None:
+                grad_logits = grad_logits * (1 - (logits / softcap) ** 2)
             if need_h:
                 grad_h += grad_logits @ w
             if need_w:
@@ -149,6 +180,7 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
         return (
             grad_h.to(hidden.dtype) if need_h else None,
             grad_w.to(weight.dtype) if need_w else None,
+            None,
             None,
             None,
             None,
@@ -163,17 +195,22 @@ def target_logprobs(
     chunk_size: int,
     temperature: float = 1.0,
     shard: VocabShard | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Logprob of ``targets[i]`` under ``softmax(hidden[i] @ weight.T / temperature)``.
+    """Logprob of ``targets[i]`` under ``softmax(logits[i] / temperature)``, ``logits =
+    hidden @ weight.T`` (``softcap * tanh(hidden @ weight.T / softcap)`` with ``softcap``).
 
     ``hidden`` [N, H], ``weight`` [V, H] (the output embedding, or this rank's rows of it
     with ``shard``), ``targets`` int64 [N] (full-vocabulary ids), or [N, K] for K ids per row
-    (e.g. a teacher's top-k tokens), ``temperature`` > 0. Returns the shape of ``targets`` in
-    float32 (or float64 for float64 inputs), differentiable in ``hidden`` and ``weight``.
+    (e.g. a teacher's top-k tokens), ``temperature`` > 0, ``softcap`` > 0 or None. Returns the
+    shape of ``targets`` in float32 (or float64 for float64 inputs), differentiable in
+    ``hidden`` and ``weight``.
     """
     if not temperature > 0:
         raise ValueError(f"logprob temperature must be > 0, got {temperature}")
-    return _ChunkedTargetLogprob.apply(hidden, weight, targets, chunk_size, temperature, shard)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"logit soft-cap must be > 0 or None, got {softcap}")
+    return _ChunkedTargetLogprob.apply(hidden, weight, targets, chunk_size, temperature, shard, softcap)
 
 
 def sequence_logprobs(
@@ -184,8 +221,9 @@ def sequence_logprobs(
     chunk_size: int,
     temperature: float = 1.0,
     shard: VocabShard | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Per-position logprobs of rows of tokens.
+    """Per-position logprobs of rows of tokens (logits soft-capped with ``softcap``).
 
     ``hidden`` [R, T, H] are the final hidden states of ``input_ids`` [R, T]; ``predicted``
     bool [R, T] is True where token ``t`` is predicted from position ``t - 1`` of the same
@@ -195,7 +233,7 @@ def sequence_logprobs(
     token ids per position, whose logprobs at that position are returned, [R, T, K].
     """
     src = predicted[:, 1:]
-    values = target_logprobs(hidden[:, :-1][src], weight, input_ids[:, 1:][src], chunk_size, temperature, shard)
+    values = target_logprobs(hidden[:, :-1][src], weight, input_ids[:, 1:][src], chunk_size, temperature, shard, softcap)
     if values.dim() == 1:
         shifted = values.new_zeros(src.shape).masked_scatter(src, values)
         return torch.nn.functional.pad(shifted, (1, 0))
@@ -205,10 +243,15 @@ def sequence_logprobs(
 
 @torch.no_grad()
 def topk_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, k: int, chunk_size: int, shard: VocabShard | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    k: int,
+    chunk_size: int,
+    shard: VocabShard | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` largest raw logits of ``hidden @ weight.T`` per row (not divided by any
-    temperature) and their vocabulary ids.
+    """The ``k`` largest raw logits of ``hidden @ weight.T`` per row (soft-capped with
+    ``softcap``, not divided by any temperature) and their vocabulary ids.
 
     ``hidden`` [N, H], ``weight`` [V, H] (this rank's rows with ``shard``); returns float32
     values [N, k] (descending) and int64 indices [N, k] (full-vocabulary ids, the same on
@@ -227,7 +270,7 @@ def topk_logits(
     best_idx = torch.empty((h.shape[0], 0), dtype=torch.long, device=h.device)
     start = shard.start if shard is not None else 0
     for v0 in _chunks(weight.shape[0], chunk_size):
-        logits = h @ weight[v0:v0 + chunk_size].to(dtype).T
+        logits = _logits(h, weight[v0:v0 + chunk_size], softcap)
         vals, idx = logits.topk(min(k, logits.shape[1]), dim=-1)
         best_vals, best_idx = _merge_topk(best_vals, best_idx, vals, idx + start + v0, k)
     if shard is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,6 +30,7 @@ import attrs
 
 from posttrain.config.environments import read_environment_options
 from posttrain.config.features import section_declares
+from posttrain.config.requirements import section_requirements
 from posttrain.config.schema import RunConfig
 from posttrain.errors import ConfigError, PluginError
 from posttrain.plugins import PluginHost, Registry, plugin_host
@@ -57,7 +59,8 @@ def require_registered(registry: Registry, name: str, key: str, *, config: RunCo
 
 
 def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
-    """Check sizes, the optimizer and its schedule, ``policy.lora``, the GPUs asked for, batch arithmetic (with the algorithm's
+    """Check sizes, the packages the selected backends need, the optimizer and its schedule,
+    ``policy.lora``, the GPUs asked for, batch arithmetic (with the algorithm's
     :class:`BatchSizeRules`), the data plane, every configured environment (its name and
     options), then the plugins' checks.
 
@@ -70,6 +73,7 @@ def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
     for key, value in [*sizes, *config.replica_factors()]:
         if value < 1:
             raise ConfigError(f"{key} must be at least 1, found {value}.{where_set(config, key)}")
+    check_requirements(config, host)
     check_optimizer(config)
     check_lora(config, host)
     check_generation_placement(config, host)
@@ -78,6 +82,32 @@ def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
     require_registered(host.data_planes, config.data_plane.backend, "data_plane.backend", config=config)
     check_environments(config, host)
     host.hook.posttrain_validate_config(config=config)
+
+
+# --------------------------------------------------------------------------- packages
+
+#: The keys that select a backend: section ``<prefix>.<name>`` is in use when ``<prefix>.backend`` is ``name``.
+SELECTING_KEYS = ("policy.backend", "generation.backend", "data_plane.backend")
+
+
+def check_requirements(config: RunConfig, host: PluginHost) -> None:
+    """Refuse a run whose selected backends need a package this environment lacks (or has too
+    old; :mod:`posttrain.config.requirements`): the selecting key, the backend and its
+    distribution, the problem and the install command."""
+    for key in SELECTING_KEYS:
+        prefix = key.rsplit(".", 1)[0]
+        name = getattr(config, prefix).backend
+        section = f"{prefix}.{name}"
+        if section not in host.config_sections:
+            continue
+        for requirement in section_requirements(host.config_sections[section]):
+            problem = requirement.problem()
+            if problem is not None:
+                raise ConfigError(
+                    f"{key}: {name} ({host.config_sections.distribution_of(section)}) needs {requirement.module}, but "
+                    f"{problem} in this environment ({sys.executable}); nothing was started. Install it with: "
+                    f"{requirement.install}.{where_set(config, key)}"
+                )
 
 
 # --------------------------------------------------------------------------- optimizer

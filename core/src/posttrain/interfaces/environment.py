@@ -7,7 +7,7 @@ A message log is a list of messages ``{"role": str, "content": str}`` (the rollo
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 import attrs
@@ -33,6 +33,10 @@ class EnvironmentReturn:
     # Per-sample failures (a message, or None): an environment that cannot score one sample
     # reports it here instead of raising, so only that sample gets reward 0. [] = none failed.
     errors: list[str | None] = attrs.field(factory=list)
+    # Named parts of the reward, float32 [B] each (e.g. "correct" and "format"), for advantage
+    # estimators that normalise them apart (GRPO's reward_aggregation: normalize_then_sum). They
+    # need not sum to ``rewards``. {} = none.
+    reward_components: dict[str, torch.Tensor] = attrs.field(factory=dict)
 
     @classmethod
     def final(
@@ -42,10 +46,12 @@ class EnvironmentReturn:
         *,
         answers: Sequence[str | None] = (),
         errors: Sequence[str | None] = (),
+        reward_components: Mapping[str, torch.Tensor | Sequence[float]] | None = None,
     ) -> EnvironmentReturn:
         """The result of a single-turn step: every episode ends with these rewards (stored
-        as float32 [B]); observations are empty (a finished episode gets none) and there are
-        no next stop strings. ``errors`` without a single failure is stored as ``[]``."""
+        as float32 [B], like each of ``reward_components``); observations are empty (a
+        finished episode gets none) and there are no next stop strings. ``errors`` without a
+        single failure is stored as ``[]``."""
         n = len(metadata)
         return cls(
             observations=[{"role": "user", "content": ""} for _ in range(n)],
@@ -55,6 +61,9 @@ class EnvironmentReturn:
             terminateds=torch.ones(n, dtype=torch.bool),
             answers=list(answers),
             errors=list(errors) if any(e is not None for e in errors) else [],
+            reward_components={
+                name: torch.as_tensor(values, dtype=torch.float32) for name, values in (reward_components or {}).items()
+            },
         )
 
 

@@ -79,7 +79,10 @@ def step_contained(name: str, env: Environment, message_logs: Sequence[Sequence[
     rewards, terminateds = result.rewards.clone(), result.terminateds.clone()
     rewards[failed] = 0.0
     terminateds[failed] = True
-    return ContainedStep(attrs.evolve(result, rewards=rewards, terminateds=terminateds), errors=len(failed), timeouts=0)
+    components = {name: values.clone().index_fill_(0, torch.tensor(failed), 0.0)
+                  for name, values in result.reward_components.items()}
+    contained = attrs.evolve(result, rewards=rewards, terminateds=terminateds, reward_components=components)
+    return ContainedStep(contained, errors=len(failed), timeouts=0)
 
 
 def check_return(name: str, result: Any, num_samples: int) -> None:
@@ -95,6 +98,7 @@ def check_return(name: str, result: Any, num_samples: int) -> None:
         "terminateds": result.terminateds,
         "answers": result.answers or [None] * num_samples,
         "errors": result.errors or [None] * num_samples,
+        **{f"reward_components['{name}']": values for name, values in result.reward_components.items()},
     }
     for field, value in fields.items():
         if isinstance(value, list) or (isinstance(value, torch.Tensor) and value.dim() == 1):

@@ -33,7 +33,9 @@ limit (``max_total_length`` or the backend's ``max_new_tokens``), or it stopped 
 room. The environment scores a cut turn like any other, and a multi-turn conversation
 goes on after a turn cut by ``max_new_tokens`` if the environment continues it.
 
-Rewards are the sum of the environment's rewards over a sample's turns.
+Rewards are the sum of the environment's rewards over a sample's turns; so is each named
+part an environment reports (``EnvironmentReturn.reward_components``), 0 for a sample none
+of its steps reported it for.
 
 Weight versions. When the generation backend reports which weights generated each row
 (``weight_versions``), every generated token keeps that version (a conversation's turns may
@@ -54,6 +56,9 @@ from posttrain.errors import ConfigError
 from posttrain.interfaces import Environment, EnvironmentReturn, Generation, Message
 from posttrain.run.environments import metrics_contained, step_contained
 from posttrain.run.metrics import StageTimer
+
+#: The batch field of an environment's named reward part ``name`` is ``reward/<name>``.
+REWARD_COMPONENT_PREFIX = "reward/"
 
 
 def run_rollout(
@@ -85,7 +90,8 @@ def run_rollout(
     (the environments' final per-sample metadata), ``answers`` (the answer the environment
     extracted at the last step, ``EnvironmentReturn.answers``, or None) and ``task``; when every ``generate`` call
     reported ``weight_versions``, ``generation_versions`` int64 [B, S] (the version of the
-    weights that generated token t at position t, -1 on tokens not generated).
+    weights that generated token t at position t, -1 on tokens not generated); for each reward
+    part ``name`` an environment reported, ``reward/<name>`` float32 [B].
 
     Metrics: ``rollout/mean_turns``, ``rollout/mean_generated_tokens`` (per sample),
     ``rollout/generated_tokens`` (total), ``rollout/mean_generated_tokens_per_turn``,
@@ -218,6 +224,7 @@ class Conversation:
     stop_strings: list[str] | None = None
     answer: str | None = None
     reward: float = 0.0
+    reward_components: dict[str, float] = attrs.field(factory=dict)
     turns: int = 0
     done: bool = False
     truncated: bool = False
@@ -251,6 +258,8 @@ class Conversation:
 
     def add_environment_step(self, result: EnvironmentReturn, k: int, chat: ChatFormat, max_total_length: int, *, last_turn: bool) -> None:
         self.reward += float(result.rewards[k])
+        for name, values in result.reward_components.items():
+            self.reward_components[name] = self.reward_components.get(name, 0.0) + float(values[k])
         self.metadata = result.metadata[k]
         self.answer = result.answers[k] if result.answers else None
         self.stop_strings = result.next_stop_strings[k]
@@ -349,6 +358,10 @@ def training_batch(conversations: Sequence[Conversation], pad_token_id: int, *, 
     )
     if with_versions:
         batch["generation_versions"] = padded_tensor([c.versions for c in conversations], -1, torch.long)
+    for name in sorted({name for c in conversations for name in c.reward_components}):
+        batch[f"{REWARD_COMPONENT_PREFIX}{name}"] = torch.tensor(
+            [c.reward_components.get(name, 0.0) for c in conversations], dtype=torch.float32
+        )
     return batch
 
 

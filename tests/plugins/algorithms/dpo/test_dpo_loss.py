@@ -26,6 +26,15 @@ VARIANTS = {
     "reference_free": dict(reference_free=True),
     "sft_mix": dict(sft_weight=0.7),
     "all_sigmoid_options": dict(average_log_probs=True, sft_weight=0.3, label_smoothing=0.1, reference_free=True),
+    "sft_sum": dict(sft_weight=0.05, sft_reduction="sum"),
+    "hinge": dict(loss_type="hinge", beta=0.4),
+    "robust": dict(loss_type="robust", label_smoothing=0.2),
+    "bco_pair": dict(loss_type="bco_pair", beta=0.5),
+    "apo_zero": dict(loss_type="apo_zero", beta=0.5),
+    "apo_down": dict(loss_type="apo_down", beta=0.5),
+    "sppo_hard": dict(loss_type="sppo_hard", beta=0.5),
+    "sft": dict(loss_type="sft"),
+    "sft_sum_only": dict(loss_type="sft", sft_reduction="sum"),
 }
 
 
@@ -49,17 +58,44 @@ def counts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return batch["sample_mask"].sum(), (batch["token_mask"] * batch["sample_mask"][:, None]).sum()
 
 
+def logsigmoid(x: float) -> float:
+    return -math.log1p(math.exp(-x))
+
+
+def sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def pair_loss_by_hand(kind: str, beta: float, eps: float, c: float, r: float) -> float:
+    """One pair's preference loss from its chosen and rejected log-ratios."""
+    h = c - r
+    if kind == "sigmoid":
+        return -(1 - eps) * logsigmoid(beta * h) - eps * logsigmoid(-beta * h)
+    if kind == "ipo":
+        return (h - 1 / (2 * beta)) ** 2
+    if kind == "hinge":
+        return max(0.0, 1 - beta * h)
+    if kind == "robust":
+        return ((1 - eps) * -logsigmoid(beta * h) - eps * -logsigmoid(-beta * h)) / (1 - 2 * eps)
+    if kind == "bco_pair":
+        return -logsigmoid(beta * c) - logsigmoid(-beta * r)
+    if kind == "apo_zero":
+        return 1 - sigmoid(beta * c) + sigmoid(beta * r)
+    if kind == "apo_down":
+        return sigmoid(beta * c) + 1 - sigmoid(beta * h)
+    if kind == "sppo_hard":
+        return (c - 0.5 / beta) ** 2 + (r + 0.5 / beta) ** 2
+    return 0.0  # sft
+
+
 def reference_dpo(logprobs: torch.Tensor, batch: Batch, beta: float = 0.1, loss_type: str = "sigmoid",
                   reference_free: bool = False, average_log_probs: bool = False, sft_weight: float = 0.0,
-                  label_smoothing: float = 0.0) -> dict[str, float]:
+                  label_smoothing: float = 0.0, sft_reduction: str = "mean") -> dict[str, float]:
     """The DPO objective and metrics, one pair and one token at a time, in Python floats (float64)."""
 
     def sequence(values: torch.Tensor, i: int) -> tuple[float, int]:
         mask = batch["token_mask"][i]
         return sum(float(values[i, t]) for t in range(values.shape[1]) if mask[t] == 1), int(mask.sum())
-
-    def logsigmoid(x: float) -> float:
-        return -math.log1p(math.exp(-x))
 
     totals = dict(loss=0.0, accuracy=0.0, rewards_chosen=0.0, rewards_rejected=0.0)
     pairs = 0
@@ -72,13 +108,11 @@ def reference_dpo(logprobs: torch.Tensor, batch: Batch, beta: float = 0.1, loss_
             policy, n = sequence(logprobs, i)
             ref = 0.0 if reference_free else sequence(batch["reference_logprobs"], i)[0]
             ratios.append((policy - ref) / (n if average_log_probs else 1))
-        h = ratios[0] - ratios[1]
-        if loss_type == "sigmoid":
-            loss = -(1 - label_smoothing) * logsigmoid(beta * h) - label_smoothing * logsigmoid(-beta * h)
-        else:
-            loss = (h - 1 / (2 * beta)) ** 2
+        c, r = ratios
+        loss = pair_loss_by_hand(loss_type, beta, label_smoothing, c, r)
         chosen_sum, chosen_n = sequence(logprobs, 2 * k)
-        loss += sft_weight * (-chosen_sum / chosen_n)
+        nll = -chosen_sum / (chosen_n if sft_reduction == "mean" else 1)
+        loss += (1.0 if loss_type == "sft" else sft_weight) * nll
         totals["loss"] += loss
         totals["accuracy"] += float(ratios[0] > ratios[1])
         totals["rewards_chosen"] += beta * ratios[0]
@@ -120,7 +154,7 @@ def test_step_one_on_a_real_preference_batch_gives_ln2(tmp_path, tiny_lm, hf_log
     assert abs(loss.item() - math.log(2)) < 1e-6
 
 
-@pytest.mark.parametrize("variant", ["sigmoid", "ipo_average", "all_sigmoid_options"])
+@pytest.mark.parametrize("variant", ["sigmoid", "ipo_average", "all_sigmoid_options", "robust", "sppo_hard", "sft"])
 def test_microbatches_sum_to_the_full_batch(variant):
     options = VARIANTS[variant]
     logprobs, batch = pair_batch(pairs=5, seed=5, drop_pair=2)
@@ -153,6 +187,7 @@ def test_unusable_batches_are_refused():
     with pytest.raises(ValueError, match="DPO needs the batch's 'reference_logprobs'"):
         DPOLoss()(logprobs, batch, *counts(batch))
     DPOLoss(reference_free=True)(logprobs, batch, *counts(batch))  # needs none
+    DPOLoss(loss_type="sft")(logprobs, batch, *counts(batch))  # the SFT term alone needs none either
 
 
 def test_registered_loss_and_config_checks():
@@ -166,7 +201,33 @@ def test_registered_loss_and_config_checks():
         dpo_plugin.posttrain_validate_config(bad)
     assert str(info.value) == (
         "dpo.beta: expected a positive number, found 0.0; "
-        "dpo.label_smoothing: applies to loss_type sigmoid only, found loss_type 'ipo'"
+        "dpo.label_smoothing: applies to loss_type sigmoid and robust only, found dpo.loss_type 'ipo'; remove "
+        "dpo.label_smoothing"
     )
-    with pytest.raises(ConfigError, match="dpo.loss_type: expected one of sigmoid, ipo, found 'hinge'"):
-        dpo_plugin.posttrain_validate_config(RunConfig(sections={"dpo": DPOConfig(loss_type="hinge")}))
+    with pytest.raises(ConfigError, match="dpo.loss_type: expected one of sigmoid, ipo, hinge, robust, bco_pair, "
+                                          "apo_zero, apo_down, sppo_hard, sft, found 'exo_pair'"):
+        dpo_plugin.posttrain_validate_config(RunConfig(sections={"dpo": DPOConfig(loss_type="exo_pair")}))
+    with pytest.raises(ConfigError) as info:
+        dpo_plugin.posttrain_validate_config(RunConfig(sections={"dpo": DPOConfig(loss_type="sft", sft_weight=0.5,
+                                                                                  sft_reduction="token")}))
+    assert str(info.value) == (
+        "dpo.sft_reduction: expected one of mean, sum, found 'token'; dpo.sft_weight: loss_type sft is the SFT term "
+        "alone, with weight 1, so dpo.sft_weight (0.5) would be ignored; remove dpo.sft_weight or choose a "
+        "preference loss_type"
+    )
+    assert host.losses["dpo"](DPOConfig(loss_type="sft")).needs_reference is False
+
+
+def test_the_sft_loss_type_runs_without_a_reference_policy():
+    """loss_type sft needs no reference: the algorithm neither builds the reference weights
+    nor scores batches with them."""
+    from posttrain_dpo.algorithm import DPO
+
+    class NoReference:
+        def logprobs_into(self, *args, **kwargs):
+            raise AssertionError("the sft loss type scored a batch with the reference policy")
+
+    samples = object()
+    assert DPO().uses_reference(DPOConfig(loss_type="sft")) is False
+    assert DPO().uses_reference(DPOConfig()) is True
+    assert DPO().prepare_batch(NoReference(), samples, DPOConfig(loss_type="sft")) is samples

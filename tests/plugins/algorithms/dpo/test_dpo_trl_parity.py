@@ -30,6 +30,12 @@ BETA = 0.1
 @pytest.mark.parametrize(("trl_loss_type", "ours"), [
     ("sigmoid", dict(loss_type="sigmoid")),
     ("ipo", dict(loss_type="ipo", average_log_probs=True)),  # TRL's IPO averages over completion tokens
+    ("hinge", dict(loss_type="hinge")),
+    ("robust", dict(loss_type="robust", label_smoothing=0.2)),
+    ("bco_pair", dict(loss_type="bco_pair")),
+    ("apo_zero", dict(loss_type="apo_zero")),
+    ("apo_down", dict(loss_type="apo_down")),
+    ("sppo_hard", dict(loss_type="sppo_hard")),
 ])
 def test_dpo_equals_trl(tmp_path, tiny_lm, hf_logprobs, trl_loss_type, ours, preference_rows):
     from datasets import Dataset
@@ -38,6 +44,7 @@ def test_dpo_equals_trl(tmp_path, tiny_lm, hf_logprobs, trl_loss_type, ours, pre
     args = trl.DPOConfig(
         output_dir=str(tmp_path / "trl"), beta=BETA, loss_type=[trl_loss_type], max_length=None, report_to=[],
         use_cpu=True, bf16=False, per_device_train_batch_size=len(preference_rows),
+        label_smoothing=ours.get("label_smoothing", 0.0),
     )
     trainer = trl.DPOTrainer(model=tiny_lm(0), ref_model=tiny_lm(1), args=args,
                              train_dataset=Dataset.from_list(preference_rows), processing_class=tokenizer)

@@ -127,3 +127,65 @@ def test_grpo_advantages_reads_the_config():
     assert grpo_advantages(rewards, ids, config).tolist() == [1.5, -0.5, -1.0, 0.5]
     loo = grpo_advantages(rewards, ids, GRPOConfig())  # defaults: leave-one-out, normalised
     assert loo[0].item() == pytest.approx(2 / (1 + STD_EPSILON))
+
+
+def test_batch_std_and_epsilon_by_hand():
+    """reward_std_scope=batch: group-mean advantages over the unbiased std of every reward.
+    Groups (1, 0) and (1, 1): A = 0.5, -0.5, 0, 0; rewards 1, 0, 1, 1 have std 0.5."""
+    ids = consecutive_group_ids(4, 2)
+    adv = compute_advantages(torch.tensor([1.0, 0, 1, 1], dtype=F64), ids, leave_one_out=False, normalize=True,
+                             std_scope="batch", std_epsilon=1e-4)
+    assert adv.tolist() == pytest.approx([0.5 / 0.5001, -0.5 / 0.5001, 0.0, 0.0], rel=1e-12)
+    group = compute_advantages(torch.tensor([1.0, 0, 1, 1], dtype=F64), ids, leave_one_out=False, normalize=True,
+                               std_epsilon=1e-4)  # group std of (1, 0): sqrt(0.5)
+    assert group[0].item() == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-4), rel=1e-12)
+
+
+def test_valid_samples_only_in_the_baseline():
+    """With valid (1, 1, 0, 1) in one group of rewards (3, 1, 5, 2): the baseline of the mean
+    form is the mean of 3, 1, 2 = 2, and the invalid sample gets 0. Leave-one-out: sample 0's
+    baseline is (1 + 2) / 2. A group with one valid sample gets 0 everywhere."""
+    rewards = torch.tensor([3.0, 1.0, 5.0, 2.0], dtype=F64)
+    valid = torch.tensor([True, True, False, True])
+    ids = torch.zeros(4, dtype=torch.long)
+    mean = compute_advantages(rewards, ids, leave_one_out=False, normalize=False, valid=valid)
+    assert mean.tolist() == [1.0, -1.0, 0.0, 0.0]
+    loo = compute_advantages(rewards, ids, leave_one_out=True, normalize=False, valid=valid)
+    assert loo.tolist() == pytest.approx([3 - 1.5, 1 - 2.5, 0.0, 2 - 2.0])
+    normalized = compute_advantages(rewards, ids, leave_one_out=False, normalize=True, valid=valid)
+    assert normalized[0].item() == pytest.approx(1 / (1 + STD_EPSILON))  # std of 3, 1, 2 is 1
+    lone = compute_advantages(rewards, ids, leave_one_out=False, normalize=True, valid=torch.tensor([1, 0, 0, 0]) > 0)
+    assert lone.tolist() == [0.0] * 4
+
+
+def test_whitening_by_hand():
+    """Raw rewards 1, 0, 0, 0 (baseline none): samples whitening gives (r - 0.25) / std with the
+    unbiased std sqrt(0.25); tokens whitening weighs them by tokens 1, 1, 1, 5: mean 1/8,
+    biased variance (7/8)^2 / 8 + 7 (1/8)^2 / 8 = 7/64."""
+    rewards = torch.tensor([1.0, 0, 0, 0], dtype=F64)
+    ids = consecutive_group_ids(4, 2)
+    samples = compute_advantages(rewards, ids, leave_one_out=False, normalize=False, subtract_baseline=False,
+                                 whiten="samples")
+    assert samples.tolist() == pytest.approx([0.75 / 0.5, -0.25 / 0.5, -0.25 / 0.5, -0.25 / 0.5], rel=1e-12)
+    tokens = compute_advantages(rewards, ids, leave_one_out=False, normalize=False, subtract_baseline=False,
+                                whiten="tokens", token_counts=torch.tensor([1, 1, 1, 5]))
+    std = math.sqrt(7 / 64)
+    assert tokens.tolist() == pytest.approx([(7 / 8) / std] + [(-1 / 8) / std] * 3, rel=1e-12)
+    trained_only = compute_advantages(rewards, ids, leave_one_out=False, normalize=False, subtract_baseline=False,
+                                      whiten="samples", trained=torch.tensor([True, True, True, False]))
+    assert trained_only[:3].tolist() == pytest.approx([(2 / 3) / math.sqrt(1 / 3), (-1 / 3) / math.sqrt(1 / 3),
+                                                       (-1 / 3) / math.sqrt(1 / 3)], rel=1e-12)
+
+
+def test_grpo_advantages_reads_the_new_options():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    ids = consecutive_group_ids(4, 2)
+    raw = GRPOConfig(baseline="none", normalize_rewards=False)
+    assert grpo_advantages(rewards, ids, raw).tolist() == [1.0, 0.0, 1.0, 1.0]
+    batch_std = GRPOConfig(baseline="mean", reward_std_scope="batch", advantage_std_epsilon=0.0)
+    assert grpo_advantages(rewards, ids, batch_std).tolist() == pytest.approx([1.0, -1.0, 0.0, 0.0])
+    valid_only = GRPOConfig(baseline="mean", normalize_rewards=False, baseline_valid_only=True)
+    trained = torch.tensor([True, False, True, True])
+    assert grpo_advantages(rewards, ids, valid_only, trained=trained).tolist() == [0.0, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="whiten_advantages=tokens needs each sample's token count"):
+        grpo_advantages(rewards, ids, GRPOConfig(whiten_advantages="tokens"))

@@ -9,6 +9,7 @@ import json
 import random
 import statistics
 
+import attrs
 import pytest
 import torch
 
@@ -20,6 +21,7 @@ from posttrain.models.tiny import build_tokenizer
 from posttrain.plugins import plugin_host
 from posttrain.run.checkpoint import TrainingState, rng_state, set_rng_state
 from posttrain.run.metrics import combine_train_passes
+from posttrain_grpo.advantages import consecutive_group_ids
 from posttrain_grpo.algorithm import GRPO, environment_names
 from posttrain_grpo.config import GRPOConfig, OverlongRewardShapingConfig, RewardScalingConfig
 from posttrain_grpo.prompts import PromptStream
@@ -83,6 +85,57 @@ def test_score_scales_then_shapes_then_computes_group_advantages():
     assert batch["advantages"].double().tolist() == pytest.approx(reference_advantages(shaped, 4), rel=1e-5)
     assert batch["rewards"].tolist() == env_rewards  # the environments' rewards stay for the logs
     assert batch["sample_mask"].tolist() == [0.0 if t else 1.0 for t in truncated]
+
+
+def test_score_leaves_filtered_samples_out_of_the_baseline_and_whitens_over_trained_tokens():
+    """overlong filtering marks the truncated samples before the advantages: with
+    grpo.baseline_valid_only they leave their group's baseline (group 0: mean of 1, 0, 1 = 2/3)
+    and get 0; whitening by tokens weighs the trained samples by their token_mask sums."""
+    grpo = GRPOConfig(num_prompts_per_step=1, num_generations_per_prompt=4, baseline="mean", normalize_rewards=False,
+                      overlong_filtering=True, baseline_valid_only=True)
+    batch = rollout_batch([1.0, 0.0, 1.0, 0.0], [2, 3, 1, 4], [False, False, False, True])
+    batch["token_mask"] = (torch.arange(5)[None, :] < torch.tensor([2, 3, 1, 4])[:, None]).float()
+    score(batch, grpo, max_new_tokens=4)
+    assert batch["advantages"].double().tolist() == pytest.approx([1 / 3, -2 / 3, 1 / 3, 0.0], rel=1e-6)
+    batch["sample_mask"] = torch.ones(4)
+    score(batch, attrs.evolve(grpo, whiten_advantages="tokens"), max_new_tokens=4)
+    weights, values = torch.tensor([2.0, 3.0, 1.0]), torch.tensor([1 / 3, -2 / 3, 1 / 3], dtype=torch.float64)
+    mean = (weights * values).sum() / 6
+    std = ((weights * (values - mean) ** 2).sum() / 6).sqrt()
+    assert batch["advantages"][:3].double().tolist() == pytest.approx(((values - mean) / std).tolist(), rel=1e-5)
+
+
+def test_score_normalises_each_reward_part_then_sums_them():
+    """reward_aggregation normalize_then_sum: the parts reward/correct and reward/format, and
+    the overlong penalty as a third, each with its group baseline, summed with reward_weights
+    (alphabetical: correct, format, overlong) and whitened."""
+    from posttrain_grpo.advantages import normalize_then_sum
+
+    grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, baseline="mean",
+                      reward_aggregation="normalize_then_sum", reward_weights=[1.0, 0.5, 2.0],
+                      overlong_reward_shaping=OverlongRewardShapingConfig(enabled=True, buffer_length=4))
+    lengths = [3, 8, 10, 6, 7, 9, 5, 2]
+    batch = rollout_batch([1.0] * 8, lengths, [False] * 8)
+    batch["reward/correct"] = torch.tensor([1.0, 0, 0, 1, 0, 0, 1, 1])
+    batch["reward/format"] = torch.tensor([0.5, 0.5, 0, 0, 1, 1, 0, 0.5])
+    score(batch, grpo, max_new_tokens=10)
+    overlong = torch.tensor([-max(n - 6, 0) / 4 for n in lengths]).clamp(min=-1.0)
+    parts = torch.stack([batch["reward/correct"], batch["reward/format"], overlong], dim=1)
+    expected = normalize_then_sum(parts, consecutive_group_ids(8, 4), [1.0, 0.5, 2.0], leave_one_out=False,
+                                  normalize=True)
+    torch.testing.assert_close(batch["advantages"], expected)
+    assert abs(float(batch["advantages"].mean())) < 1e-6
+    two_parts = rollout_batch([1.0] * 8, lengths, [False] * 8)
+    two_parts["reward/correct"], two_parts["reward/format"] = parts[:, 0], parts[:, 1]
+    with pytest.raises(ConfigError, match=r"grpo.reward_weights: 3 weights for the 2 reward parts correct, format"):
+        score(two_parts, attrs.evolve(grpo, overlong_reward_shaping=OverlongRewardShapingConfig()), max_new_tokens=10)
+    with pytest.raises(ConfigError) as info:
+        score(rollout_batch([1.0] * 8, lengths, [False] * 8), attrs.evolve(grpo, reward_weights=None), max_new_tokens=10)
+    assert str(info.value) == (
+        "grpo.reward_aggregation=normalize_then_sum normalises each named reward part apart and needs at least two, "
+        "but the environments reported overlong (EnvironmentReturn.reward_components); use an environment that "
+        "reports its reward's parts, or grpo.reward_aggregation=sum."
+    )
 
 
 def test_score_with_default_options_uses_the_environment_rewards_as_they_are():

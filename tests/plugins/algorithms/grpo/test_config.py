@@ -119,7 +119,8 @@ INVALID = {
     "bad_estimator": (loss(kl_estimator="k4"), "grpo.loss.kl_estimator: expected one of k1, k2, k3, got 'k4'."),
     "bad_is_kind": (
         loss(importance_sampling_correction="tiss", is_max=2.0),
-        "grpo.loss.importance_sampling_correction: expected one of tis, icepop, seq_mask_tis, got 'tiss'.",
+        "grpo.loss.importance_sampling_correction: expected one of tis, icepop, seq_mask_tis, sequence_truncate, "
+        "sequence_mask, got 'tiss'.",
     ),
     "tis_without_max": (
         loss(importance_sampling_correction="tis", is_min=0.5),
@@ -145,12 +146,113 @@ INVALID = {
         loss(is_max=2.0),
         "grpo.loss.is_max is set but grpo.loss.importance_sampling_correction is null",
     ),
+    "sequence_mode_with_gspo": (
+        loss(token_level_loss=False, sequence_level_ratio=True, importance_sampling_correction="sequence_mask",
+             is_max=3.0),
+        "grpo.loss.importance_sampling_correction: sequence_mask weighs each sequence by its product of token "
+        "weights, and with grpo.loss.sequence_level_ratio (GSPO) tis and icepop already weigh whole sequences; use "
+        "grpo.loss.importance_sampling_correction=icepop with grpo.loss.sequence_is_weight=product, which means the "
+        "same.",
+    ),
+    "product_weight_with_token_ratios": (
+        loss(sequence_is_weight="product", importance_sampling_correction="tis", is_max=2.0),
+        "grpo.loss.sequence_is_weight: sets the weight of GSPO's sequences, but grpo.loss.sequence_level_ratio is "
+        "false; set grpo.loss.sequence_level_ratio=true, or for product weights with token ratios "
+        "grpo.loss.importance_sampling_correction=sequence_truncate or sequence_mask.",
+    ),
+    "sequence_truncate_without_max": (
+        loss(importance_sampling_correction="sequence_truncate", is_min=0.5),
+        "grpo.loss.is_max: importance_sampling_correction=sequence_truncate needs bounds is_max; is_max is missing",
+    ),
+    "bypass_with_correction": (
+        loss(rollout_correction="bypass", importance_sampling_correction="tis", is_max=2.0),
+        "grpo.loss.importance_sampling_correction: with grpo.loss.rollout_correction=bypass the ratio is taken "
+        "against the generation engine's logprobs, so the weights exp(prev - generation) would all be 1; set "
+        "grpo.loss.importance_sampling_correction=null, or grpo.loss.rollout_correction=decoupled.",
+    ),
+    "cispo_without_ratio": (
+        loss(policy_loss="cispo", disable_ppo_ratio=True),
+        "grpo.loss.policy_loss: cispo is built on the ratio r, which grpo.loss.disable_ppo_ratio=true removes; set "
+        "grpo.loss.policy_loss=ppo for REINFORCE, or disable_ppo_ratio=false.",
+    ),
+    "sapo_dual_clip": (
+        loss(policy_loss="sapo", dual_clip_c=3.0),
+        "grpo.loss.dual_clip_c: dual clipping bounds the ppo objective, but grpo.loss.policy_loss is sapo; set "
+        "grpo.loss.dual_clip_c=null.",
+    ),
+    "sapo_temperature": (loss(policy_loss="sapo", sapo_temperature_neg=0.0),
+                         "grpo.loss.sapo_temperature_neg: must be > 0, got 0.0."),
+    "bad_policy_loss": (loss(policy_loss="grpo"), "grpo.loss.policy_loss: expected one of ppo, cispo, sapo, got 'grpo'."),
+    "normalizer_with_sequence_loss": (
+        loss(token_level_loss=False, token_normalizer="constant"),
+        "grpo.loss.token_normalizer: constant divides the summed token losses, but grpo.loss.token_level_loss is "
+        "false (each sequence's mean, then the mean over sequences); set grpo.loss.token_level_loss=true or "
+        "grpo.loss.token_normalizer=global.",
+    ),
+    "constant_without_constant_normalizer": (
+        loss(constant_normalizer=512),
+        "grpo.loss.constant_normalizer is set but grpo.loss.token_normalizer is global, so it would be ignored; set "
+        "grpo.loss.token_normalizer=constant or remove grpo.loss.constant_normalizer.",
+    ),
+    "constant_normalizer_zero": (
+        loss(token_normalizer="constant", constant_normalizer=0),
+        "grpo.loss.constant_normalizer: must be >= 1 (tokens per sequence), got 0.",
+    ),
+    "kl_in_reward_without_penalty": (
+        loss(kl_in_reward="token"),
+        "grpo.loss.kl_in_reward: moves the KL penalty into the advantages, but grpo.loss.kl_penalty is 0; set "
+        "grpo.loss.kl_penalty > 0 (e.g. 0.01) or grpo.loss.kl_in_reward=null.",
+    ),
+    "kl_weight_without_penalty": (
+        loss(kl_importance_weight="none"),
+        "grpo.loss.kl_importance_weight: weighs the KL term of the loss, but the penalty (grpo.loss.kl_penalty) is "
+        "0, so it would be ignored; remove grpo.loss.kl_importance_weight.",
+    ),
+    "kl_weight_with_kl_in_reward": (
+        loss(kl_penalty=0.1, kl_in_reward="return_to_go", kl_importance_weight="generation"),
+        "grpo.loss.kl_importance_weight: weighs the KL term of the loss, but the penalty (grpo.loss.kl_penalty) is "
+        "in the advantages (grpo.loss.kl_in_reward=return_to_go), so it would be ignored",
+    ),
+    "bad_kl_in_reward": (loss(kl_penalty=0.1, kl_in_reward="sequence"),
+                         "grpo.loss.kl_in_reward: expected one of token, return_to_go, got 'sequence'."),
+    "bad_nonfinite_handling": (
+        loss(nonfinite_generation_logprobs="zero"),
+        "grpo.loss.nonfinite_generation_logprobs: expected one of drop_sequence, drop_token, neutral_token, got 'zero'.",
+    ),
+    "raw_rewards_normalised": (
+        grpo(baseline="none"),
+        "grpo.normalize_rewards: divides the reward's deviation from its baseline by a reward std, but grpo.baseline "
+        "is none (the raw reward is the advantage); set grpo.normalize_rewards=false, and grpo.whiten_advantages="
+        "samples or tokens to standardise raw rewards over the batch.",
+    ),
+    "batch_std_without_normalising": (
+        grpo(normalize_rewards=False, reward_std_scope="batch"),
+        "grpo.reward_std_scope is batch but grpo.normalize_rewards is false, so it would be ignored; set "
+        "grpo.normalize_rewards=true or remove grpo.reward_std_scope.",
+    ),
+    "negative_std_epsilon": (grpo(advantage_std_epsilon=-1e-4), "grpo.advantage_std_epsilon: must be >= 0, got -0.0001."),
+    "bad_whitening": (grpo(whiten_advantages="global"),
+                      "grpo.whiten_advantages: expected one of samples, tokens, got 'global'."),
+    "bad_overlong_beyond_max": (
+        grpo(overlong_reward_shaping=OverlongRewardShapingConfig(enabled=True, buffer_length=16, beyond_max="linearly")),
+        "grpo.overlong_reward_shaping.beyond_max: expected one of capped, linear, got 'linearly'.",
+    ),
+    "gdpo_whitened_twice": (
+        grpo(reward_aggregation="normalize_then_sum", whiten_advantages="tokens"),
+        "grpo.whiten_advantages: reward_aggregation=normalize_then_sum whitens the summed advantages over the samples "
+        "itself, so whiten_advantages=tokens would be a second whitening; remove grpo.whiten_advantages.",
+    ),
+    "reward_weights_without_gdpo": (
+        grpo(reward_weights=[1.0, 2.0]),
+        "grpo.reward_weights is set but grpo.reward_aggregation is sum (the environments' summed reward), so it would "
+        "be ignored; set grpo.reward_aggregation=normalize_then_sum or remove grpo.reward_weights.",
+    ),
     "loo_single_generation": (
         GRPOConfig(num_prompts_per_step=16, num_generations_per_prompt=1),
         "grpo.baseline: leave_one_out needs grpo.num_generations_per_prompt >= 2 (the baseline is the mean of the "
         "other samples of the prompt), got 1.",
     ),
-    "bad_baseline": (grpo(baseline="median"), "grpo.baseline: expected one of mean, leave_one_out, got 'median'."),
+    "bad_baseline": (grpo(baseline="median"), "grpo.baseline: expected one of mean, leave_one_out, none, got 'median'."),
     "zero_prompts": (grpo(num_prompts_per_step=0), "grpo.num_prompts_per_step: must be >= 1, got 0."),
     "negative_val_period": (grpo(val_period=-1), "grpo.val_period: must be >= 0"),
     "advantage_clip_order": (
@@ -262,7 +364,37 @@ def test_asynchronous_runs_ahead_within_both_bounds_and_corrects_by_default():
     assert own.effective_loss() == own.loss  # the loss's own correction wins
     off = grpo(asynchronous=attrs.evolve(run_ahead, importance_sampling_correction=False))
     assert off.effective_loss().importance_sampling_correction is None
+    bypass = grpo(asynchronous=run_ahead, loss=ClippedPGConfig(rollout_correction="bypass"))
+    assert bypass.effective_loss() == bypass.loss  # bypass trains against the engine's logprobs: nothing to weigh
     assert grpo().effective_loss() == grpo().loss  # synchronous: the loss as configured
+
+
+def test_constant_normalizer_defaults_to_the_generation_budget():
+    dr_grpo = grpo(loss=ClippedPGConfig(token_normalizer="constant"))
+    assert dr_grpo.effective_loss(max_new_tokens=64).constant_normalizer == 64
+    given = grpo(loss=ClippedPGConfig(token_normalizer="constant", constant_normalizer=100))
+    assert given.effective_loss(max_new_tokens=64).constant_normalizer == 100
+    assert grpo().effective_loss(max_new_tokens=64).constant_normalizer is None
+
+
+def test_two_keys_of_a_meaningless_combination_are_both_located(host, tmp_path):
+    path = yaml_run(
+        tmp_path,
+        "grpo:\n"
+        "  num_prompts_per_step: 2\n"
+        "  num_generations_per_prompt: 8\n"
+        "  loss:\n"
+        "    rollout_correction: bypass\n"
+        "    importance_sampling_correction: icepop\n"
+        "    is_min: 0.5\n"
+        "    is_max: 2\n",
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path, host=host)
+    assert str(info.value).endswith(
+        "Where set: grpo.loss.importance_sampling_correction at "
+        f"{path}:9; grpo.loss.rollout_correction at {path}:8."
+    )
 
 
 def test_unknown_backends_refused_with_suggestion(host):

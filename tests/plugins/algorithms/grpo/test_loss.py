@@ -84,58 +84,115 @@ def reference_loss(cfg: ClippedPGConfig, lp: torch.Tensor, batch: Batch) -> torc
             continue
         prev = [float(batch["prev_logprobs"][i, t]) for t in tokens]
         gen = [float(batch["generation_logprobs"][i, t]) for t in tokens]
-        seq_log_ratio = sum(lp[i, t] - p for t, p in zip(tokens, prev, strict=True)) / len(tokens)
-        seq_log_w = sum(p - q for p, q in zip(prev, gen, strict=True)) / len(tokens)
+        # the engine's log-ratios; a non-finite one counts as 0 in every aggregate
+        bad = [not math.isfinite(p - q) for p, q in zip(prev, gen, strict=True)]
+        d = [0.0 if b else p - q for p, q, b in zip(prev, gen, bad, strict=True)]
+        if cfg.nonfinite_generation_logprobs == "drop_sequence":
+            keep = [not any(bad)] * len(tokens)
+        else:
+            keep = [cfg.nonfinite_generation_logprobs == "neutral_token" or not b for b in bad]
+        anchor = prev
+        if cfg.rollout_correction == "bypass":
+            anchor = [float(lp[i, t]) if b else q for t, q, b in zip(tokens, gen, bad, strict=True)]
+        seq_log_ratio = sum(lp[i, t] - a for t, a in zip(tokens, anchor, strict=True)) / len(tokens)
+        shift = reference_kl_shift(cfg, [float(batch["reference_logprobs"][i, t]) for t in tokens], prev)
         terms = []
         for k, t in enumerate(tokens):
             adv = float(batch["advantages"][i, t] if batch["advantages"].dim() == 2 else batch["advantages"][i])
-            if cfg.disable_ppo_ratio:
-                term = -adv * lp[i, t]
-            else:
-                ratio = torch.exp(seq_log_ratio if cfg.sequence_level_ratio else lp[i, t] - prev[k])
-                clipped = torch.clamp(ratio, 1 - cfg.ratio_clip_low, 1 + cfg.ratio_clip_high)
-                unclipped_loss, clipped_loss = -adv * ratio, -adv * clipped
-                term = unclipped_loss if unclipped_loss >= clipped_loss else clipped_loss
-                if cfg.dual_clip_c is not None and adv < 0 and term > -cfg.dual_clip_c * adv:
-                    term = torch.tensor(-cfg.dual_clip_c * adv, dtype=F64)
+            adv -= shift[k]
+            ratio = torch.exp(seq_log_ratio if cfg.sequence_level_ratio else lp[i, t] - anchor[k])
+            term = reference_objective(cfg, lp[i, t], ratio, adv)
             if cfg.importance_sampling_correction is not None:
-                term = term * reference_is_weight(cfg, prev[k] - gen[k], seq_log_w)
-            if cfg.kl_penalty > 0:
-                term = term + cfg.kl_penalty * reference_kl(cfg, float(batch["reference_logprobs"][i, t]), lp[i, t])
+                term = term * reference_is_weight(cfg, d, k) * keep[k]
+            elif cfg.rollout_correction == "bypass" and not keep[k]:
+                term = term * 0.0
+            if cfg.kl_penalty > 0 and cfg.kl_in_reward is None:
+                term = term + cfg.kl_penalty * reference_kl(cfg, float(batch["reference_logprobs"][i, t]), lp[i, t],
+                                                            ratio, gen[k])
             terms.append(term)
         total = total + (sum(terms) if cfg.token_level_loss else sum(terms) / len(terms))
-    return total / (n_toks if cfg.token_level_loss else n_seqs)
+    if not cfg.token_level_loss:
+        return total / n_seqs
+    if cfg.token_normalizer == "constant":
+        return total / (n_seqs * cfg.constant_normalizer)
+    return total / n_toks  # global; microbatch too, for a batch that is one microbatch
 
 
-def reference_is_weight(cfg: ClippedPGConfig, token_log_w: float, seq_log_w: float) -> float:
-    log_w = seq_log_w if cfg.sequence_level_ratio else token_log_w
-    w = math.exp(log_w)
+def reference_objective(cfg: ClippedPGConfig, lp: torch.Tensor, ratio: torch.Tensor, adv: float) -> torch.Tensor:
+    if cfg.disable_ppo_ratio:
+        return -adv * lp
+    low, high = 1 - cfg.ratio_clip_low, 1 + cfg.ratio_clip_high
+    if cfg.policy_loss == "cispo":
+        return -adv * float(torch.clamp(ratio, low, high)) * lp
+    if cfg.policy_loss == "sapo":
+        tau = cfg.sapo_temperature_pos if adv > 0 else cfg.sapo_temperature_neg
+        return -adv * torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+    unclipped_loss, clipped_loss = -adv * ratio, -adv * torch.clamp(ratio, low, high)
+    term = unclipped_loss if unclipped_loss >= clipped_loss else clipped_loss
+    if cfg.dual_clip_c is not None and adv < 0 and term > -cfg.dual_clip_c * adv:
+        term = torch.tensor(-cfg.dual_clip_c * adv, dtype=F64)
+    return term
+
+
+def reference_is_weight(cfg: ClippedPGConfig, d: list[float], k: int) -> float:
+    """The weight of token k of a sequence whose engine log-ratios are ``d``."""
+    mean, total = sum(d) / len(d), sum(d)
+    kind = cfg.importance_sampling_correction
     low = cfg.is_min if cfg.is_min is not None else 0.0
-    if cfg.importance_sampling_correction == "tis":
-        return min(max(w, low), cfg.is_max)
-    if cfg.importance_sampling_correction == "icepop":
-        return w if low <= w <= cfg.is_max else 0.0
-    geometric_mean = math.exp(seq_log_w)  # seq_mask_tis
-    return w if low <= geometric_mean <= cfg.is_max else 0.0
-
-
-def reference_kl(cfg: ClippedPGConfig, ref: float, lp: torch.Tensor) -> torch.Tensor:
-    """The estimate with its score-function term; a token where a clamp binds is a constant
-    (value only, no gradient of any kind)."""
-    x = ref - lp  # log(pi_ref / pi)
-    if cfg.kl_input_clamp is not None and abs(float(x)) > cfg.kl_input_clamp:
-        x = torch.tensor(math.copysign(cfg.kl_input_clamp, float(x)), dtype=F64)
-    if cfg.kl_estimator == "k1":
-        k = -x
-    elif cfg.kl_estimator == "k2":
-        k = 0.5 * x * x
+    if kind in ("sequence_truncate", "sequence_mask"):
+        log_w = total
+    elif cfg.sequence_level_ratio:
+        log_w = total if cfg.sequence_is_weight == "product" else mean
     else:
-        k = torch.exp(x) - 1 - x
-    if cfg.kl_output_clamp is not None and abs(float(k)) > cfg.kl_output_clamp:
-        return torch.tensor(math.copysign(cfg.kl_output_clamp, float(k)), dtype=F64)
-    if not x.requires_grad:  # the input clamp bound
-        return x.new_tensor(float(k))
-    return k + k.detach() * (lp - lp.detach())
+        log_w = d[k]
+    w = math.exp(log_w)
+    if kind in ("tis", "sequence_truncate"):
+        return min(max(w, low), cfg.is_max)
+    if kind in ("icepop", "sequence_mask"):
+        return w if low <= w <= cfg.is_max else 0.0
+    return w if low <= math.exp(mean) <= cfg.is_max else 0.0  # seq_mask_tis
+
+
+def reference_kl_value(cfg: ClippedPGConfig, ref: float, lp):
+    """The estimate at ``lp`` (a float, or a tensor with gradient) and whether the input clamp bound."""
+    x = ref - lp  # log(pi_ref / pi)
+    bound = cfg.kl_input_clamp is not None and abs(float(x)) > cfg.kl_input_clamp
+    if bound:
+        x = math.copysign(cfg.kl_input_clamp, float(x))
+    if cfg.kl_estimator == "k1":
+        return -x, bound
+    if cfg.kl_estimator == "k2":
+        return 0.5 * x * x, bound
+    return (math.exp(x) if isinstance(x, float) else torch.exp(x)) - 1 - x, bound
+
+
+def reference_kl(cfg: ClippedPGConfig, ref: float, lp: torch.Tensor, ratio: torch.Tensor, gen: float) -> torch.Tensor:
+    """The weighted estimate; a token where a clamp binds is a constant (value only, no
+    gradient of any kind)."""
+    k, bound = reference_kl_value(cfg, ref, lp)
+    k = torch.as_tensor(k, dtype=F64)
+    form = cfg.kl_importance_weight
+    if form == "on_policy":
+        term = k + k.detach() * (lp - lp.detach())
+    elif form == "none":
+        term = k
+    elif form == "prev":
+        term = ratio * k
+    else:  # generation
+        term = torch.exp(lp - gen) * k if math.isfinite(gen) else k * 0.0
+    if cfg.kl_output_clamp is not None and abs(float(term)) > cfg.kl_output_clamp:
+        return torch.tensor(math.copysign(cfg.kl_output_clamp, float(term)), dtype=F64)
+    return term.detach() if bound else term
+
+
+def reference_kl_shift(cfg: ClippedPGConfig, ref: list[float], prev: list[float]) -> list[float]:
+    """What kl_in_reward takes off each token's advantage."""
+    if cfg.kl_in_reward is None:
+        return [0.0] * len(ref)
+    k = [reference_kl_value(cfg, r, p)[0] for r, p in zip(ref, prev, strict=True)]
+    if cfg.kl_in_reward == "return_to_go":
+        k = [sum(k[j:]) for j in range(len(k))]
+    return [cfg.kl_penalty * v for v in k]
 
 
 # ----------------------------------------------------------------------------- every option
@@ -167,6 +224,27 @@ CASES = {
         "is_max": 1.05,
     },
     "reinforce_tis": {"disable_ppo_ratio": True, "importance_sampling_correction": "tis", "is_max": 1.1},
+    "cispo": {"policy_loss": "cispo", "ratio_clip_low": 0.1, "ratio_clip_high": 0.15},
+    "cispo_sequence": {**SEQ, "policy_loss": "cispo", "ratio_clip_high": 0.1},
+    "sapo": {**SEQ, "policy_loss": "sapo"},
+    "sapo_token_temperatures": {"policy_loss": "sapo", "sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5},
+    "dr_grpo": {"token_normalizer": "constant", "constant_normalizer": 16},
+    "kl_none": {"kl_penalty": 0.2, "kl_importance_weight": "none"},
+    "kl_prev": {"kl_penalty": 0.2, "kl_importance_weight": "prev"},
+    "kl_generation": {"kl_penalty": 0.2, "kl_importance_weight": "generation"},
+    "kl_generation_clamps_bind": {"kl_penalty": 0.2, "kl_importance_weight": "generation", "kl_input_clamp": 0.4,
+                                  "kl_output_clamp": 0.02},
+    "kl_gspo_prev": {**SEQ, "sequence_level_ratio": True, "kl_penalty": 0.2, "kl_importance_weight": "prev"},
+    "kl_in_reward_token": {"kl_penalty": 0.3, "kl_in_reward": "token"},
+    "kl_in_reward_return_to_go": {"kl_penalty": 0.3, "kl_in_reward": "return_to_go", "kl_estimator": "k1"},
+    "sequence_truncate": {"importance_sampling_correction": "sequence_truncate", "is_max": 1.3},
+    "sequence_mask": {"importance_sampling_correction": "sequence_mask", "is_min": 0.5, "is_max": 1.5},
+    "gspo_product_tis": {**SEQ, "sequence_level_ratio": True, "sequence_is_weight": "product",
+                         "importance_sampling_correction": "tis", "is_max": 1.3},
+    "gspo_product_icepop": {**SEQ, "sequence_level_ratio": True, "sequence_is_weight": "product",
+                            "importance_sampling_correction": "icepop", "is_min": 0.5, "is_max": 1.5},
+    "bypass": {"rollout_correction": "bypass"},
+    "bypass_cispo": {"rollout_correction": "bypass", "policy_loss": "cispo"},
     "everything": {
         "ratio_clip_low": 0.15,
         "ratio_clip_high": 0.3,
@@ -192,6 +270,12 @@ EXERCISED = {
     "gspo_tis": ["is_oob_fraction"],
     "gspo_icepop": ["is_oob_fraction"],
     "everything": ["clip_fraction_low", "clip_fraction_high", "dual_clip_fraction", "is_oob_fraction"],
+    "cispo": ["clip_fraction_low", "clip_fraction_high"],
+    "sequence_truncate": ["is_oob_fraction"],
+    "sequence_mask": ["is_oob_fraction"],
+    "gspo_product_tis": ["is_oob_fraction"],
+    "gspo_product_icepop": ["is_oob_fraction"],
+    "bypass": ["clip_fraction_low", "clip_fraction_high"],
 }
 
 
@@ -218,11 +302,14 @@ def test_loss_and_gradient_match_reference(name, token_advantages):
 
 
 @pytest.mark.parametrize(
-    "name", ["ppo_token_level", "asymmetric_clip", "dual_clip", "gspo", "reinforce_sequence", "tis", "seq_mask_tis"]
+    "name",
+    ["ppo_token_level", "asymmetric_clip", "dual_clip", "gspo", "reinforce_sequence", "tis", "seq_mask_tis", "sapo",
+     "sapo_token_temperatures", "dr_grpo", "sequence_mask", "bypass", "kl_none", "kl_in_reward_return_to_go"],
 )
 def test_gradcheck(name):
-    """Finite differences agree with autograd (KL cases excluded: their score-function term
-    is invisible to finite differences by design)."""
+    """Finite differences agree with autograd (KL in the loss only with ``kl_importance_weight:
+    none``: the other forms add a score-function term, invisible to finite differences by
+    design; CISPO likewise, its clipped ratio being a detached weight)."""
     cfg = ClippedPGConfig(**CASES[name])
     loss_fn = ClippedPGLoss(cfg)
     lp, batch = make_case(seed=7, batch_size=3, seq_len=6)
@@ -233,7 +320,8 @@ def test_gradcheck(name):
 # ----------------------------------------------------------------------------- KL gradient
 
 
-def one_token_kl_gradient(logp: float, ref: float, **options) -> float:
+def one_token_kl_gradient(logp: float, ref: float, prev: float | None = None, gen: float | None = None,
+                          **options) -> float:
     """d loss / d logp of the KL term alone (beta 1, no advantage) for one sampled token."""
     lp = torch.tensor([[logp]], dtype=F64, requires_grad=True)
     batch = Batch(
@@ -241,6 +329,8 @@ def one_token_kl_gradient(logp: float, ref: float, **options) -> float:
         sample_mask=torch.ones(1, dtype=F64),
         advantages=torch.zeros(1, dtype=F64),
         reference_logprobs=torch.tensor([[ref]], dtype=F64),
+        **({"prev_logprobs": torch.tensor([[prev]], dtype=F64)} if prev is not None else {}),
+        **({"generation_logprobs": torch.tensor([[gen]], dtype=F64)} if gen is not None else {}),
     )
     loss_fn = ClippedPGLoss(ClippedPGConfig(kl_penalty=1.0, kl_estimator="k3", **options))
     loss, _ = loss_fn(lp, batch, torch.tensor(1.0), torch.tensor(1.0))
@@ -269,6 +359,115 @@ def test_kl_gradient_points_toward_the_reference_and_vanishes_where_a_clamp_bind
     assert one_token_kl_gradient(logp, ref, **options) == pytest.approx(expected, abs=1e-12)
 
 
+E15 = math.exp(1.5)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        # k3 = e^lr - 1 - lr at lr = ref - logp = 1.5; on policy the weight exp(logp - sg(logp))
+        # adds k3 * dlogp: (e^1.5 - 2.5) + (1 - e^1.5) = -1.5, the reverse-KL gradient
+        ({}, -1.5),
+        # none: k3's own gradient 1 - e^lr (TRL without bias correction)
+        ({"kl_importance_weight": "none"}, 1 - E15),
+        # prev, on policy (no prev_logprobs): the ratio is exp(logp - sg(logp)): as on_policy
+        ({"kl_importance_weight": "prev"}, -1.5),
+        # prev off policy, logp - prev = 0.5: w = e^0.5, gradient w k3 + w (1 - e^lr)
+        ({"kl_importance_weight": "prev", "prev": -2.0}, math.exp(0.5) * (E15 - 2.5 + 1 - E15)),
+        # generation, logp - gen = -0.3 (NeMo RL's on-policy approximation)
+        ({"kl_importance_weight": "generation", "gen": -1.2}, math.exp(-0.3) * (E15 - 2.5 + 1 - E15)),
+        # an engine logprob of -inf gives weight 0, and no NaN
+        ({"kl_importance_weight": "generation", "gen": -math.inf}, 0.0),
+        # the output clamp binds on the weighted value: no gradient (w k3 = e^2 (e^1.5 - 2.5) > 10)
+        ({"kl_importance_weight": "generation", "gen": -3.5}, 0.0),
+    ],
+    ids=["on_policy", "none", "prev_on_policy", "prev_off_policy", "generation", "generation_nonfinite",
+         "generation_output_clamp"],
+)
+def test_kl_gradient_forms(options, expected):
+    """Each ``kl_importance_weight`` gives its documented gradient for one token (logp -1.5,
+    reference 0, k3)."""
+    assert one_token_kl_gradient(-1.5, 0.0, **options) == pytest.approx(expected, abs=1e-12)
+
+
+def test_kl_in_reward_shifts_the_advantages_by_hand():
+    """Two tokens, k1 at the proximal policy: k = prev - ref = (0.5, 0.25), beta 0.4. token:
+    A_t = 1 - 0.4 k_t = (0.8, 0.9); return_to_go: A_t = 1 - 0.4 sum_{s>=t} k_s = (0.7, 0.9).
+    REINFORCE's loss is -mean_t A_t logp_t, and the KL adds nothing to the loss itself."""
+    lp = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
+    batch = Batch(
+        token_mask=torch.ones(1, 2, dtype=F64), sample_mask=torch.ones(1, dtype=F64), advantages=torch.ones(1, dtype=F64),
+        prev_logprobs=torch.tensor([[-0.5, -0.75]], dtype=F64), reference_logprobs=torch.tensor([[-1.0, -1.0]], dtype=F64),
+    )
+    for form, advantages in (("token", (0.8, 0.9)), ("return_to_go", (0.7, 0.9))):
+        cfg = ClippedPGConfig(disable_ppo_ratio=True, kl_penalty=0.4, kl_estimator="k1", kl_in_reward=form)
+        loss, metrics = ClippedPGLoss(cfg)(lp, batch, torch.tensor(1.0), torch.tensor(2.0))
+        (grad,) = torch.autograd.grad(loss, lp)
+        assert float(loss) == pytest.approx(-(advantages[0] * -1.0 + advantages[1] * -2.0) / 2)
+        torch.testing.assert_close(grad, -torch.tensor([advantages], dtype=F64) / 2)
+        assert metrics["loss"] == metrics["pg_loss"]
+
+
+# ----------------------------------------------------------------------------- non-finite engine logprobs
+
+#: Corrections whose weights see the engine's logprobs, and bypass, which trains on them.
+NONFINITE_CASES = {
+    "tis": {"importance_sampling_correction": "tis", "is_max": 1.3},
+    "icepop": {"importance_sampling_correction": "icepop", "is_min": 0.5, "is_max": 1.5},
+    "seq_mask_tis": {"importance_sampling_correction": "seq_mask_tis", "is_min": 0.7, "is_max": 1.4},
+    "sequence_mask": {"importance_sampling_correction": "sequence_mask", "is_min": 0.2, "is_max": 3.0},
+    "gspo_product": {**SEQ, "sequence_level_ratio": True, "sequence_is_weight": "product",
+                     "importance_sampling_correction": "tis", "is_max": 3.0},
+    "bypass": {"rollout_correction": "bypass"},
+}
+
+
+def with_nonfinite_generation(batch: Batch) -> Batch:
+    """The batch with the engine's logprob of two loss tokens of row 0 and one of row 2 not finite."""
+    gen = batch["generation_logprobs"].clone()
+    for row, column, value in ((0, 0, -math.inf), (0, -1, math.nan), (2, -1, math.inf)):
+        gen[row, (batch["token_mask"][row] > 0).nonzero().squeeze(1)[column]] = value
+    return Batch(**{**{k: batch[k] for k in batch.keys()}, "generation_logprobs": gen})
+
+
+@pytest.mark.parametrize("handling", ["drop_sequence", "drop_token", "neutral_token"])
+@pytest.mark.parametrize("name", list(NONFINITE_CASES))
+def test_nonfinite_generation_logprobs(name, handling):
+    """Loss and gradient are finite and follow the reference: drop_sequence weighs the
+    sequences 0, drop_token the tokens, neutral_token counts the tokens as agreeing."""
+    cfg = ClippedPGConfig(**NONFINITE_CASES[name], nonfinite_generation_logprobs=handling)
+    lp, batch = make_case(seed=BRANCH_SEED)
+    batch = with_nonfinite_generation(batch)
+    seqs, toks = global_counts(batch)
+    loss, _ = ClippedPGLoss(cfg)(lp, batch, seqs, toks)
+    (grad,) = torch.autograd.grad(loss, lp)
+    expected = reference_loss(cfg, lp, batch)
+    (expected_grad,) = torch.autograd.grad(expected, lp)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-12)
+    rows_with_gradient = (grad.abs().sum(dim=1) > 0).tolist()
+    assert rows_with_gradient[0] == (handling != "drop_sequence") and rows_with_gradient[1]
+    if handling == "drop_sequence":
+        assert not rows_with_gradient[2]
+
+
+def test_nonfinite_generation_logprob_by_hand():
+    """One sequence of three tokens, on policy (r = 1), A = 1, TIS to [0, 10]: d = (0.2, inf, 0.1).
+    drop_token: weights (e^0.2, 0, e^0.1); neutral_token: (e^0.2, 1, e^0.1); drop_sequence: 0."""
+    lp = torch.tensor([[-1.0, -1.0, -1.0]], dtype=F64, requires_grad=True)
+    batch = Batch(
+        token_mask=torch.ones(1, 3, dtype=F64), sample_mask=torch.ones(1, dtype=F64), advantages=torch.ones(1, dtype=F64),
+        generation_logprobs=torch.tensor([[-1.2, -math.inf, -1.1]], dtype=F64),
+    )
+    for handling, weights in (("drop_token", (math.exp(0.2), 0.0, math.exp(0.1))),
+                              ("neutral_token", (math.exp(0.2), 1.0, math.exp(0.1))),
+                              ("drop_sequence", (0.0, 0.0, 0.0))):
+        cfg = ClippedPGConfig(importance_sampling_correction="tis", is_max=10.0, nonfinite_generation_logprobs=handling)
+        loss, _ = ClippedPGLoss(cfg)(lp, batch, torch.tensor(1.0), torch.tensor(3.0))
+        assert float(loss) == pytest.approx(-sum(weights) / 3, abs=1e-15), handling
+
+
 # ----------------------------------------------------------------------------- metrics
 
 
@@ -283,6 +482,17 @@ def loop_reduce(cfg: ClippedPGConfig, batch: Batch, value) -> float:
         values = [float(value(i, t)) for t in tokens]
         total += sum(values) if cfg.token_level_loss else sum(values) / len(values)
     return total / float(n_toks if cfg.token_level_loss else n_seqs)
+
+
+def sequence_mean(batch: Batch, of_sequence, value) -> float:
+    """The mean over valid sequences of ``of_sequence([value(i, t) for its tokens])``."""
+    n_seqs, _ = global_counts(batch)
+    total = 0.0
+    for i in range(batch["token_mask"].shape[0]):
+        tokens = [t for t in range(batch["token_mask"].shape[1]) if batch["token_mask"][i, t] > 0]
+        if batch["sample_mask"][i] > 0:
+            total += of_sequence([value(i, t) for t in tokens])
+    return total / float(n_seqs)
 
 
 @pytest.mark.parametrize("token_level", [True, False])
@@ -340,6 +550,9 @@ def test_metrics_match_loops(token_level):
             lambda i, t: -math.exp(float(lp[i, t] - batch["generation_logprobs"][i, t])) * float(lp[i, t]),
         ),
         "mismatch_kl": loop_reduce(cfg, batch, lambda i, t: raw_w(i, t) - 1 - math.log(raw_w(i, t))),
+        "mismatch_chi2_token": loop_reduce(cfg, batch, lambda i, t: raw_w(i, t) ** 2 - 1),
+        "mismatch_chi2_sequence": sequence_mean(batch, lambda ws: math.prod(ws) ** 2 - 1, raw_w),
+        "mismatch_ppl_ratio": sequence_mean(batch, lambda ws: math.prod(ws) ** (-1 / len(ws)), raw_w),
     }
     expected["kl_penalty"] = 0.1 * expected["kl"]
     for name, value in expected.items():
@@ -367,8 +580,12 @@ def test_kl_metric_reported_without_penalty_when_reference_present():
         {"kl_penalty": 0.1, "dual_clip_c": 1.5, "importance_sampling_correction": "tis", "is_max": 1.2},
         {**SEQ, "kl_penalty": 0.1, "importance_sampling_correction": "seq_mask_tis", "is_min": 0.93, "is_max": 1.07},
         {**SEQ, "sequence_level_ratio": True, "ratio_clip_low": 0.05, "ratio_clip_high": 0.08},
+        {"policy_loss": "cispo", "kl_penalty": 0.1, "kl_importance_weight": "generation",
+         "importance_sampling_correction": "sequence_mask", "is_max": 2.0},
+        {**SEQ, "policy_loss": "sapo", "kl_penalty": 0.1, "kl_in_reward": "return_to_go"},
+        {"token_normalizer": "constant", "constant_normalizer": 12, "rollout_correction": "bypass"},
     ],
-    ids=["token_level", "sequence_level", "gspo"],
+    ids=["token_level", "sequence_level", "gspo", "cispo", "sapo", "dr_grpo_bypass"],
 )
 def test_microbatches_sum_to_the_full_batch(options):
     loss_fn = ClippedPGLoss(ClippedPGConfig(**options))
@@ -391,6 +608,48 @@ def test_microbatches_sum_to_the_full_batch(options):
     assert combined.keys() == full_metrics.keys()
     for name, value in full_metrics.items():
         assert combined[name] == pytest.approx(value, rel=1e-10, abs=1e-14), name
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo", "cispo"])
+def test_microbatch_normalizer_is_each_microbatchs_token_mean(policy_loss):
+    """token_normalizer=microbatch (TRL's bnpo): each microbatch contributes its own token mean
+    times its share of the global valid sequences, so microbatches of equal size average their
+    token means; with one microbatch it is the global token mean."""
+    cfg = ClippedPGConfig(policy_loss=policy_loss, token_normalizer="microbatch")
+    global_mean = ClippedPGLoss(attrs.evolve(cfg, token_normalizer="global"))
+    loss_fn = ClippedPGLoss(cfg)
+    lp, batch = make_case(seed=11, batch_size=6, drop_last=False)
+    seqs, toks = global_counts(batch)
+    torch.testing.assert_close(loss_fn(lp, batch, seqs, toks)[0], global_mean(lp, batch, seqs, toks)[0])
+    total, expected = 0.0, 0.0
+    for start in range(0, 6, 2):
+        part = batch.slice(start, start + 2)
+        part_seqs, part_toks = global_counts(part)
+        total = total + loss_fn(lp[start : start + 2], part, seqs, toks)[0]
+        expected = expected + global_mean(lp[start : start + 2], part, part_seqs, part_toks)[0] / 3
+    (grad,) = torch.autograd.grad(total, lp)
+    (expected_grad,) = torch.autograd.grad(expected, lp)
+    torch.testing.assert_close(total, expected, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-14)
+    assert not torch.allclose(total, global_mean(lp, batch, seqs, toks)[0])  # unequal token counts: not the same
+
+
+def test_bypass_trains_against_the_engines_logprobs():
+    """rollout_correction=bypass: the ratio is exp(logp - generation_logprobs), whatever the
+    batch's prev_logprobs hold; the mismatch metrics compare the trained logprobs with the engine's."""
+    cfg = ClippedPGConfig(rollout_correction="bypass")
+    lp, batch = make_case(seed=BRANCH_SEED)
+    seqs, toks = global_counts(batch)
+    explicit = Batch(**{**{k: batch[k] for k in batch.keys()}, "prev_logprobs": batch["generation_logprobs"]})
+    want, want_metrics = ClippedPGLoss(ClippedPGConfig())(lp, explicit, seqs, toks)
+    for prev in (batch["prev_logprobs"], batch["prev_logprobs"] - 5.0):
+        given = Batch(**{**{k: batch[k] for k in batch.keys()}, "prev_logprobs": prev})
+        loss, metrics = ClippedPGLoss(cfg)(lp, given, seqs, toks)
+        torch.testing.assert_close(loss, want, rtol=0, atol=0)
+        assert metrics["ratio_mean"] == want_metrics["ratio_mean"]
+    on_policy = Batch(**{k: batch[k] for k in batch.keys() if k != "prev_logprobs"})
+    assert metrics["token_mult_prob_error"] == ClippedPGLoss(ClippedPGConfig())(lp, on_policy, seqs, toks)[1][
+        "token_mult_prob_error"]
 
 
 def test_microbatch_without_valid_tokens_contributes_nothing():

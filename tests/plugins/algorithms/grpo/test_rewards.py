@@ -33,3 +33,13 @@ def test_mask_truncated():
     sample_mask = torch.tensor([1.0, 1.0, 0.0, 1.0])
     truncated = torch.tensor([True, False, True, False])
     assert mask_truncated(sample_mask, truncated).tolist() == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_overlong_penalty_grows_linearly_past_the_maximum():
+    # L = 10, C = 4, as above: past 10 tokens the linear form keeps the slope -0.5 / 4 per token
+    # (12 tokens: excess 6 -> -0.75; NeMo RL's DAPO shaping), the capped one stays at -0.5.
+    lengths = torch.tensor([6, 8, 10, 12, 18])
+    linear = overlong_penalty(lengths, max_response_length=10, buffer_length=4, penalty=0.5, beyond_max="linear")
+    assert linear.tolist() == pytest.approx([0.0, -0.25, -0.5, -0.75, -1.5])
+    capped = overlong_penalty(lengths, max_response_length=10, buffer_length=4, penalty=0.5)
+    assert capped.tolist() == pytest.approx([0.0, -0.25, -0.5, -0.5, -0.5])

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from posttrain.backend.hf_export import bucket_names
-from posttrain.backend.logprobs import loss_positions, sequence_logprobs, target_logprobs, topk_logits
+from posttrain.backend.logprobs import (
+    logsumexp_logits,
+    loss_positions,
+    sequence_logprobs,
+    target_logprobs,
+    topk_logits,
+)
 from posttrain.backend.lr_schedule import build_scheduler, lr_factor
 from posttrain.backend.work import Batching, plan_pass
 from posttrain.config.schema import OptimizerConfig, SchedulerConfig
@@ -17,6 +23,7 @@ from posttrain.errors import ConfigError
 from posttrain.interfaces.loss import global_valid_counts
 from posttrain_dtensor.config import DTensorConfig, validate_policy_config
 from posttrain_dtensor.optim import build_optimizer, clip_grads_, total_grad_norm
+from posttrain_dtensor.parallel import CausalLMHead, output_softcap
 from posttrain_dtensor.rows import packed_rows, padded_rows
 from posttrain_dtensor.segment_attention import SEGMENT_SDPA, segment_sdpa
 
@@ -107,6 +114,44 @@ def test_logprobs_of_several_targets_per_row_and_grads_match_float64(chunk):
     assert torch.autograd.gradcheck(lambda h, w: target_logprobs(h, w, targets[:4], 8), inputs)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_softcapped_logprobs_topk_and_grads_match_float64_of_capped_logits(temperature):
+    """Gemma 2's final-logit soft-cap, ``cap * tanh(logits / cap)``, before the temperature:
+    logprobs of one and of several targets per row, their gradients, the normaliser and
+    top-k against float64 autograd of the capped logits; a cap of 3 binds on these logits
+    (up to about 10), so the uncapped numbers differ."""
+    cap = 3.0
+    hidden, weight, targets = _head_inputs(seed=7)
+    several = torch.randint(0, VOCAB, (len(hidden), 3), generator=torch.Generator().manual_seed(8))
+
+    def capped(h, w):
+        return torch.tanh(h @ w.T / cap) * cap
+
+    for ids in (targets, several):
+        coef = torch.linspace(-1.0, 2.0, ids.numel()).view(ids.shape)
+        h32, w32 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        got = target_logprobs(h32, w32, ids, 8, temperature, softcap=cap)
+        (got * coef).sum().backward()
+        h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+        logp = (capped(h64, w64) / temperature).log_softmax(-1)
+        want = logp.gather(-1, ids[:, None])[:, 0] if ids.dim() == 1 else logp.gather(-1, ids)
+        (want * coef.double()).sum().backward()
+        torch.testing.assert_close(got.double(), want.detach(), rtol=0, atol=1e-5)
+        assert_grads_match(h32, h64, w32, w64)
+        uncapped = target_logprobs(hidden, weight, ids, 8, temperature)
+        assert (got.detach() - uncapped).abs().max() > 0.1
+
+    full = capped(hidden.double(), weight.double())
+    torch.testing.assert_close(logsumexp_logits(hidden, weight, 8, temperature, softcap=cap).double(),
+                               (full / temperature).logsumexp(-1), rtol=0, atol=1e-5)
+    values, indices = topk_logits(hidden, weight, 5, 8, softcap=cap)
+    want_values, want_indices = full.topk(5, dim=-1)
+    torch.testing.assert_close(values.double(), want_values, rtol=0, atol=1e-5)
+    assert torch.equal(indices, want_indices)
+    inputs = (hidden[:4].double().requires_grad_(), weight.double().requires_grad_())
+    assert torch.autograd.gradcheck(lambda h, w: target_logprobs(h, w, several[:4], 8, temperature, softcap=cap), inputs)
+
+
 def test_logprob_temperature_must_be_positive():
     hidden, weight, targets = _head_inputs()
     with pytest.raises(ValueError, match="logprob temperature must be > 0, got 0.0"):
@@ -152,79 +197,128 @@ def test_topk_refuses_k_beyond_vocabulary():
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_rows_give_padded_logprobs_and_gradients(tiny_model_path, dt, attn):
-    """The same tiny model run on padded rows and on packed rows (positions restarting per
-    sample; segment attention for sdpa, a 4-D block mask for eager), loaded the way the
-    worker loads it: identical logprobs and parameter gradients within 1e-5."""
+@pytest.mark.parametrize("arch", ["tiny", "mistral", "gemma2", "gemma3"])
+def test_packed_rows_give_padded_logprobs_and_gradients(tiny_model_path, zoo_model, dt, attn, arch):
+    """The same model run on padded rows and on packed rows (positions restarting per sample;
+    segment attention for sdpa, transformers' own per-layer masks for eager), loaded and run
+    the way the worker does (:class:`CausalLMHead`, the logits soft-capped as the model caps
+    them): identical logprobs and parameter gradients within 1e-5, and the logprobs of
+    transformers' eager float64 forward of each sample alone. The zoo's sliding windows (8
+    tokens) bind on the longer samples; Gemma 2 soft-caps attention scores and logits."""
     from transformers import AutoModelForCausalLM
 
+    path = tiny_model_path if arch == "tiny" else zoo_model(arch)
     batch = dt.make_batch()
     kernel = SEGMENT_SDPA if attn == "sdpa" else attn
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation=kernel)
+    model = CausalLMHead(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=kernel))
+    softcap = output_softcap(model.lm)
+    assert (softcap is not None) == (arch == "gemma2")
     results = []
     for rows in (
         padded_rows(batch["input_ids"], batch["input_lengths"]),
         packed_rows(batch["input_ids"], batch["input_lengths"], 40, round_to=8, attn_implementation=attn),
     ):
         model.zero_grad()
-        bounds = {} if rows.segment_bounds is None else {"cu_seq_lens_q": rows.segment_bounds}
-        hidden = model.model(
-            input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids, **bounds
-        ).last_hidden_state
-        lp = rows.to_samples(sequence_logprobs(hidden, model.lm_head.weight, rows.input_ids, rows.predicted, 16))
-        (lp * batch["token_mask"]).sum().backward()
+        values = model(rows.input_ids, rows.attention_mask, rows.position_ids,
+                       lambda h, w, rows=rows: sequence_logprobs(h, w, rows.input_ids, rows.predicted, 16, softcap=softcap),
+                       rows.segment_bounds)
+        lp = rows.to_samples(values)
+        ((lp * batch["token_mask"]).sum() / batch["token_mask"].sum()).backward()  # the mean token NLL's scale
         results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, rows))
     (padded_lp, padded_grads, _), (packed_lp, packed_grads, packed) = results
     assert packed.input_ids.shape[0] < len(dt.LENGTHS)  # really packed: fewer rows than samples
     assert packed.input_ids.shape[1] % 8 == 0
     torch.testing.assert_close(packed_lp, padded_lp, rtol=0, atol=1e-5)
-    reference = dt.reference_logprobs(dt.reference_model(tiny_model_path), batch)
+    reference = dt.reference_logprobs(dt.reference_model(path), batch)
     torch.testing.assert_close(padded_lp.double() * batch["token_mask"], reference, rtol=0, atol=1e-5)
     assert dt.max_diff(packed_grads, padded_grads) < 1e-5
     assert all(torch.isfinite(g).all() for g in packed_grads.values())
 
 
 def test_packed_rows_keep_attention_within_each_sample():
+    """eager: no mask of ours, positions restarting per sample, from which transformers
+    builds each layer's block-diagonal mask (padding, at position 0, sees itself alone)."""
+    from transformers import LlamaConfig
+    from transformers.masking_utils import create_causal_mask
+
     ids = torch.tensor([[1, 2, 3, 0], [4, 5, 0, 0], [6, 0, 0, 0]])
-    rows = packed_rows(ids, torch.tensor([3, 2, 1]), 8, attn_implementation="eager")
-    assert rows.input_ids.tolist() == [[1, 2, 3, 4, 5, 6]]
-    assert rows.position_ids.tolist() == [[0, 1, 2, 0, 1, 0]]
-    assert rows.predicted.tolist() == [[False, True, True, False, True, False]]
-    allowed = rows.attention_mask[0, 0] == 0
-    assert allowed[4].tolist() == [False, False, False, True, True, False]  # token 5 sees 4 and itself
-    assert allowed[2].tolist() == [True, True, True, False, False, False]
+    rows = packed_rows(ids, torch.tensor([3, 2, 1]), 8, round_to=4, attn_implementation="eager")
+    assert rows.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 0, 0]]
+    assert rows.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 0, 0]]
+    assert rows.predicted.tolist() == [[False, True, True, False, True, False, False, False]]
+    assert rows.attention_mask is None and rows.segment_bounds is None
+    config = LlamaConfig()
+    config._attn_implementation = "sdpa"  # boolean masks
+    allowed = create_causal_mask(config=config, inputs_embeds=torch.zeros(1, 8, 4), attention_mask=None,
+                                 past_key_values=None, position_ids=rows.position_ids)[0, 0]
+    assert allowed[4].tolist() == [False, False, False, True, True, False, False, False]  # token 5 sees 4 and itself
+    assert allowed[2].tolist() == [True, True, True, False, False, False, False, False]
+    assert allowed[7].tolist() == [False] * 7 + [True]
     sdpa = packed_rows(ids, torch.tensor([3, 2, 1]), 4, round_to=4)
     assert sdpa.attention_mask is None and sdpa.input_ids.tolist() == [[1, 2, 3, 6], [4, 5, 0, 0]]
     assert sdpa.segment_bounds.tolist() == [0, 3, 4, 6, 8]  # the second row's padding tail is a segment
 
 
+def _explicit_attention(q, k, v, allowed, scale, softcap):
+    """float64 attention from explicit scores: key/value heads repeated, ``softcap * tanh``
+    of the scores when set, -inf where ``allowed`` is False."""
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v).transpose(1, 2)
+
+
+#: (sliding_window, softcap): none, a window that binds the longer segments, a soft-cap, both.
+FEATURES = [(None, None), (4, None), (None, 1.5), (4, 1.5)]
+
+
+@pytest.mark.parametrize(("window", "softcap"), FEATURES)
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_segment_attention_matches_a_block_diagonal_mask_and_its_gradients(kv_heads):
+def test_segment_attention_matches_a_block_diagonal_mask_and_its_gradients(kv_heads, window, softcap):
+    """Packed rows: every segment attends causally to itself alone, within its sliding window,
+    with soft-capped scores, as the explicit float64 computation under the block-diagonal
+    mask, gradients included."""
     g = torch.Generator().manual_seed(0)
     lengths, width = [[5, 2, 6, 3], [9, 4]], 16  # the first row is full, the second has 3 padding tokens
     q, k, v = (torch.randn(2, n, width, 8, generator=g, dtype=torch.float64, requires_grad=True) for n in (4, kv_heads, kv_heads))
     seg = torch.full((2, width), -1)
+    pos = torch.zeros((2, width), dtype=torch.long)
     bounds = [0]
     for r, row in enumerate(lengths):
         offset = 0
         for s, n in enumerate(row):
             seg[r, offset:offset + n] = s
+            pos[r, offset:offset + n] = torch.arange(n)
             offset += n
             bounds.append(r * width + offset)
         if offset < width:
             bounds.append((r + 1) * width)
     same = (seg[:, :, None] == seg[:, None, :]) & torch.ones(width, width, dtype=torch.bool).tril()
+    if window is not None:
+        same &= pos[:, :, None] - pos[:, None, :] < window
     grad = torch.randn(2, width, 4, 8, generator=g, dtype=torch.float64) * (seg >= 0)[:, :, None, None]
-    got, weights = segment_sdpa(None, q, k, v, None, scaling=0.3, cu_seq_lens_q=torch.tensor(bounds, dtype=torch.int32))
+    got, weights = segment_sdpa(None, q, k, v, None, scaling=0.3, cu_seq_lens_q=torch.tensor(bounds, dtype=torch.int32),
+                                sliding_window=window, softcap=softcap)
     got_grads = torch.autograd.grad((got * grad).sum(), (q, k, v))
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=same[:, None], scale=0.3, enable_gqa=True)
-    want = want.transpose(1, 2)
+    want = _explicit_attention(q, k, v, same[:, None], 0.3, softcap)
     want_grads = torch.autograd.grad((want * grad).sum(), (q, k, v))
     real = (seg >= 0)[:, :, None, None]
     assert weights is None and got.shape == (2, width, 4, 8)
     torch.testing.assert_close(got * real, want * real, rtol=0, atol=1e-12)
     for a, b in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("window", "softcap"), FEATURES)
+def test_segment_attention_without_bounds_runs_each_row_causally_within_its_window(window, softcap):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(3, n, 11, 8, generator=g, dtype=torch.float64) for n in (4, 2, 2))
+    allowed = torch.ones(11, 11, dtype=torch.bool).tril()
+    if window is not None:
+        allowed &= torch.arange(11)[:, None] - torch.arange(11)[None, :] < window
+    got, _ = segment_sdpa(None, q, k, v, None, scaling=0.3, sliding_window=window, softcap=softcap)
+    torch.testing.assert_close(got, _explicit_attention(q, k, v, allowed, 0.3, softcap), rtol=0, atol=1e-12)
 
 
 def test_segment_attention_refuses_masks_and_bad_bounds():

@@ -1,6 +1,7 @@
 """The hf engine's attention on the CPU: grouped-query heads shared with the left-padding
 mask, instead of transformers' ``sdpa`` copying the keys and values per head group, and
-decoding steps given that mask ready-made, with the same completions."""
+decoding steps given that mask ready-made, with the same completions; sliding windows and
+soft-caps honoured while decoding from the cache."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from posttrain.backend.generation_group import GenerationRequest
 from posttrain.models.tiny import build_tiny_model
-from posttrain_hf.attention import SHARED_KV_SDPA, takes_ready_step_masks
+from posttrain_hf.attention import SHARED_KV_SDPA, shared_kv_sdpa, takes_ready_step_masks
 from posttrain_hf.decode import decode
 from posttrain_hf.worker import HFEngineWorker
 
@@ -118,7 +119,41 @@ def test_ready_step_masks_need_the_shared_kernel_and_full_attention_in_every_lay
     assert not takes_ready_step_masks(loaded(Qwen2Config(use_sliding_window=True, max_window_layers=1, num_hidden_layers=2)))
 
 
+@pytest.mark.parametrize("configured", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3"])
+def test_windowed_and_soft_capped_models_report_transformers_logprobs(zoo_model, arch, configured):
+    """The engine as loaded for ``generation.hf.attn_implementation``, on zoo models whose
+    8-token windows bind (prompts of 2 to 12 tokens, completions of 9 to 20, rows leaving the
+    batch and the cache at different budgets): every sampled token's logprob equals the one
+    a float64 eager forward of prompt + completion gives, within 1e-5. Gemma 2 soft-caps
+    attention scores (which SDPA cannot) and the logits the sampler draws from."""
+    from transformers import AutoModelForCausalLM
+
+    path = zoo_model(arch)
+    engine = HFEngineWorker(model_path=path, dtype="float32", max_batch_size=4, attn_implementation=configured)
+    prompts = [[1, *range(40, 51)], [1, 50, 51], [1, 60, 61, 62, 63, 7, 8, 9, 10, 11], [1, 30]]
+    budgets = [20, 14, 9, 20]
+    completions = engine.generate(GenerationRequest(
+        prompts=prompts, seeds=[7, 8, 9, 10], max_new_tokens=budgets, stop_strings=[[]] * 4, stop_token_ids=[],
+        temperature=1.0, top_p=1.0, top_k=None,
+    ))
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager").eval()
+    assert [len(c.token_ids) for c in completions] == budgets
+    for prompt, completion in zip(prompts, completions, strict=True):
+        ids = torch.tensor([prompt + completion.token_ids])
+        with torch.no_grad():
+            logprobs = reference(ids).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+        want = logprobs.gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(completion.logprobs, dtype=torch.float64), want, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(("configured", "loaded"), [("sdpa", SHARED_KV_SDPA), ("eager", "eager")])
 def test_the_engine_loads_sdpa_as_the_shared_heads_kernel(gqa_model_path, configured, loaded):
     engine = HFEngineWorker(model_path=gqa_model_path, dtype="float32", max_batch_size=4, attn_implementation=configured)
     assert engine.model.config._attn_implementation == loaded
+
+
+def test_soft_capped_scores_need_a_boolean_mask():
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=f"{SHARED_KV_SDPA} soft-caps scores under a boolean mask, got a torch.float32 one"):
+        shared_kv_sdpa(None, q, q, q, torch.zeros(1, 1, 3, 3), softcap=5.0)

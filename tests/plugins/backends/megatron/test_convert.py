@@ -105,16 +105,15 @@ def test_architecture_maps_the_hf_config(llama_path, qwen2_path):
 
 
 def test_unsupported_architectures_are_refused_with_the_field(llama_path):
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+    from transformers import GPT2Config, LlamaConfig
 
-    with pytest.raises(ConfigError, match="converts model types llama, qwen2; this model's config.json has model_type 'gpt2'"):
+    with pytest.raises(ConfigError, match="converts model types llama, qwen2, mistral; this model's config.json has "
+                                          "model_type 'gpt2'. Use policy.backend=dtensor for it"):
         Architecture.from_hf_config(GPT2Config())
     with pytest.raises(ConfigError, match="sets hidden_act='gelu'"):
         Architecture.from_hf_config(LlamaConfig(hidden_act="gelu"))
     with pytest.raises(ConfigError, match="sets attention_bias=True"):
         Architecture.from_hf_config(LlamaConfig(attention_bias=True))
-    with pytest.raises(ConfigError, match="sets use_sliding_window=True"):
-        Architecture.from_hf_config(Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0))
     with pytest.raises(ConfigError, match="sets rope type='yarn'"):
         Architecture.from_hf_config(LlamaConfig(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}))
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -123,6 +122,38 @@ def test_unsupported_architectures_are_refused_with_the_field(llama_path):
     assert (arch.rope_theta, arch.rope_scaling_factor) == (5e5, 8.0)
     with pytest.raises(ConfigError, match="rope type='llama3'"):
         Architecture.from_hf_config(LlamaConfig(rope_parameters={**llama3, "high_freq_factor": 2.0}))
+
+
+def test_sliding_windows_map_to_megatron_window_settings_per_layer():
+    """transformers' window (a query sees itself and ``window - 1`` keys before it) is
+    megatron-core's ``window_size`` ``(window - 1, 0)``, in Mistral's every layer and in the
+    layers Qwen2's ``layer_types`` mark; no window settings without windowed layers."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    mistral = Architecture.from_hf_config(MistralConfig(num_hidden_layers=3, sliding_window=16)).transformer_config_kwargs()
+    assert (mistral["window_size"], mistral["window_attn_skip_freq"]) == ((15, 0), [1, 1, 1])
+    qwen = Qwen2Config(num_hidden_layers=3, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    kwargs = Architecture.from_hf_config(qwen).transformer_config_kwargs()
+    assert (kwargs["window_size"], kwargs["window_attn_skip_freq"]) == ((15, 0), [0, 1, 1])
+    for unwindowed in (Qwen2Config(num_hidden_layers=3), MistralConfig(sliding_window=None), LlamaConfig()):
+        assert "window_size" not in Architecture.from_hf_config(unwindowed).transformer_config_kwargs()
+
+
+@pytest.mark.parametrize(("arch", "model_type", "caps"), [
+    ("gemma2", "gemma2", " (and megatron-core 0.16 has no setting for its attn_logit_softcapping=5.0, "
+                         "final_logit_softcapping=5.0)"),
+    ("gemma3", "gemma3_text", ""),
+], ids=["gemma2", "gemma3"])
+def test_gemma_models_are_refused_before_any_worker_starts(zoo_model, mg, arch, model_type, caps):
+    """Config validation (what the loader and the policy's constructor run, before Ray) reads
+    the model's config.json and refuses it with the backend to use instead."""
+    from posttrain.config.validate import validate_config
+
+    message = (f"policy.model: the megatron backend converts model types llama, qwen2, mistral; this model's "
+               f"config.json has model_type '{model_type}'{caps}. Use policy.backend=dtensor for it")
+    with pytest.raises(ConfigError) as refused:
+        validate_config(mg.policy_config(zoo_model(arch)))
+    assert str(refused.value) == message
 
 
 def test_parallel_sizes_the_model_does_not_divide_are_refused(llama_path):

@@ -17,7 +17,7 @@ class DPO(SupervisedAlgorithm):
     (odd), so ``policy.train_global_batch_size`` counts rows, twice the pairs. Before each
     training or validation pass the frozen initial weights score the batch once, written into
     its data-plane partition as ``reference_logprobs`` (``policy.logprobs_into(...,
-    reference=True)``), unless ``dpo.reference_free``.
+    reference=True)``), unless ``dpo.reference_free`` or ``dpo.loss_type`` is ``sft``.
     """
 
     name = "dpo"
@@ -26,10 +26,10 @@ class DPO(SupervisedAlgorithm):
     rows_per_example = 2
 
     def uses_reference(self, options: DPOConfig) -> bool:
-        return not options.reference_free
+        return not options.reference_free and options.loss_type != "sft"
 
     def prepare_batch(self, policy: Policy, samples: PlaneSamples, options: DPOConfig) -> PlaneSamples:
-        if options.reference_free:
+        if not self.uses_reference(options):
             return samples
         policy.logprobs_into(samples, "reference_logprobs", reference=True)
         return attrs.evolve(samples, fields=(*samples.fields, "reference_logprobs"))

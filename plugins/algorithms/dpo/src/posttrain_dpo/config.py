@@ -9,7 +9,10 @@ import attrs
 from posttrain.config.validate import BatchSizeRules, where_set
 from posttrain.run.supervised_config import SupervisedConfig, check_supervised_config
 
-LOSS_TYPES = ("sigmoid", "ipo")
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "bco_pair", "apo_zero", "apo_down", "sppo_hard", "sft")
+SFT_REDUCTIONS = ("mean", "sum")
+#: Loss types whose formula reads label_smoothing.
+SMOOTHED_LOSS_TYPES = ("sigmoid", "robust")
 
 
 @attrs.define
@@ -19,11 +22,16 @@ class DPOConfig(SupervisedConfig):
     :class:`posttrain_dpo.loss.DPOLoss`)."""
 
     beta: float = 0.1  # strength of the pull towards the reference policy
-    loss_type: str = "sigmoid"  # sigmoid | ipo
+    # sigmoid | ipo | hinge | robust | bco_pair | apo_zero | apo_down | sppo_hard (TRL's formulas) | sft (the
+    # SFT term alone); formulas in docs/algorithms/loss-reference.md
+    loss_type: str = "sigmoid"
     reference_free: bool = False  # compare chosen and rejected without a reference policy
-    average_log_probs: bool = False  # length-normalise sequence logprobs (usual with ipo)
+    average_log_probs: bool = False  # length-normalise sequence logprobs (TRL's ipo always does: set it with ipo)
     sft_weight: float = 0.0  # weight of the NLL of the chosen responses added to the loss
-    label_smoothing: float = 0.0  # sigmoid only: assumed probability that a label is flipped
+    # the chosen response's NLL in the SFT term: mean per token, or sum over its tokens (NeMo RL's default)
+    sft_reduction: str = "mean"
+    # sigmoid (conservative DPO; TRL ignores it there) and robust only: assumed probability that a label is flipped
+    label_smoothing: float = 0.0
     loss: str = "dpo"
 
     def batch_size_rules(self) -> BatchSizeRules:
@@ -41,10 +49,22 @@ def check_options(options: DPOConfig) -> list[str]:
         problems.append(f"dpo.beta: expected a positive number, found {options.beta}")
     if options.sft_weight < 0:
         problems.append(f"dpo.sft_weight: expected 0 or more, found {options.sft_weight}")
+    if options.sft_reduction not in SFT_REDUCTIONS:
+        problems.append(
+            f"dpo.sft_reduction: expected one of {', '.join(SFT_REDUCTIONS)}, found '{options.sft_reduction}'"
+        )
+    if options.loss_type == "sft" and options.sft_weight:
+        problems.append(
+            f"dpo.sft_weight: loss_type sft is the SFT term alone, with weight 1, so dpo.sft_weight "
+            f"({options.sft_weight}) would be ignored; remove dpo.sft_weight or choose a preference loss_type"
+        )
     if not 0 <= options.label_smoothing < 0.5:
         problems.append(f"dpo.label_smoothing: expected a value in [0, 0.5), found {options.label_smoothing}")
-    elif options.label_smoothing and options.loss_type != "sigmoid":
-        problems.append(f"dpo.label_smoothing: applies to loss_type sigmoid only, found loss_type '{options.loss_type}'")
+    elif options.label_smoothing and options.loss_type not in SMOOTHED_LOSS_TYPES:
+        problems.append(
+            f"dpo.label_smoothing: applies to loss_type {' and '.join(SMOOTHED_LOSS_TYPES)} only, found "
+            f"dpo.loss_type '{options.loss_type}'; remove dpo.label_smoothing"
+        )
     return problems
 
 

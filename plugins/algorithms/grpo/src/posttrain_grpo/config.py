@@ -10,40 +10,86 @@ import attrs
 
 from posttrain.config.validate import BatchSizeRules
 
-Baseline = Literal["mean", "leave_one_out"]
+Baseline = Literal["mean", "leave_one_out", "none"]
 KLEstimator = Literal["k1", "k2", "k3"]
-ISCorrection = Literal["tis", "icepop", "seq_mask_tis"]
+ISCorrection = Literal["tis", "icepop", "seq_mask_tis", "sequence_truncate", "sequence_mask"]
+PolicyLoss = Literal["ppo", "cispo", "sapo"]
+TokenNormalizer = Literal["global", "constant", "microbatch"]
+KLImportanceWeight = Literal["on_policy", "none", "prev", "generation"]
+KLInReward = Literal["token", "return_to_go"]
+SequenceISWeight = Literal["geometric_mean", "product"]
+NonfiniteGeneration = Literal["drop_sequence", "drop_token", "neutral_token"]
+RolloutCorrection = Literal["decoupled", "bypass"]
+RewardStdScope = Literal["group", "batch"]
+AdvantageWhitening = Literal["samples", "tokens"]
+RewardAggregation = Literal["sum", "normalize_then_sum"]
+OverlongBeyondMax = Literal["capped", "linear"]
 
 
 @attrs.define
 class ClippedPGConfig:
     """PPO-style clipped policy gradient with its variants (options of ``clipped_pg``).
 
-    Ratios are ``exp(logp_current - logp_prev)`` where ``prev`` is the trainer's own
-    logprob before this step's updates.
+    Ratios are ``exp(logp_current - logp_prev)`` where ``prev`` is the proximal policy's
+    logprob: the trainer's own before this step's updates (``rollout_correction: decoupled``)
+    or the generation engine's (``bypass``). Every option's formula, with the NeMo RL and TRL
+    option it corresponds to: docs/algorithms/loss-reference.md.
     """
 
-    ratio_clip_low: float = 0.2  # ratio clipped below at 1 - ratio_clip_low
+    # ppo: the clipped ratio objective; cispo: sg(clip(r)) * A * logp (MiniMax-M1's CISPO);
+    # sapo: a soft gate sigmoid(tau * (r - 1)) * 4 / tau in place of the clip (SAPO)
+    policy_loss: PolicyLoss = "ppo"
+    ratio_clip_low: float = 0.2  # ratio clipped below at 1 - ratio_clip_low (ppo, cispo)
     ratio_clip_high: float = 0.2  # ratio clipped above at 1 + ratio_clip_high (DAPO clip-higher: 0.28)
     dual_clip_c: float | None = None  # > 1: for negative advantages the loss is at most c * |A|; None: off
+    sapo_temperature_pos: float = 1.0  # sapo: the gate's temperature tau for tokens with A > 0 (> 0)
+    sapo_temperature_neg: float = 1.05  # sapo: the gate's temperature tau for tokens with A <= 0 (> 0)
     token_level_loss: bool = True  # False: mean over each sequence's tokens, then over sequences
+    # with token_level_loss, what the summed token losses are divided by: global (the global batch's valid
+    # tokens); constant (its valid sequences times constant_normalizer tokens: Dr. GRPO); microbatch (each
+    # microbatch's own valid tokens, weighted by its share of the valid sequences: TRL's bnpo)
+    token_normalizer: TokenNormalizer = "global"
+    # tokens per sequence of token_normalizer=constant (> 0); None: generation.max_new_tokens
+    constant_normalizer: int | None = None
     kl_penalty: float = 0.0  # beta of the KL-to-reference term; 0 turns it off
     # per-token estimate of KL(policy || reference) from lr = log(ref/current): k1 = -lr,
     # k2 = lr^2 / 2, k3 = exp(lr) - 1 - lr
     kl_estimator: KLEstimator = "k3"
     # |log(ref/current)| clamp before the estimator (> 0; None: none); a token where it binds carries no gradient
     kl_input_clamp: float | None = 20.0
-    # |estimate| clamp after it (> 0; None: none); a token where it binds carries no gradient
+    # |weighted estimate| clamp after it (> 0; None: none); a token where it binds carries no gradient
     kl_output_clamp: float | None = 10.0
+    # The weight w of each token's KL estimate k (the term is w * k), which sets the KL's gradient:
+    # on_policy: exp(logp - sg(logp)), 1 in value: the reverse-KL gradient for tokens drawn from the policy;
+    # none: w = 1, the estimator's own gradient (TRL use_bias_correction_kl=false); prev: the policy
+    # ratio r (TRL's default); generation: exp(logp - logp_generation) (NeMo RL use_on_policy_kl_approximation)
+    kl_importance_weight: KLImportanceWeight = "on_policy"
+    # The KL penalty in the advantages instead of the loss (Reinforce++ / PPO style): token subtracts
+    # kl_penalty * k_t from token t's advantage; return_to_go subtracts kl_penalty * sum_{s >= t} k_s; None: in the loss
+    kl_in_reward: KLInReward | None = None
     # Train/inference mismatch correction, weights exp(logp_prev - logp_generation):
     # tis truncates the weights to [is_min, is_max] (is_min optional); icepop zeroes tokens
     # whose weight is outside [is_min, is_max]; seq_mask_tis zeroes whole sequences whose
-    # geometric-mean weight is outside it and keeps the raw token weights elsewhere.
+    # geometric-mean weight is outside it and keeps the raw token weights elsewhere;
+    # sequence_truncate weights every token of a sequence by the product of its token weights
+    # truncated to [is_min, is_max]; sequence_mask by that product, zeroed outside the bounds (TRL's vLLM modes)
     importance_sampling_correction: ISCorrection | None = None
-    is_min: float | None = None  # lower weight bound (>= 0); tis: optional (None: 0); icepop, seq_mask_tis: required
+    # lower weight bound (>= 0); tis, sequence_*: optional (None: 0); icepop, seq_mask_tis: required
+    is_min: float | None = None
     is_max: float | None = None  # upper weight bound (> 0), required by each correction; set neither without one
+    # a loss token whose generation logprob is NaN or infinite: drop_sequence gives its whole sequence weight 0;
+    # drop_token gives that token weight 0 (NeMo RL); neutral_token gives it weight 1 (TRL); a sequence
+    # aggregate of weights counts such a token as weight 1 with drop_token and neutral_token
+    nonfinite_generation_logprobs: NonfiniteGeneration = "drop_sequence"
     sequence_level_ratio: bool = False  # GSPO: one length-normalised ratio per sequence
+    # with sequence_level_ratio, a sequence's train/inference weight: geometric_mean exp(mean_t(prev - gen)),
+    # or product exp(sum_t(prev - gen)) (NeMo RL's GSPO)
+    sequence_is_weight: SequenceISWeight = "geometric_mean"
     disable_ppo_ratio: bool = False  # REINFORCE / RLOO: loss = -A * logp, no ratio, no clip
+    # decoupled: three policies, the ratio against the trainer's logprobs before the step's updates and the
+    # mismatch corrected by importance_sampling_correction; bypass: the ratio against the generation engine's
+    # logprobs (no previous-logprob pass, the clip bounds the mismatch; needs importance_sampling_correction null)
+    rollout_correction: RolloutCorrection = "decoupled"
 
 
 @attrs.define
@@ -72,13 +118,16 @@ class DynamicSamplingConfig:
 @attrs.define
 class OverlongRewardShapingConfig:
     """DAPO soft overlong punishment: a response longer than
-    ``max_response_length - buffer_length`` tokens loses up to ``penalty`` reward,
-    linearly in the excess length."""
+    ``max_response_length - buffer_length`` tokens loses reward linearly in the excess
+    length, ``penalty`` at ``max_response_length`` tokens."""
 
     enabled: bool = False  # add the penalty to the scaled rewards before the advantages
     buffer_length: int = 128  # tokens before max_response_length over which the penalty grows; 1..max_response_length
-    penalty: float = 1.0  # reward lost at max_response_length tokens and beyond (>= 0)
+    penalty: float = 1.0  # reward lost at max_response_length tokens (>= 0)
     max_response_length: int | None = None  # tokens; None: generation.max_new_tokens
+    # past max_response_length: capped keeps the penalty at penalty; linear lets it grow at the same
+    # slope (NeMo RL's DAPO shaping, with responses longer than max_response_length)
+    beyond_max: OverlongBeyondMax = "capped"
 
 
 @attrs.define
@@ -167,9 +216,28 @@ class GRPOConfig:
     max_val_samples: int | None = None  # validation prompts used per validation; None: all
     max_rollout_turns: int = 1  # assistant turns per sample at most; multi-turn environments need more than 1
     # leave_one_out: a sample's baseline is the mean reward of its group's other samples (needs
-    # num_generations_per_prompt >= 2); mean: the group's mean reward
+    # num_generations_per_prompt >= 2); mean: the group's mean reward; none: the reward itself is the advantage
     baseline: Baseline = "leave_one_out"
-    normalize_rewards: bool = True  # divide advantages by the group's reward std where it is > 0
+    # divide advantages by a reward std where it is > 0 (plus advantage_std_epsilon): the one of reward_std_scope
+    normalize_rewards: bool = True
+    # group: the std over the rewards the baseline is taken over (the group, or the leave-one-out others);
+    # batch: the std of every reward of the rollout batch (TRL scale_rewards=batch)
+    reward_std_scope: RewardStdScope = "group"
+    advantage_std_epsilon: float = 1e-6  # added to the std before dividing (>= 0; TRL: 1e-4)
+    # true: samples that train with sample_mask 0 (truncated ones under overlong_filtering) are left out of
+    # their group's baseline and std and get advantage 0 (NeMo RL's valid mask); false: they count
+    baseline_valid_only: bool = False
+    # after the baseline and std: advantages shifted and scaled to mean 0 and std 1 over the rollout batch's
+    # trained samples: samples (each sample counts once, unbiased std); tokens (each sample weighs its
+    # loss tokens, biased std: Reinforce++); None: not
+    whiten_advantages: AdvantageWhitening | None = None
+    # sum: advantages of the summed reward; normalize_then_sum (GDPO): each named reward part the environments
+    # report (EnvironmentReturn.reward_components; the overlong penalty is one more) gets its own baseline and
+    # std, the parts' advantages are summed with reward_weights, and the sum whitened over the trained samples
+    reward_aggregation: RewardAggregation = "sum"
+    # normalize_then_sum: one weight per reward part, in the parts' alphabetical order (the overlong penalty,
+    # "overlong", among them); None: all 1
+    reward_weights: list[float] | None = None
     advantage_clip_low: float | None = None  # advantages clamped to [low, high]; None: no bound
     advantage_clip_high: float | None = None  # the upper bound of that clamp; None: no bound
     reward_scaling: RewardScalingConfig = attrs.field(factory=RewardScalingConfig)  # a linear map of rewards
@@ -195,14 +263,18 @@ class GRPOConfig:
     def samples_per_step(self) -> int:
         return self.num_prompts_per_step * self.num_generations_per_prompt
 
-    def effective_loss(self) -> ClippedPGConfig:
+    def effective_loss(self, max_new_tokens: int | None = None) -> ClippedPGConfig:
         """The loss options a run trains with: :attr:`loss`, with TIS to [0, ASYNC_IS_MAX]
-        when the run is asynchronous, corrects off-policy samples and the loss names no
-        correction of its own."""
-        run_ahead = self.asynchronous
-        if run_ahead.enabled and run_ahead.importance_sampling_correction and self.loss.importance_sampling_correction is None:
-            return attrs.evolve(self.loss, importance_sampling_correction="tis", is_max=ASYNC_IS_MAX)
-        return self.loss
+        when the run is asynchronous, corrects off-policy samples, is not in bypass mode and
+        the loss names no correction of its own; and with ``max_new_tokens`` (the generation
+        budget) as the constant normaliser when ``token_normalizer`` is constant without one."""
+        loss, run_ahead = self.loss, self.asynchronous
+        if (run_ahead.enabled and run_ahead.importance_sampling_correction and loss.importance_sampling_correction is None
+                and loss.rollout_correction == "decoupled"):
+            loss = attrs.evolve(loss, importance_sampling_correction="tis", is_max=ASYNC_IS_MAX)
+        if loss.token_normalizer == "constant" and loss.constant_normalizer is None and max_new_tokens is not None:
+            loss = attrs.evolve(loss, constant_normalizer=max_new_tokens)
+        return loss
 
     def batch_size_rules(self) -> BatchSizeRules:
         """A step's samples make whole optimizer steps: core checks that

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain_grpo.config import RewardScalingConfig
+from posttrain_grpo.config import OverlongBeyondMax, RewardScalingConfig
 
 
 def scale_rewards(rewards: torch.Tensor, config: RewardScalingConfig) -> torch.Tensor:
@@ -23,16 +23,22 @@ def scale_rewards(rewards: torch.Tensor, config: RewardScalingConfig) -> torch.T
 
 
 def overlong_penalty(
-    response_lengths: torch.Tensor, *, max_response_length: int, buffer_length: int, penalty: float
+    response_lengths: torch.Tensor,
+    *,
+    max_response_length: int,
+    buffer_length: int,
+    penalty: float,
+    beyond_max: OverlongBeyondMax = "capped",
 ) -> torch.Tensor:
     """DAPO's soft overlong punishment (float32 [B], <= 0), to add to the rewards.
 
     With L = ``max_response_length`` and C = ``buffer_length`` (tokens): 0 for a response of
-    at most L - C tokens, ``-penalty * (len - (L - C)) / C`` between L - C and L, and
-    ``-penalty`` beyond L.
+    at most L - C tokens, ``-penalty * (len - (L - C)) / C`` from L - C on: up to L tokens
+    (``beyond_max: capped``, then ``-penalty``), or at any length (``linear``).
     """
     excess = (response_lengths.to(torch.float32) - (max_response_length - buffer_length)).clamp(min=0)
-    return -penalty * (excess / buffer_length).clamp(max=1.0)
+    fraction = excess / buffer_length
+    return -penalty * (fraction.clamp(max=1.0) if beyond_max == "capped" else fraction)
 
 
 def mask_truncated(sample_mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from posttrain.batch import Batch
-from posttrain.errors import PosttrainError
+from posttrain.errors import ConfigError, PosttrainError
+from posttrain.run.rollout import REWARD_COMPONENT_PREFIX
 from posttrain_grpo.advantages import consecutive_group_ids, grpo_advantages
 from posttrain_grpo.config import GRPOConfig
 from posttrain_grpo.rewards import mask_truncated, overlong_penalty, scale_rewards
@@ -34,6 +35,8 @@ ROLLOUT_FIELDS = tuple(dict.fromkeys((*TRAIN_FIELDS, *METRIC_FIELDS)))
 SIGNAL_TAG = "signal_reward"
 #: The tag staleness is decided on: the oldest weight version that generated the sample.
 VERSION_TAG = "weight_version"
+#: The name of the overlong penalty among the reward parts of ``reward_aggregation: normalize_then_sum``.
+OVERLONG_PART = "overlong"
 #: Rollout metrics that are counts: summed over a step's rollouts; every other one is averaged.
 _COUNT_SUFFIXES = ("/errors", "/timeouts", "/generated_tokens")
 
@@ -47,27 +50,56 @@ def score(batch: Batch, grpo: GRPOConfig, max_new_tokens: int) -> torch.Tensor:
     consecutive groups of ``grpo.num_generations_per_prompt`` samples, and apply overlong
     filtering to ``sample_mask``. ``rewards`` (the environments' sum) is left unchanged.
 
-    Order: reward scaling, then the overlong length penalty (``shaped_rewards``), then group
-    advantages of the shaped rewards. Returns the scaled rewards *before* shaping: the
+    Order: reward scaling, then the overlong length penalty (``shaped_rewards``), overlong
+    filtering, then group advantages of the shaped rewards (over the samples that train, with
+    ``grpo.baseline_valid_only``; whitened over them, with ``grpo.whiten_advantages``).
+    Returns the scaled rewards *before* shaping: the
     signal dynamic sampling decides on (a length penalty must not make a group of equally
     wrong answers look informative).
     """
     scaled = scale_rewards(batch["rewards"].float(), grpo.reward_scaling)
+    parts = {name[len(REWARD_COMPONENT_PREFIX):]: batch[name] for name in batch.keys()
+             if name.startswith(REWARD_COMPONENT_PREFIX)}
     shaped = scaled
     shaping = grpo.overlong_reward_shaping
     if shaping.enabled:
-        shaped = scaled + overlong_penalty(
+        penalty = overlong_penalty(
             batch["response_lengths"],
             max_response_length=shaping.max_response_length or max_new_tokens,
             buffer_length=shaping.buffer_length,
             penalty=shaping.penalty,
+            beyond_max=shaping.beyond_max,
         )
+        shaped = scaled + penalty
+        parts[OVERLONG_PART] = penalty
     groups = consecutive_group_ids(len(batch), grpo.num_generations_per_prompt)
-    batch["shaped_rewards"] = shaped
-    batch["advantages"] = grpo_advantages(shaped, groups, grpo)
     if grpo.overlong_filtering:
         batch["sample_mask"] = mask_truncated(batch["sample_mask"], batch["truncated"])
+    batch["shaped_rewards"] = shaped
+    tokens = batch["token_mask"].sum(dim=1) if grpo.whiten_advantages == "tokens" else None
+    rewards = reward_parts(parts, grpo) if grpo.reward_aggregation == "normalize_then_sum" else shaped
+    batch["advantages"] = grpo_advantages(rewards, groups, grpo, trained=batch["sample_mask"] > 0, token_counts=tokens)
     return scaled
+
+
+def reward_parts(parts: Mapping[str, torch.Tensor], grpo: GRPOConfig) -> torch.Tensor:
+    """float32 [B, K]: the named reward parts in alphabetical order, for GDPO; refuses fewer
+    than two parts, or ``grpo.reward_weights`` of another length."""
+    names = sorted(parts)
+    if len(names) < 2:
+        raise ConfigError(
+            "grpo.reward_aggregation=normalize_then_sum normalises each named reward part apart and needs at least "
+            f"two, but the environments reported {', '.join(names) or 'none'} (EnvironmentReturn.reward_components"
+            f"{'; the overlong penalty is one more' if OVERLONG_PART not in names else ''}); use an environment that "
+            "reports its reward's parts, or grpo.reward_aggregation=sum."
+        )
+    weights = grpo.reward_weights
+    if weights is not None and len(weights) != len(names):
+        raise ConfigError(
+            f"grpo.reward_weights: {len(weights)} weights for the {len(names)} reward parts {', '.join(names)} "
+            "(alphabetical order); give one weight per part."
+        )
+    return torch.stack([parts[name].float() for name in names], dim=1)
 
 
 def sample_versions(batch: Batch, default: int) -> torch.Tensor:

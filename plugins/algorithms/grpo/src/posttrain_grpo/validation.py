@@ -11,7 +11,24 @@ from typing import get_args
 from posttrain.config import RunConfig, require_registered, where_set
 from posttrain.errors import ConfigError
 from posttrain.plugins import PluginHost
-from posttrain_grpo.config import Baseline, ClippedPGConfig, GRPOConfig, ISCorrection, KLEstimator
+from posttrain_grpo.config import (
+    AdvantageWhitening,
+    Baseline,
+    ClippedPGConfig,
+    GRPOConfig,
+    ISCorrection,
+    KLEstimator,
+    KLImportanceWeight,
+    KLInReward,
+    NonfiniteGeneration,
+    OverlongBeyondMax,
+    PolicyLoss,
+    RewardAggregation,
+    RewardStdScope,
+    RolloutCorrection,
+    SequenceISWeight,
+    TokenNormalizer,
+)
 
 
 def validate_run_config(config: RunConfig, host: PluginHost) -> None:
@@ -28,14 +45,24 @@ def validate_run_config(config: RunConfig, host: PluginHost) -> None:
 def check_loss_config(loss: ClippedPGConfig, key: str, config: RunConfig | None = None) -> None:
     """Raise :class:`ConfigError` for an invalid ``clipped_pg`` option set under ``key``
     (``config``, when given, tells where each key was set)."""
-    _require_choice(loss.kl_estimator, KLEstimator, f"{key}.kl_estimator", config)
-    if loss.importance_sampling_correction is not None:
-        _require_choice(
-            loss.importance_sampling_correction, ISCorrection, f"{key}.importance_sampling_correction", config
-        )
+    for name, choices in (
+        ("policy_loss", PolicyLoss),
+        ("token_normalizer", TokenNormalizer),
+        ("kl_estimator", KLEstimator),
+        ("kl_importance_weight", KLImportanceWeight),
+        ("kl_in_reward", KLInReward | None),
+        ("importance_sampling_correction", ISCorrection | None),
+        ("nonfinite_generation_logprobs", NonfiniteGeneration),
+        ("sequence_is_weight", SequenceISWeight),
+        ("rollout_correction", RolloutCorrection),
+    ):
+        _require_choice(getattr(loss, name), choices, f"{key}.{name}", config)
     for name in ("ratio_clip_low", "ratio_clip_high", "kl_penalty"):
         if getattr(loss, name) < 0:
             raise _error(config, f"{key}.{name}: must be >= 0, got {getattr(loss, name)}.", f"{key}.{name}")
+    for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        if getattr(loss, name) <= 0:
+            raise _error(config, f"{key}.{name}: must be > 0, got {getattr(loss, name)}.", f"{key}.{name}")
     for name in ("kl_input_clamp", "kl_output_clamp"):
         value = getattr(loss, name)
         if value is not None and value <= 0:
@@ -71,23 +98,123 @@ def check_loss_config(loss: ClippedPGConfig, key: str, config: RunConfig | None 
             f"{key}.dual_clip_c",
             f"{key}.disable_ppo_ratio",
         )
+    _check_policy_loss(loss, key, config)
+    _check_normalizer(loss, key, config)
+    _check_kl(loss, key, config)
     _check_importance_sampling(loss, key, config)
+
+
+def _check_policy_loss(loss: ClippedPGConfig, key: str, config: RunConfig | None) -> None:
+    if loss.policy_loss == "ppo":
+        return
+    if loss.disable_ppo_ratio:
+        raise _error(
+            config,
+            f"{key}.policy_loss: {loss.policy_loss} is built on the ratio r, which {key}.disable_ppo_ratio=true "
+            f"removes; set {key}.policy_loss=ppo for REINFORCE, or disable_ppo_ratio=false.",
+            f"{key}.policy_loss",
+            f"{key}.disable_ppo_ratio",
+        )
+    if loss.dual_clip_c is not None:
+        raise _error(
+            config,
+            f"{key}.dual_clip_c: dual clipping bounds the ppo objective, but {key}.policy_loss is "
+            f"{loss.policy_loss}; set {key}.dual_clip_c=null.",
+            f"{key}.dual_clip_c",
+            f"{key}.policy_loss",
+        )
+
+
+def _check_normalizer(loss: ClippedPGConfig, key: str, config: RunConfig | None) -> None:
+    if loss.token_normalizer != "global" and not loss.token_level_loss:
+        raise _error(
+            config,
+            f"{key}.token_normalizer: {loss.token_normalizer} divides the summed token losses, but "
+            f"{key}.token_level_loss is false (each sequence's mean, then the mean over sequences); set "
+            f"{key}.token_level_loss=true or {key}.token_normalizer=global.",
+            f"{key}.token_normalizer",
+            f"{key}.token_level_loss",
+        )
+    if loss.constant_normalizer is not None:
+        if loss.token_normalizer != "constant":
+            raise _error(
+                config,
+                f"{key}.constant_normalizer is set but {key}.token_normalizer is {loss.token_normalizer}, so it "
+                f"would be ignored; set {key}.token_normalizer=constant or remove {key}.constant_normalizer.",
+                f"{key}.constant_normalizer",
+                f"{key}.token_normalizer",
+            )
+        if loss.constant_normalizer < 1:
+            raise _error(
+                config,
+                f"{key}.constant_normalizer: must be >= 1 (tokens per sequence), got {loss.constant_normalizer}.",
+                f"{key}.constant_normalizer",
+            )
+
+
+def _check_kl(loss: ClippedPGConfig, key: str, config: RunConfig | None) -> None:
+    if loss.kl_in_reward is not None and loss.kl_penalty == 0:
+        raise _error(
+            config,
+            f"{key}.kl_in_reward: moves the KL penalty into the advantages, but {key}.kl_penalty is 0; set "
+            f"{key}.kl_penalty > 0 (e.g. 0.01) or {key}.kl_in_reward=null.",
+            f"{key}.kl_in_reward",
+            f"{key}.kl_penalty",
+        )
+    if loss.kl_importance_weight != "on_policy" and (loss.kl_penalty == 0 or loss.kl_in_reward is not None):
+        where = "is 0" if loss.kl_penalty == 0 else f"is in the advantages ({key}.kl_in_reward={loss.kl_in_reward})"
+        raise _error(
+            config,
+            f"{key}.kl_importance_weight: weighs the KL term of the loss, but the penalty ({key}.kl_penalty) "
+            f"{where}, so it would be ignored; remove {key}.kl_importance_weight.",
+            f"{key}.kl_importance_weight",
+            f"{key}.kl_penalty",
+            f"{key}.kl_in_reward",
+        )
 
 
 def _check_importance_sampling(loss: ClippedPGConfig, key: str, config: RunConfig | None) -> None:
     kind = loss.importance_sampling_correction
     kind_key = f"{key}.importance_sampling_correction"
+    if loss.sequence_is_weight != "geometric_mean" and not loss.sequence_level_ratio:
+        raise _error(
+            config,
+            f"{key}.sequence_is_weight: sets the weight of GSPO's sequences, but {key}.sequence_level_ratio is false; "
+            f"set {key}.sequence_level_ratio=true, or for product weights with token ratios "
+            f"{kind_key}=sequence_truncate or sequence_mask.",
+            f"{key}.sequence_is_weight",
+            f"{key}.sequence_level_ratio",
+        )
+    if kind in ("sequence_truncate", "sequence_mask") and loss.sequence_level_ratio:
+        raise _error(
+            config,
+            f"{kind_key}: {kind} weighs each sequence by its product of token weights, and with "
+            f"{key}.sequence_level_ratio (GSPO) tis and icepop already weigh whole sequences; use "
+            f"{kind_key}={'tis' if kind == 'sequence_truncate' else 'icepop'} with {key}.sequence_is_weight=product, "
+            "which means the same.",
+            kind_key,
+            f"{key}.sequence_level_ratio",
+        )
+    if kind is not None and loss.rollout_correction == "bypass":
+        raise _error(
+            config,
+            f"{kind_key}: with {key}.rollout_correction=bypass the ratio is taken against the generation engine's "
+            f"logprobs, so the weights exp(prev - generation) would all be 1; set {kind_key}=null, or "
+            f"{key}.rollout_correction=decoupled.",
+            kind_key,
+            f"{key}.rollout_correction",
+        )
     if kind is None:
         for name in ("is_min", "is_max"):
             if getattr(loss, name) is not None:
                 raise _error(
                     config,
                     f"{key}.{name} is set but {kind_key} is null, so it would be ignored; set "
-                    f"{kind_key} to tis, icepop or seq_mask_tis, or remove {key}.{name}.",
+                    f"{kind_key} to one of {', '.join(get_args(ISCorrection))}, or remove {key}.{name}.",
                     f"{key}.{name}",
                 )
         return
-    required = ("is_max",) if kind == "tis" else ("is_min", "is_max")
+    required = ("is_min", "is_max") if kind in ("icepop", "seq_mask_tis") else ("is_max",)
     for name in required:
         if getattr(loss, name) is None:
             raise _error(
@@ -138,6 +265,7 @@ def check_grpo_config(grpo: GRPOConfig, config: RunConfig) -> None:
             "grpo.max_val_samples",
         )
     _require_choice(grpo.baseline, Baseline, "grpo.baseline", config)
+    _check_advantages(grpo, config)
     _check_mismatch_guard(grpo, config)
     n = grpo.num_generations_per_prompt
     if grpo.baseline == "leave_one_out" and n < 2:
@@ -183,6 +311,51 @@ def check_grpo_config(grpo: GRPOConfig, config: RunConfig) -> None:
         )
 
 
+def _check_advantages(grpo: GRPOConfig, config: RunConfig) -> None:
+    _require_choice(grpo.reward_std_scope, RewardStdScope, "grpo.reward_std_scope", config)
+    _require_choice(grpo.whiten_advantages, AdvantageWhitening | None, "grpo.whiten_advantages", config)
+    if grpo.advantage_std_epsilon < 0:
+        raise _error(
+            config, f"grpo.advantage_std_epsilon: must be >= 0, got {grpo.advantage_std_epsilon}.",
+            "grpo.advantage_std_epsilon",
+        )
+    if grpo.baseline == "none" and grpo.normalize_rewards:
+        raise _error(
+            config,
+            "grpo.normalize_rewards: divides the reward's deviation from its baseline by a reward std, but "
+            "grpo.baseline is none (the raw reward is the advantage); set grpo.normalize_rewards=false, and "
+            "grpo.whiten_advantages=samples or tokens to standardise raw rewards over the batch.",
+            "grpo.normalize_rewards",
+            "grpo.baseline",
+        )
+    _require_choice(grpo.reward_aggregation, RewardAggregation, "grpo.reward_aggregation", config)
+    if grpo.reward_aggregation == "normalize_then_sum" and grpo.whiten_advantages is not None:
+        raise _error(
+            config,
+            f"grpo.whiten_advantages: reward_aggregation=normalize_then_sum whitens the summed advantages over the "
+            f"samples itself, so whiten_advantages={grpo.whiten_advantages} would be a second whitening; remove "
+            "grpo.whiten_advantages.",
+            "grpo.whiten_advantages",
+            "grpo.reward_aggregation",
+        )
+    if grpo.reward_weights is not None and grpo.reward_aggregation != "normalize_then_sum":
+        raise _error(
+            config,
+            "grpo.reward_weights is set but grpo.reward_aggregation is sum (the environments' summed reward), so it "
+            "would be ignored; set grpo.reward_aggregation=normalize_then_sum or remove grpo.reward_weights.",
+            "grpo.reward_weights",
+            "grpo.reward_aggregation",
+        )
+    if grpo.reward_std_scope != "group" and not grpo.normalize_rewards:
+        raise _error(
+            config,
+            f"grpo.reward_std_scope is {grpo.reward_std_scope} but grpo.normalize_rewards is false, so it would be "
+            "ignored; set grpo.normalize_rewards=true or remove grpo.reward_std_scope.",
+            "grpo.reward_std_scope",
+            "grpo.normalize_rewards",
+        )
+
+
 def _check_dynamic_sampling(grpo: GRPOConfig, config: RunConfig) -> None:
     sampling = grpo.dynamic_sampling
     if not sampling.enabled:
@@ -208,6 +381,7 @@ def _check_overlong_shaping(grpo: GRPOConfig, config: RunConfig) -> None:
     if not shaping.enabled:
         return
     key = "grpo.overlong_reward_shaping"
+    _require_choice(shaping.beyond_max, OverlongBeyondMax, f"{key}.beyond_max", config)
     if shaping.penalty < 0:
         raise _error(
             config,
@@ -281,7 +455,13 @@ def _check_agent(grpo: GRPOConfig, config: RunConfig) -> None:
 
 
 def _require_choice(value: object, choices: object, key: str, config: RunConfig | None) -> None:
-    allowed = get_args(choices)
+    """``choices``: a ``Literal``, or ``Literal | None`` (then null is allowed too)."""
+    options = get_args(choices)
+    if type(None) in options:
+        if value is None:
+            return
+        options = tuple(option for option in options if option is not type(None))
+    allowed = tuple(name for option in options for name in (get_args(option) or (option,)))
     if value not in allowed:
         raise _error(config, f"{key}: expected one of {', '.join(allowed)}, got {value!r}.", key)
 

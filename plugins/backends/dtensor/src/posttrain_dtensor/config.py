@@ -16,7 +16,8 @@ from posttrain.errors import ConfigError
 
 SECTION = "policy.dtensor"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-#: Attention kernels that keep packed samples apart (segment bounds for sdpa, a 4-D mask for eager).
+#: Attention kernels that keep packed samples apart (segment bounds for sdpa; for eager,
+#: transformers' own masks from the restarting positions).
 PACKING_ATTENTION = ("sdpa", "eager")
 
 
@@ -26,7 +27,8 @@ class DTensorConfig:
 
     - ``attn_implementation``: the attention kernel, ``sdpa`` (PyTorch's fused kernel, causal
       within each packed sample: :mod:`posttrain_dtensor.segment_attention`) or
-      ``eager`` (Hugging Face's reference kernel, with a 4-D block-diagonal mask when packing).
+      ``eager`` (Hugging Face's reference kernel, with its own per-layer block-diagonal masks
+      when packing). Both honour the model's sliding windows and attention soft-caps.
     - ``activation_checkpointing``: recompute each decoder layer in the backward pass
       (less memory, about a third more compute).
     - ``reshard_after_forward``: FSDP2 frees the gathered parameters of a layer after its

@@ -38,8 +38,8 @@ class CausalLMHead(nn.Module):
     ``lm`` is the Hugging Face ``*ForCausalLM`` (the output weight is its output embedding;
     its logits are never computed here) or, for a value head, the ``*ForSequenceClassification``
     with one label (the output weight is its ``score`` layer's [1, H]). Only models whose
-    outputs are that linear map of the final hidden state fit (Llama, Qwen, Mistral, ...; not
-    models with logit soft-capping or scaling).
+    logits are that linear map of the final hidden state, soft-capped or not
+    (:func:`output_softcap`), fit: not models with logit scaling.
     """
 
     def __init__(self, lm: nn.Module):
@@ -72,14 +72,22 @@ def build_mesh(device_type: str, dp_size: int, tp_size: int) -> DeviceMesh:
     return init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
 
 
+def output_softcap(lm: nn.Module) -> float | None:
+    """The soft-cap a causal LM applies to its logits, ``softcap * tanh(logits / softcap)``
+    (``final_logit_softcapping`` in its config: Gemma 2), or None (a value head has none)."""
+    if lm.get_output_embeddings() is None:
+        return None
+    cap = getattr(lm.config, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
 def check_model_fits(config: object, tp_size: int) -> None:
     """Refuse models this backend would get wrong, before any weight moves."""
-    for key in ("final_logit_softcapping", "logit_scale"):
-        if getattr(config, key, None):
-            raise ConfigError(
-                f"policy.model: the model config sets '{key}', which the dtensor backend's "
-                "chunked logprob head does not apply; use a model whose logits are lm_head(hidden)"
-            )
+    if getattr(config, "logit_scale", None):
+        raise ConfigError(
+            "policy.model: the model config sets 'logit_scale', which the dtensor backend's chunked logprob "
+            "head does not apply; use a model whose logits are lm_head(hidden), soft-capped or not"
+        )
     if tp_size > 1:
         for key in ("num_attention_heads", "num_key_value_heads"):
             heads = getattr(config, key, None)

@@ -7,11 +7,12 @@ Two layouts, same results:
 - packed: several samples end to end per row (:func:`posttrain.batch.pack_sequences`),
   positions restarting at 0 for every sample, so no token sees another sample: with the
   ``sdpa`` kernel, segment bounds for :mod:`posttrain_dtensor.segment_attention` (causal
-  within each sample, no mask); with ``eager``, a 4-D block-diagonal causal mask,
-  which Hugging Face hands to the kernel unchanged (transformers 5.18 ``masking_utils``)
-  as 0 / dtype-minimum floats added to the scores. There, padding positions attend to
-  themselves only: a query row with no allowed key would produce NaN, and its backward
-  would spread the NaN.
+  within each sample, no mask); with ``eager``, no mask at all: Hugging Face then reads the
+  samples off the restarting positions (transformers 5.18 ``masking_utils``, packed
+  sequences) and builds each layer's block-diagonal causal mask itself, a sliding window
+  included where the layer has one (a 4-D mask of ours would reach every layer unchanged,
+  dropping the windows). Each padding position (position 0) is a sample of its own, so it
+  sees itself: a query with no allowed key would produce NaN.
 """
 
 from __future__ import annotations
@@ -76,12 +77,10 @@ def packed_rows(
     *,
     round_to: int = 1,
     attn_implementation: str = "sdpa",
-    mask_dtype: torch.dtype = torch.float32,
 ) -> ModelRows:
     """Samples packed end to end into rows of at most ``max_tokens_per_row`` tokens: segment
     bounds for ``sdpa`` (run as :data:`~posttrain_dtensor.segment_attention.SEGMENT_SDPA`),
-    a 4-D mask for ``eager``. ``mask_dtype`` is the compute dtype, used for the eager
-    kernel's additive mask.
+    the restarting positions alone for ``eager``.
     """
     if attn_implementation not in PACKING_ATTENTION:
         raise ValueError(
@@ -90,17 +89,12 @@ def packed_rows(
         )
     packed = pack_sequences(input_ids, lengths, max_tokens_per_row, round_to=round_to)
     seg = packed.segment_ids
-    mask = bounds = None
-    if attn_implementation == "eager":
-        allowed = packed.attention_mask() | torch.eye(seg.shape[1], dtype=torch.bool)[None, None]
-        mask = torch.zeros(allowed.shape, dtype=mask_dtype).masked_fill(~allowed, torch.finfo(mask_dtype).min)
-    else:
-        bounds = packed.segment_bounds()
+    bounds = packed.segment_bounds() if attn_implementation == "sdpa" else None
     predicted = torch.zeros_like(seg, dtype=torch.bool)
     predicted[:, 1:] = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] >= 0)
     return ModelRows(
         input_ids=packed.input_ids,
-        attention_mask=mask,
+        attention_mask=None,
         position_ids=packed.position_ids,
         predicted=predicted,
         valid=seg >= 0,
@@ -117,11 +111,10 @@ def microbatch_rows(
     packing_tokens_per_row: int | None,
     round_to: int = 1,
     attn_implementation: str = "sdpa",
-    mask_dtype: torch.dtype = torch.float32,
 ) -> ModelRows:
     """Packed rows when ``packing_tokens_per_row`` is set, padded rows otherwise."""
     if packing_tokens_per_row is None:
         return padded_rows(input_ids, lengths)
     return packed_rows(input_ids, lengths, packing_tokens_per_row, round_to=round_to,
-                       attn_implementation=attn_implementation, mask_dtype=mask_dtype)
+                       attn_implementation=attn_implementation)
 

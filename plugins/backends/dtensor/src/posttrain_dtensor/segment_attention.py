@@ -15,6 +15,13 @@ A model loaded with it gets no mask from Hugging Face (the name has no mask buil
   keyword arguments), each segment attends causally to itself alone;
 - without, every row is one causal sequence, which is exact for the right-padded rows the
   dtensor worker builds (a real token never sees the padding after it).
+
+A layer's ``sliding_window`` and ``softcap`` keywords (transformers passes them to every
+attention function: Mistral's, Gemma's and Qwen2's windows, Gemma 2's attention logit
+soft-cap) are honoured: a window that binds (a sequence longer than it) runs as SDPA under a
+banded causal mask; a soft-cap, which SDPA cannot apply, as explicit scores
+(:func:`posttrain.backend.attention.scores_attention`). Without either, and where a window
+does not bind, a sequence runs as SDPA's plain causal kernel.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from posttrain.backend.attention import scores_attention, window_binds, window_mask
 
 SEGMENT_SDPA = "posttrain_segment_sdpa"
 
@@ -41,6 +50,8 @@ def segment_sdpa(
     scaling: float | None = None,
     dropout: float = 0.0,
     cu_seq_lens_q: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention output ``[rows, width, heads, head_dim]`` of ``query`` ``[rows, heads,
@@ -54,13 +65,22 @@ def segment_sdpa(
     whose backwards are one scatter-add and one gather); Hugging Face's projections leave
     queries, keys and values token-major in memory, so no layout copy comes first. Padding
     repeats a segment's last token; causality keeps it out of every real token's view.
-    Outputs at a row's padding tail are computed like any segment's and mean nothing."""
+    Outputs at a row's padding tail are computed like any segment's and mean nothing.
+
+    ``sliding_window``: a query sees itself and the ``sliding_window - 1`` tokens before it;
+    ``softcap``: scores become ``softcap * tanh(score / softcap)`` before the softmax."""
     if attention_mask is not None:
         raise ValueError(f"{SEGMENT_SDPA} takes segment bounds (cu_seq_lens_q), not an attention mask")
 
     def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        length = q.shape[2]
+        if softcap is not None:
+            allowed = window_mask(length, length, sliding_window, q.device)
+            return scores_attention(q, k, v, allowed, scale=scaling, softcap=softcap, dropout=dropout)
+        banded = window_binds(length, sliding_window)
         return F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+            q, k, v, attn_mask=window_mask(length, length, sliding_window, q.device) if banded else None,
+            dropout_p=dropout, is_causal=not banded, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
         )
 
     if cu_seq_lens_q is None:

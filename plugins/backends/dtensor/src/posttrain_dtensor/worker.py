@@ -63,6 +63,7 @@ from posttrain_dtensor.parallel import (
     apply_tensor_parallel,
     build_mesh,
     check_model_fits,
+    output_softcap,
     reshard_all,
 )
 from posttrain_dtensor.rows import ModelRows, microbatch_rows
@@ -113,6 +114,8 @@ class DTensorPolicyWorker(PolicyWorker):
         #: With LoRA: the adapted layers' module paths (in the Hugging Face model) and scales.
         self.adapter_scales: dict[str, float] = {}
         self.model = self._build_model(config, options)
+        #: The soft-cap of the model's logits (Gemma 2's final_logit_softcapping), applied by the chunked head.
+        self.logit_softcap = output_softcap(self.model.lm)
         #: What the optimizer steps: every parameter, or the adapters alone under LoRA.
         self.trained = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.trained, policy.optimizer)
@@ -184,7 +187,6 @@ class DTensorPolicyWorker(PolicyWorker):
             packing_tokens_per_row=batching.packing_tokens_per_row,
             round_to=batching.round_to,
             attn_implementation=self.options.attn_implementation,
-            mask_dtype=self.compute_dtype,
         )
         return rows.to(self.device)
 
@@ -198,9 +200,9 @@ class DTensorPolicyWorker(PolicyWorker):
         """Logprobs [b, S] of a microbatch on the device (of ``logits / self.temperature``),
         0 where not reported."""
         rows = self._rows(mb, batching)
-        chunk, temperature = self.config.policy.logprob_chunk_size, self.temperature
+        chunk, temperature, softcap = self.config.policy.logprob_chunk_size, self.temperature, self.logit_softcap
         values = self._forward(
-            rows, lambda h, w: sequence_logprobs(h, w, rows.input_ids, rows.predicted, chunk, temperature)
+            rows, lambda h, w: sequence_logprobs(h, w, rows.input_ids, rows.predicted, chunk, temperature, softcap=softcap)
         )
         keep = loss_positions(mb["input_lengths"], rows.width, mb["token_mask"] if "token_mask" in mb else None)
         return torch.where(keep.to(self.device), rows.to_samples(values), 0.0)
@@ -219,8 +221,10 @@ class DTensorPolicyWorker(PolicyWorker):
         rows = self._rows(mb, batching)
         ids = torch.nn.functional.pad(mb["topk_indices"], (0, 0, 1, 0)).to(self.device)  # onto the logprob positions
         ids = rows.packed.pack(ids) if rows.packed is not None else ids[:, :rows.input_ids.shape[1]]
-        chunk, temperature = self.config.policy.logprob_chunk_size, self.temperature
-        values = self._forward(rows, lambda h, w: sequence_logprobs(h, w, ids, rows.predicted, chunk, temperature))
+        chunk, temperature, softcap = self.config.policy.logprob_chunk_size, self.temperature, self.logit_softcap
+        values = self._forward(
+            rows, lambda h, w: sequence_logprobs(h, w, ids, rows.predicted, chunk, temperature, softcap=softcap)
+        )
         keep = loss_positions(mb["input_lengths"], rows.width, mb["token_mask"] if "token_mask" in mb else None)
         return torch.where(keep.to(self.device)[..., None], rows.to_samples(values), 0.0)
 
@@ -260,15 +264,15 @@ class DTensorPolicyWorker(PolicyWorker):
         values = torch.zeros((n, width, k), dtype=torch.float32)
         indices = torch.zeros((n, width, k), dtype=torch.long)
         logprobs = torch.zeros((n, width, k), dtype=torch.float32)
-        chunk, temperature = self.config.policy.logprob_chunk_size, self.temperature
+        chunk, temperature, softcap = self.config.policy.logprob_chunk_size, self.temperature, self.logit_softcap
         self.model.eval()
         with torch.no_grad():
             for idx in work.microbatches:
                 rows = self._rows(shard.select(idx), work.batching)
 
                 def head(h: torch.Tensor, w: torch.Tensor, rows: ModelRows = rows) -> tuple[torch.Tensor, ...]:
-                    vals, ids = topk_logits(h[rows.valid], w, k, chunk)
-                    lse = logsumexp_logits(h[rows.valid], w, chunk, temperature)
+                    vals, ids = topk_logits(h[rows.valid], w, k, chunk, softcap=softcap)
+                    lse = logsumexp_logits(h[rows.valid], w, chunk, temperature, softcap=softcap)
                     out = [vals.new_zeros((*rows.valid.shape, k)), ids.new_zeros((*rows.valid.shape, k)),
                            vals.new_zeros((*rows.valid.shape, k))]
                     out[0][rows.valid], out[1][rows.valid] = vals, ids

@@ -9,7 +9,10 @@ shared heads together (``enable_gqa``), with the same result.
 :data:`SHARED_KV_SDPA` names :func:`shared_kv_sdpa` in transformers' ``AttentionInterface``
 and gives it the ``sdpa`` mask builder, so the model gets the masks it gets with ``sdpa``.
 Without a mask, or off the CPU (where a masked grouped-query call would leave the fused
-kernels for the math one), it is transformers' ``sdpa``.
+kernels for the math one), it is transformers' ``sdpa``. Sliding windows are in the masks
+transformers builds for each layer type. A layer's attention logit soft-cap (the ``softcap``
+keyword: Gemma 2), which SDPA cannot apply and transformers' ``sdpa`` drops, is applied on
+explicit scores (:func:`posttrain.backend.attention.scores_attention`), on every device.
 
 :func:`takes_ready_step_masks` says when the decode loop may hand a decoding step that mask
 ready-made instead of the 2-D padding mask transformers rebuilds it from at every step.
@@ -25,6 +28,8 @@ from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from posttrain.backend.attention import scores_attention, window_mask
+
 SHARED_KV_SDPA = "posttrain_shared_kv_sdpa"
 
 
@@ -36,11 +41,20 @@ def shared_kv_sdpa(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention output ``[rows, tokens, heads, head_dim]`` of ``query`` ``[rows, heads,
     tokens, head_dim]`` over ``key``/``value`` ``[rows, kv_heads, kv_tokens, head_dim]``
-    under ``attention_mask`` (``sdpa``'s boolean mask, True where a query sees a key)."""
+    under ``attention_mask`` (``sdpa``'s boolean mask, True where a query sees a key; None:
+    causal, the queries being the last keys), scores soft-capped with ``softcap``."""
+    if softcap is not None:
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            raise ValueError(f"{SHARED_KV_SDPA} soft-caps scores under a boolean mask, got a {attention_mask.dtype} one")
+        queries, keys = query.shape[2], key.shape[2]
+        allowed = attention_mask if attention_mask is not None else window_mask(queries, keys, None, query.device)
+        out = scores_attention(query, key, value, allowed, scale=scaling, softcap=softcap, dropout=dropout)
+        return out.transpose(1, 2).contiguous(), None
     if attention_mask is None or query.device.type != "cpu" or attention_mask.dtype != torch.bool:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

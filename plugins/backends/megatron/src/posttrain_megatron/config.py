@@ -8,6 +8,8 @@ remains of ``policy.num_workers``: :meth:`MegatronConfig.replica_factors` tells 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import attrs
 
 from posttrain.config.schema import RunConfig
@@ -64,7 +66,8 @@ def options_of(config: RunConfig) -> MegatronConfig:
 
 def validate_policy_config(config: RunConfig) -> None:
     """The megatron backend's own checks, before any worker starts (core checks the
-    parallel and batch arithmetic; the model's own sizes are checked when it is read)."""
+    parallel and batch arithmetic): its options, and that it converts the model
+    (:func:`check_model`; the model's own sizes are checked when it is read)."""
     p = config.policy
     options = options_of(config)
     if p.dtype not in DTYPE_NAMES:
@@ -97,3 +100,18 @@ def validate_policy_config(config: RunConfig) -> None:
             "policy.sequence_packing is not implemented by the megatron backend; use policy.dynamic_batching "
             "(microbatches filled up to a token budget) instead"
         )
+    check_model(config)
+
+
+def check_model(config: RunConfig) -> None:
+    """Refuse, from ``config.json`` alone, a ``policy.model`` the backend does not convert
+    (:meth:`~posttrain_megatron.convert.Architecture.from_hf_config`: e.g. Gemma, whose
+    soft-caps megatron-core cannot apply). A folder without ``config.json`` is left to the
+    model-folder checks, which name what is missing."""
+    if not (Path(config.policy.model) / "config.json").is_file():
+        return
+    from transformers import AutoConfig
+
+    from posttrain_megatron.convert import Architecture
+
+    Architecture.from_hf_config(AutoConfig.from_pretrained(config.policy.model))

@@ -1,10 +1,14 @@
-"""Hugging Face Llama / Qwen2 weights <-> megatron-core ``GPTModel`` weights.
+"""Hugging Face Llama / Qwen2 / Mistral weights <-> megatron-core ``GPTModel`` weights.
 
 Three layers, each a pure function of tensors:
 
 - :class:`Architecture`: the decoder's shape read from the Hugging Face config (refusing
   what a megatron-core ``GPTModel`` would compute differently), and the
-  ``TransformerConfig`` / ``GPTModel`` arguments it maps to.
+  ``TransformerConfig`` / ``GPTModel`` arguments it maps to. Sliding windows map to
+  megatron-core's ``window_size`` (a query sees itself and the ``window - 1`` tokens before
+  it, as in transformers), per layer through ``window_attn_skip_freq``; attention or
+  final-logit soft-capping (Gemma 2), which megatron-core 0.16 has no setting for, is refused
+  with the rest of the Gemma architecture.
 - :func:`hf_sources`, :func:`to_megatron`, :func:`to_hf`: one whole (unsharded) megatron
   tensor (global layer numbers) from, or back to, the Hugging Face tensors it is made of,
   so a rank loads or exports one tensor at a time; :func:`hf_to_megatron` and
@@ -33,7 +37,10 @@ import torch
 from posttrain.errors import ConfigError
 
 #: Hugging Face ``model_type`` values this backend converts.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+#: Soft-cap fields of Hugging Face configs (Gemma 2): megatron-core 0.16 caps neither scores nor logits.
+SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -56,16 +63,21 @@ class Architecture:
     rope_theta: float
     max_position_embeddings: int
     rope_scaling_factor: float | None = None  # Llama 3.x frequency scaling
+    sliding_window: int | None = None  # tokens a query sees (itself included) in a windowed layer
+    window_layers: tuple[bool, ...] = ()  # per layer: whether it attends within the window
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> Architecture:
-        """Read a ``LlamaConfig`` or ``Qwen2Config``; raise :class:`ConfigError` naming the
-        config field for anything megatron-core's ``GPTModel`` would compute differently."""
+        """Read a ``LlamaConfig``, ``Qwen2Config`` or ``MistralConfig``; raise
+        :class:`ConfigError` naming the config field for anything megatron-core's ``GPTModel``
+        would compute differently."""
         model_type = getattr(cfg, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
+            caps = [f"{key}={getattr(cfg, key)!r}" for key in SOFTCAPS if getattr(cfg, key, None)]
+            why = f" (and megatron-core 0.16 has no setting for its {', '.join(caps)})" if caps else ""
             raise ConfigError(
                 f"policy.model: the megatron backend converts model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
-                f"this model's config.json has model_type '{model_type}'. Use policy.backend=dtensor for it"
+                f"this model's config.json has model_type '{model_type}'{why}. Use policy.backend=dtensor for it"
             )
 
         def refuse(field: str, found: Any, expected: str) -> ConfigError:
@@ -81,13 +93,12 @@ class Architecture:
             raise refuse("mlp_bias", True, "false")
         if model_type == "llama" and getattr(cfg, "attention_bias", False):
             raise refuse("attention_bias", True, "false: megatron-core has no bias on o_proj alone")
-        if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
-            raise refuse("use_sliding_window", True, "full attention in every layer")
         for field in ("attention_dropout", "hidden_dropout"):
             if getattr(cfg, field, 0.0):
                 raise refuse(field, getattr(cfg, field), "0.0")
         heads = cfg.num_attention_heads
         rope_theta, scaling = _rope(cfg, refuse)
+        window, window_layers = _windows(cfg)
         return cls(
             model_type=model_type,
             num_layers=cfg.num_hidden_layers,
@@ -103,6 +114,8 @@ class Architecture:
             rope_theta=rope_theta,
             max_position_embeddings=cfg.max_position_embeddings,
             rope_scaling_factor=scaling,
+            sliding_window=window,
+            window_layers=window_layers,
         )
 
     def padded_vocab_size(self, tp_size: int) -> int:
@@ -127,7 +140,15 @@ class Architecture:
             add_qkv_bias=self.qkv_bias,
             hidden_dropout=0.0,
             attention_dropout=0.0,
+            **self._window_kwargs(),
         )
+
+    def _window_kwargs(self) -> dict[str, Any]:
+        """megatron-core's sliding-window settings: ``window_size`` ``(window - 1, 0)`` (keys
+        back, keys ahead), in the layers ``window_attn_skip_freq`` marks 1."""
+        if self.sliding_window is None:
+            return {}
+        return dict(window_size=(self.sliding_window - 1, 0), window_attn_skip_freq=[int(w) for w in self.window_layers])
 
     def gpt_model_kwargs(self, tp_size: int) -> dict[str, Any]:
         """Keyword arguments of ``GPTModel`` besides the config and layer spec."""
@@ -140,6 +161,20 @@ class Architecture:
             rope_scaling_factor=self.rope_scaling_factor or 8.0,
             share_embeddings_and_output_weights=self.tie_word_embeddings,
         )
+
+
+def _windows(cfg: Any) -> tuple[int | None, tuple[bool, ...]]:
+    """``(sliding_window, per-layer windowed flags)`` as transformers applies them: every
+    layer of a Mistral model with a window, the layers ``layer_types`` marks
+    ``sliding_attention`` otherwise (Qwen2); ``(None, ())`` without windowed layers."""
+    window = getattr(cfg, "sliding_window", None)
+    if cfg.model_type == "mistral":
+        layers = (True,) * cfg.num_hidden_layers
+    else:
+        layers = tuple(kind == "sliding_attention" for kind in getattr(cfg, "layer_types", None) or ())
+    if window is None or not any(layers):
+        return None, ()
+    return int(window), layers
 
 
 #: Llama 3.x rope scaling as megatron-core implements it (only ``factor`` is a parameter).

