@@ -19,6 +19,7 @@ from posttrain.config.schema import (
     WorkerResources,
 )
 from posttrain.distributed import VirtualCluster
+from posttrain.distributed.cluster import colocated_groups
 from posttrain.plugins import plugin_host
 from posttrain.run.refit import refit
 from posttrain.testing.generation import (
@@ -62,7 +63,7 @@ def test_train_then_sync_gives_the_trainers_logprobs(ray_cluster, tiny_model_pat
     if engine == "vllm":
         pytest.importorskip("vllm")
     config = _config(tiny_model_path, engine=engine, colocated=colocated, transport=transport)
-    cluster = VirtualCluster(config.cluster)
+    cluster = VirtualCluster(config.cluster, colocate=colocated_groups(config))
     policy = plugin_host().policy_backends["dtensor"](config, cluster)
     generation = plugin_host().generation_backends[engine](config, cluster)
     try:
@@ -103,7 +104,7 @@ def test_engines_in_policy_workers_take_the_trained_weights_on_the_gpu(ray_clust
     engine's logprobs are the trainer's."""
     config = _config(tiny_model_path, engine="hf", colocated=True, in_policy_workers=True)
     config = attrs.evolve(config, policy=attrs.evolve(config.policy, resources=GPU))
-    cluster = VirtualCluster(config.cluster)
+    cluster = VirtualCluster(config.cluster, colocate=colocated_groups(config))
     policy = plugin_host().policy_backends["dtensor"](config, cluster)
     generation = plugin_host().generation_backends["hf"](config, cluster, host=policy)
     try:

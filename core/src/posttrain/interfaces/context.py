@@ -37,8 +37,9 @@ class RunContext(Protocol):
     def resume_checkpoint(self) -> Path | None:
         """The checkpoint the run resumes from; None for a fresh run."""
 
-    def start_cluster(self) -> Any:
-        """Start Ray and the run's virtual cluster once; return the cluster."""
+    def start_cluster(self, *, colocate: bool = True) -> Any:
+        """Start Ray and the run's virtual cluster once; return the cluster. ``colocate=False``:
+        ``generation.colocated`` does not apply (a run whose engines share with no policy)."""
 
     def build_policy(
         self, *, schedule_steps: int | None = None, policy: PolicyConfig | None = None, name: str = "policy",

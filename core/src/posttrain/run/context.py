@@ -91,13 +91,15 @@ class RunContext:
         """The run's :class:`~posttrain.distributed.cluster.VirtualCluster`, starting Ray if needed."""
         return self.start_cluster()
 
-    def start_cluster(self) -> VirtualCluster:
+    def start_cluster(self, *, colocate: bool = True) -> VirtualCluster:
         """Start Ray (unless this process is connected already) and the run's cluster, once,
         whichever thread asks first; return the cluster. Ray's start is not interrupted: a
         stop requested meanwhile is raised once it is up. The cluster waits for
         ``cluster.num_nodes`` nodes (a stop ends the wait), then every other node must see the
         run's folders (:meth:`check_storage`). With ``generation.colocated``, the generation
-        group shares the policy's GPUs, or goes to its nodes (:func:`colocated_groups`)."""
+        group shares the policy's GPUs, or goes to its nodes (:func:`colocated_groups`),
+        unless ``colocate`` is False: an algorithm whose engines share with no policy (the
+        first call decides)."""
         self.stop.check_startup()
         with self._cluster_lock:
             if self._closed:
@@ -107,7 +109,7 @@ class RunContext:
 
                 check_node_count(self.config.cluster)
                 self._start_ray()
-                self._cluster = VirtualCluster(self.config.cluster, colocate=colocated_groups(self.config),
+                self._cluster = VirtualCluster(self.config.cluster, colocate=colocated_groups(self.config) if colocate else {},
                                                check=self.stop.check_startup)
                 self.check_storage()
         self.stop.check_startup()

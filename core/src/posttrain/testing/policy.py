@@ -29,6 +29,7 @@ for a backend's own extra tests.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -186,6 +187,9 @@ class _Endpoint:
 
     def weight_endpoint(self) -> Any:
         return self.endpoint
+
+    def refit_window(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
 
 class PolicyContract:

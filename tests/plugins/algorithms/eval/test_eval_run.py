@@ -40,7 +40,8 @@ def test_logged_scores_are_those_of_the_written_completions(ray_cluster, tiny_mo
     config = config_from_dict({
         "algorithm": "eval", "seed": 5, "run_dir": str(tmp_path / "run"),
         "policy": {"model": tiny_model_path, "max_total_sequence_length": 64},
-        "generation": {"backend": "hf", "max_new_tokens": 2, "temperature": 1.0},
+        # colocated: an option for the policy's runs, which an eval (no policy beside its engines) ignores
+        "generation": {"backend": "hf", "max_new_tokens": 2, "temperature": 1.0, "colocated": True},
         "data": {"validation": str(data)},
         "checkpointing": {"enabled": False}, "logger": {"progress_bar": False},
         "eval": {"num_samples": 6, "k": [1, 2, 6]},
@@ -49,6 +50,7 @@ def test_logged_scores_are_those_of_the_written_completions(ray_cluster, tiny_mo
     context = RunContext(config)
     try:
         result = Eval(environment_plugins=[FIRST_CHAR]).run(context)
+        assert context.cluster.colocate == {}  # the engines would wait for a policy that never starts
     finally:
         context.close()
 

@@ -59,7 +59,7 @@ class Eval(Algorithm):
         prompts = dataset.collate(range(count))
         step = checkpoint_step(options.checkpoint, config) if options.checkpoint else 0
         with contextlib.ExitStack() as cleanup:
-            context.start_cluster()
+            context.start_cluster(colocate=False)  # its engines share no policy's devices
             startup = context.startup(cleanup)
             environments = startup.start(
                 "environments", lambda: context.build_environments(names, plugins=plugins), shutdown_environments
