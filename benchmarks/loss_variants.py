@@ -8,7 +8,7 @@ Each seed runs the quickstart (SFT, then its GRPO stage: the default loss), then
 stage per variant from that seed's SFT model with the quickstart's config and the variant's
 ``grpo.loss`` options (:data:`VARIANTS`), through :mod:`quickstart_rl`'s stages (a stage
 already in ``--out`` is not run again). The greedy validation accuracy on the 256 held-out
-problems after each stage, and its wall seconds, go to ``benchmarks/results/loss_variants.json``
+problems after each stage, and its wall seconds, go to ``benchmarks/learning/loss_variants.json``
 (and ``--out``); ``--table`` renders that file as the table of docs/algorithms/loss-reference.md.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quickstart_rl  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "loss_variants.json"
+RESULTS = Path(__file__).resolve().parent / "learning" / "loss_variants.json"  # rendered into loss-reference.md, not docs/benchmarks.md
 
 #: Each variant (its folder name under --out): its name in the table and its overrides of the
 #: quickstart's GRPO stage, whose default loss is the table's "GRPO".

@@ -237,7 +237,7 @@ def test_nonfinite_generation_logprobs_match_nemo_rl(name):
 
 
 def test_the_kl_gradient_where_a_clamp_binds_is_nemo_rls():
-    """The issue's example: k3 at logp -4, reference 0: the output clamp binds (e^4 - 5 > 10).
+    """An example: k3 at logp -4, reference 0: the output clamp binds (e^4 - 5 > 10).
     NeMo RL gives no gradient; the code before the fix gave +10, the opposite sign to the
     unclamped -4."""
     lp = torch.tensor([[-4.0]], dtype=F64, requires_grad=True)
