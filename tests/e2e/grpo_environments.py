@@ -6,6 +6,12 @@ the string ``"nan"``), whatever the model answered, and a sample whose metadata 
 ``error`` is reported as failed (``EnvironmentReturn.errors``). It lets a test choose a
 step's rewards and failures through the data, e.g. poison the third step with NaN.
 
+``mortal``: single turn; reward: the number of distinct characters of the response over 10
+(a score with spread, whatever the model). When the first sample's metadata has ``counter``
+(a file) and ``die_at_call`` (n), the n-th call of the run, counted in that file across
+processes, kills the process it runs in with SIGKILL before answering: an environment actor
+killed in the middle of a step.
+
 ``delayed``: single turn; reward 1 when the response contains the metadata's ``answer``, 0
 otherwise, given after a random wait of up to the metadata's ``max_delay_s`` seconds per
 call: an environment with latency (a remote reward, code execution, an agent), whose random
@@ -14,8 +20,11 @@ delays shift when each step's rollout finishes.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
+from pathlib import Path
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,6 +38,17 @@ class Scripted(Environment):
                                        errors=[meta.get("error") for meta in metadata])
 
 
+class Mortal(Environment):
+    def step(self, message_logs: Sequence[Sequence[Any]], metadata: Sequence[Any]) -> EnvironmentReturn:
+        if "counter" in metadata[0]:
+            counter = Path(metadata[0]["counter"])
+            calls = int(counter.read_text()) + 1 if counter.exists() else 1
+            counter.write_text(str(calls))
+            if calls == int(metadata[0]["die_at_call"]):
+                os.kill(os.getpid(), signal.SIGKILL)
+        return EnvironmentReturn.final([len(set(log[-1]["content"])) / 10 for log in message_logs], metadata)
+
+
 class Delayed(Environment):
     def step(self, message_logs: Sequence[Sequence[Any]], metadata: Sequence[Any]) -> EnvironmentReturn:
         time.sleep(random.uniform(0, max(float(meta.get("max_delay_s", 0)) for meta in metadata)))
@@ -38,4 +58,4 @@ class Delayed(Environment):
 
 @hookimpl
 def posttrain_environments() -> Mapping[str, Any]:
-    return {"scripted": lambda options: Scripted(), "delayed": lambda options: Delayed()}
+    return {"scripted": lambda options: Scripted(), "delayed": lambda options: Delayed(), "mortal": lambda options: Mortal()}

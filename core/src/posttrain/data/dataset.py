@@ -8,7 +8,7 @@ Three kinds, by what an algorithm consumes (see :data:`~posttrain.data.formats.K
   size keeps each pair together.
 - ``prompt``: the prompt tokens (ending with the generation prompt) plus the per-sample
   ``messages``, ``answer``, ``metadata`` and ``task`` lists an RL loop and its
-  environments need.
+  environments need, and ``origin`` (``<source> row <n>``, for messages about the row).
 
 Collated batches (:class:`posttrain.batch.Batch`) hold ``input_ids`` int64 [B, S]
 right-padded with the tokenizer's pad id, ``input_lengths`` int64 [B], ``token_mask``
@@ -107,6 +107,7 @@ class TokenizedDataset:
             for name in ("messages", "answer", "metadata"):
                 batch[name] = [json.loads(v) for v in cols[name]]
             batch["task"] = list(cols["task"])
+            batch["origin"] = [f"{self.report.source} row {row}" for row in cols["row"]]
         return batch
 
 

@@ -147,6 +147,29 @@ def test_score_with_default_options_uses_the_environment_rewards_as_they_are():
     assert batch["sample_mask"].tolist() == [1.0] * 6  # no overlong filtering unless asked
 
 
+@pytest.mark.parametrize("baseline_valid_only", [False, True])
+def test_samples_the_environment_could_not_score_neither_train_nor_count(baseline_valid_only):
+    """Sample 1 failed (its reward 0 is no reward): sample_mask 0, and the leave-one-out
+    baseline and std of its group are those of the group's three scored samples alone, as if
+    it were not there; whatever grpo.baseline_valid_only says. Its signal is NaN."""
+    grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, baseline_valid_only=baseline_valid_only)
+    batch = rollout_batch([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0], [4] * 8, [False] * 8)
+    batch["failed"] = torch.tensor([False, True, False, False, False, False, False, False])
+    signal = score(batch, grpo, max_new_tokens=10)
+    assert batch["sample_mask"].tolist() == [1.0, 0.0] + [1.0] * 6
+    scored = [1.0, 0.0, 1.0]  # group 0 without sample 1
+    expected = reference_advantages(scored, 3)
+    assert batch["advantages"][[0, 2, 3]].double().tolist() == pytest.approx(expected, rel=1e-5)
+    assert batch["advantages"][1] == 0.0
+    assert batch["advantages"][4:].double().tolist() == pytest.approx(reference_advantages([1.0, 0, 0, 0], 4), rel=1e-5)
+    assert signal[1].isnan() and not signal[[0, 2, 3, 4, 5, 6, 7]].isnan().any()
+
+
+def test_the_step_reward_leaves_failed_samples_out():
+    batch = Batch(rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]), failed=torch.tensor([False, True, True, False]))
+    assert rollout_summary([(batch, {"env/math/retried": 4.0})]) == {"env/math/retried": 4.0, "reward": 1.0}
+
+
 # ----------------------------------------------------------------------------- keys and seeds
 
 
