@@ -44,6 +44,21 @@ def no_ray(monkeypatch):
     assert attempts == [], "Ray was asked to start"
 
 
+class RayWouldStart(Exception):
+    """Raised where Ray would start: every check before it passed."""
+
+
+@pytest.fixture
+def until_ray(monkeypatch):
+    """Stop a run, with :class:`RayWouldStart`, where it would start Ray."""
+    import posttrain.distributed.cluster as cluster
+
+    def refuse(config):
+        raise RayWouldStart
+
+    monkeypatch.setattr(cluster, "init_ray", refuse)
+
+
 @pytest.fixture
 def in_tmp(tmp_path, monkeypatch) -> Path:
     monkeypatch.chdir(tmp_path)
@@ -318,6 +333,113 @@ def test_an_empty_data_file(in_tmp, no_ray, tiny_model_path):
     assert str(info.value) == (
         "data.train (at exp.yaml:6): empty.jsonl has no rows. Add rows to it, or set data.train to a dataset that has some"
     )
+
+
+# ----------------------------------------------------------------------------- rows that cannot train
+
+
+def prompt_rows(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}], **row}) + "\n"
+                            for i, row in enumerate(rows)))
+    return path.name
+
+
+@pytest.mark.parametrize(
+    ("task", "good", "bad", "needs"),
+    [
+        ("math", {"answer": "7"}, {"metadata": {"source": "web"}},
+         "'answer' (the ground truth the final answer is compared with)"),
+        ("guess_number", {"metadata": {"target": 3, "low": 1}}, {"metadata": {"low": 1, "high": 9}},
+         "'target' (the integer the model must guess)"),
+    ],
+)
+def test_rows_without_what_their_environment_needs_are_named_before_ray(in_tmp, no_ray, tiny_model_path, task, good,
+                                                                          bad, needs):
+    data = [{**good, "task": task}] * 3 + [{**bad, "task": task}] + [{**good, "task": task}] * 3 + [{**bad, "task": task}]
+    grpo_yaml(in_tmp, tiny_model_path, prompt_rows(in_tmp / "train.jsonl", data))
+    (in_tmp / "exp.yaml").write_text((in_tmp / "exp.yaml").read_text().replace("math: {num_workers: 1}", "{}"))
+    with pytest.raises(DataError) as info:
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo"]))
+    keys = "high, low" if task == "guess_number" else "source"
+    assert str(info.value) == (
+        f"data.train (train.jsonl) row 4: the {task} environment needs {needs} in each of its rows, and this row has "
+        f"none (its metadata keys: {keys}); 1 more row lacks what their environment needs: 8. Add the keys to these "
+        "rows (as keys of the row, or under its 'metadata'), remove them, or set data.skip_malformed: true to leave "
+        "such rows out. Where set: data.train at exp.yaml:6."
+    )
+
+
+def test_the_advice_for_rows_without_what_their_environment_needs_works(in_tmp, until_ray, tiny_model_path):
+    data = [{"answer": "7", "task": "math"}] * 7 + [{"task": "math"}]
+    grpo_yaml(in_tmp, tiny_model_path, prompt_rows(in_tmp / "train.jsonl", data))
+    with pytest.raises(RayWouldStart):  # leave them out
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo", "data.skip_malformed=true"]))
+    prompt_rows(in_tmp / "train.jsonl", [{"answer": "7", "task": "math"}] * 8)  # or add what they lack
+    with pytest.raises(RayWouldStart):
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo"]))
+
+
+def test_a_run_whose_prompts_leave_no_room_to_generate_is_refused_before_ray(in_tmp, no_ray, tiny_model_path):
+    """Prompts longer than policy.max_total_sequence_length: GRPO would generate nothing."""
+    data = [{"answer": "7", "task": "math", "messages": [{"role": "user", "content": "x" * (30 + i)}]} for i in range(8)]
+    grpo_yaml(in_tmp, tiny_model_path, prompt_rows(in_tmp / "train.jsonl", data))
+    with pytest.raises(DataError) as info:
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo", "policy.max_total_sequence_length=32"]))
+    assert str(info.value) == (
+        "data.train (train.jsonl): 8 of 8 prompts are longer than policy.max_total_sequence_length=32 tokens (the "
+        "longest has 41), leaving no room to generate a response: the run would learn nothing from them. Set "
+        "policy.max_total_sequence_length: 169 (memory grows with it), or shorten or remove those prompts. Where set: "
+        "policy.max_total_sequence_length at command line override 'policy.max_total_sequence_length=32'."
+    )
+
+
+def test_the_advice_for_prompts_that_leave_no_room_works(in_tmp, until_ray, tiny_model_path):
+    data = [{"answer": "7", "task": "math", "messages": [{"role": "user", "content": "x" * (30 + i)}]} for i in range(8)]
+    grpo_yaml(in_tmp, tiny_model_path, prompt_rows(in_tmp / "train.jsonl", data))
+    with pytest.raises(RayWouldStart):
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo", "policy.max_total_sequence_length=169"]))
+
+
+def sft_yaml(in_tmp: Path, model: str, lengths: list[int]) -> Path:
+    rows = [{"messages": [{"role": "user", "content": "y" * n}, {"role": "assistant", "content": "ok"}]} for n in lengths]
+    (in_tmp / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return write(in_tmp / "exp.yaml", f"""
+        run_dir: run
+        algorithm: sft
+        policy:
+          model: {model}
+          train_global_batch_size: 4
+        data:
+          train: sft.jsonl
+          max_length: 16
+        sft: {{max_num_steps: 1}}
+        logger: {{progress_bar: false}}
+        """)
+
+
+def test_an_sft_run_whose_rows_are_cut_before_their_answers_is_refused_before_ray(in_tmp, no_ray, tiny_model_path):
+    sft_yaml(in_tmp, tiny_model_path, [20, 30, 40, 2])
+    with pytest.raises(DataError) as info:
+        run_algorithm(load_config("exp.yaml"))
+    assert str(info.value) == (
+        "data.train (sft.jsonl): 3 of 4 rows have no token left to learn from once cut to data.max_length=16 tokens "
+        "(the longest has 47): the run would train on them at loss 0. Set data.max_length: 47 (memory grows with "
+        "it), or shorten or remove those rows. Where set: data.max_length at exp.yaml:8."
+    )
+
+
+def test_the_advice_for_sft_rows_cut_before_their_answers_works(in_tmp, until_ray, tiny_model_path):
+    sft_yaml(in_tmp, tiny_model_path, [20, 30, 40, 2])
+    with pytest.raises(RayWouldStart):
+        run_algorithm(load_config("exp.yaml", ["data.max_length=47"]))
+
+
+def test_a_few_rows_that_cannot_train_are_reported_not_refused(in_tmp, until_ray, tiny_model_path, capsys):
+    sft_yaml(in_tmp, tiny_model_path, [20, 2, 2, 2])
+    with pytest.raises(RayWouldStart):
+        run_algorithm(load_config("exp.yaml"))
+    [warning] = [line for line in capsys.readouterr().err.splitlines() if "some rows cannot train" in line]
+    assert "data.train (sft.jsonl): 1 of 4 rows have no token left to learn from" in warning
 
 
 # ----------------------------------------------------------------------------- batch sizes

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -474,8 +475,9 @@ def environment_names(
     (the only environment, or None when every row names its task).
 
     Every name must be registered (in this process's plugin host, plus the extra plugin
-    modules ``plugins``), checked here, before Ray or any worker starts: an unknown task
-    names the config key of its data, the file and the row."""
+    modules ``plugins``), and every row must hold the metadata its environment needs
+    (:func:`check_required_metadata`), checked here, before Ray or any worker starts: an
+    unknown task or a missing key names the config key of its data, the file and the row."""
     registry = host_with(plugins).environments
     for name in config.environments:
         if name not in registry:
@@ -502,14 +504,60 @@ def environment_names(
             "'task' and the config has no 'environments' section; add e.g. 'environments: {math: {}}' or a 'task' "
             "to every data row"
         )
-    if None not in tasks and "" not in tasks:
-        return names, None
-    if len(names) > 1:
-        raise ConfigError(
-            f"some data rows have no 'task', and there are {len(names)} environments ({', '.join(names)}) they "
-            "could go to; give every row a 'task', or configure exactly one environment under 'environments'"
-        )
-    return names, names[0]
+    default = None
+    if None in tasks or "" in tasks:
+        if len(names) > 1:
+            raise ConfigError(
+                f"some data rows have no 'task', and there are {len(names)} environments ({', '.join(names)}) they "
+                "could go to; give every row a 'task', or configure exactly one environment under 'environments'"
+            )
+        default = names[0]
+    for dataset in datasets:
+        if dataset is not None:
+            check_required_metadata(config, dataset, registry, default)
+    return names, default
+
+
+def check_required_metadata(config: RunConfig, dataset: TokenizedDataset, registry: Any, default_task: str | None) -> None:
+    """Every row of ``dataset`` has the metadata its environment declared it needs
+    (:func:`~posttrain.config.environments.requires_metadata`): a row's metadata, with its
+    ``answer``. Rows that lack some are left out with ``data.skip_malformed`` (logged and
+    counted); otherwise the first is named, with how many more, in a :class:`DataError`."""
+    needs: dict[str, dict[str, str]] = {}
+    problems: dict[int, str] = {}
+    table = dataset.table
+    for task, row, meta_json, answer_json in zip(table["task"], table["row"], table["metadata"], table["answer"], strict=True):
+        name = task or default_task
+        if name is None:
+            continue
+        if name not in needs:
+            needs[name] = required_metadata(registry[name])
+        if not needs[name]:
+            continue
+        meta, answer = json.loads(meta_json), json.loads(answer_json)
+        meta = {"answer": answer, **meta} if answer is not None else meta
+        missing = [key for key in needs[name] if meta.get(key) is None]
+        if missing:
+            described = ", ".join(f"'{key}' ({needs[name][key]})" for key in missing)
+            problems[row] = (
+                f"the {name} environment needs {described} in each of its rows, and this row has "
+                f"{'none' if len(missing) == 1 else 'neither'} (its metadata keys: {', '.join(sorted(meta)) or 'none'})"
+            )
+    if not problems:
+        return
+    if config.data.skip_malformed:
+        dataset.drop_rows(problems)
+        return
+    key = dataset.report.key or "the data"
+    rows = sorted(problems)
+    more = rows[1:]
+    others = (f"; {len(more)} more row{'s' if len(more) > 1 else ''} lack{'' if len(more) > 1 else 's'} what their "
+              f"environment needs: {', '.join(map(str, more[:10]))}{', ...' if len(more) > 10 else ''}") if more else ""
+    raise DataError(
+        f"{key} ({dataset.report.source}) row {rows[0]}: {problems[rows[0]]}{others}. Add the keys to "
+        f"{'these rows' if more else 'the row'} (as keys of the row, or under its 'metadata'), remove "
+        f"{'them' if more else 'it'}, or set data.skip_malformed: true to leave such rows out.{where_set(config, key)}"
+    )
 
 
 def shutdown_environments(environments: Mapping[str, Environment]) -> None:

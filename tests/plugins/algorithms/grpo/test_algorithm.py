@@ -305,7 +305,7 @@ def encoder():
 
 
 def prompt_dataset(tmp_path, name: str, tasks: list[str | None], encoder):
-    rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "answer": "1", **({"task": t} if t else {})}
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "answer": "1", "target": 1, **({"task": t} if t else {})}
             for i, t in enumerate(tasks)]
     path = tmp_path / f"{name}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
