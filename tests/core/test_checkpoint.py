@@ -18,7 +18,7 @@ from posttrain.errors import CheckpointError
 from posttrain.run.checkpoint import CheckpointManager, TrainingState, check_checkpoint_fits
 from posttrain.run.context import RunContext, seed_everything
 from posttrain.run.finished import finished_run, finished_unchanged
-from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
+from posttrain.run.loop import LoopPlan, LoopSteps, RunEndedEarly, TrainingLoop
 from posttrain.run.metrics import read_metrics
 from tests.stand_ins import Numbers
 
@@ -302,8 +302,8 @@ def _tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
-def test_the_loop_validates_saves_exports_and_stops_at_the_end_of_the_data(tmp_path):
-    result, steps, policy = _run_loop(tmp_path, total_steps=7)  # the data holds 5 batches
+def test_the_loop_validates_saves_and_exports(tmp_path):
+    result, steps, policy = _run_loop(tmp_path, total_steps=5)  # the data holds 5 batches
     records = _records(tmp_path)
     assert [(r["phase"], r["step"]) for r in records] == [
         ("validation", 0), ("train", 1), ("train", 2), ("validation", 2), ("train", 3), ("train", 4),
@@ -314,12 +314,34 @@ def test_the_loop_validates_saves_exports_and_stops_at_the_end_of_the_data(tmp_p
     last_train, last_validation = records[-2], records[-1]
     assert result == {"step": 5, **{k: last_train[k] for k in ("data", "noise", "updates")},
                       "validation/loss": last_validation["loss"]}
-    plan = {"total_steps": 7, "val_at_end": True, "export_dir": str(tmp_path / "hf")}
+    plan = {"total_steps": 5, "val_at_end": True, "export_dir": str(tmp_path / "hf")}
     info = json.loads((tmp_path / "checkpoints" / "step_4" / "training_info.json").read_text())
     assert info == {"step": 4, "validated_step": 4, "plan": plan,
                     "metrics": {**{k: records[5][k] for k in ("data", "noise", "updates")}, "validation/loss": records[6]["loss"]}}
     final = json.loads((tmp_path / "checkpoints" / "step_5" / "training_info.json").read_text())
     assert final["finished"] is True and final["plan"] == plan and final["validated_step"] == 5
+
+
+def test_data_that_runs_out_before_the_planned_steps_stops_the_run_saying_why(tmp_path):
+    """7 steps planned on 5 batches: step 6 cannot be filled. The 5 steps are checkpointed,
+    nothing is exported or marked finished, and the run ends with an error (exit 2 from the
+    command line) instead of passing for a finished one."""
+    exported = []
+    with pytest.raises(RunEndedEarly) as info, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CounterPolicy, "export_hf", lambda self, path: exported.append(path))
+        _run_loop(tmp_path, total_steps=7)
+    assert str(info.value) == (
+        "sft stopped after step 5 of 7: the training data ran out before step 6 could be filled. Nothing was "
+        f"exported; the checkpoint {tmp_path / 'checkpoints' / 'step_5'} holds step 5; the run resumes from it when "
+        "started again."
+    )
+    assert [(r["phase"], r["step"]) for r in _records(tmp_path)] == [
+        ("validation", 0), ("train", 1), ("train", 2), ("validation", 2), ("train", 3), ("train", 4),
+        ("validation", 4), ("train", 5),
+    ]
+    assert CheckpointManager(tmp_path / "checkpoints").steps() == [2, 4, 5]
+    assert exported == []
+    assert "finished" not in json.loads((tmp_path / "checkpoints" / "step_5" / "training_info.json").read_text())
 
 
 def test_a_stopped_loop_saves_its_last_step_and_a_resumed_one_continues_it_exactly(tmp_path):

@@ -2,15 +2,16 @@
 through ``GRPO(environment_plugins=[__name__])``.
 
 ``scripted``: single turn; each sample's reward is its metadata's ``reward`` (a number, or
-the string ``"nan"``), whatever the model answered, and a sample whose metadata has an
-``error`` is reported as failed (``EnvironmentReturn.errors``). It lets a test choose a
-step's rewards and failures through the data, e.g. poison the third step with NaN.
+the string ``"nan"``), whatever the model answered, or with ``"spread"`` the number of
+distinct characters of the response over 10 (rewards that differ within a group); a sample
+whose metadata has an ``error`` is reported as failed (``EnvironmentReturn.errors``). It
+lets a test choose a step's rewards and failures through the data, e.g. poison the third
+step with NaN.
 
-``mortal``: single turn; reward: the number of distinct characters of the response over 10
-(a score with spread, whatever the model). When the first sample's metadata has ``counter``
-(a file) and ``die_at_call`` (n), the n-th call of the run, counted in that file across
-processes, kills the process it runs in with SIGKILL before answering: an environment actor
-killed in the middle of a step.
+``mortal``: single turn; rewards as ``scripted``'s ``"spread"``. When the first sample's
+metadata has ``counter`` (a file) and ``die_at_call`` (n), the n-th call of the run,
+counted in that file across processes, kills the process it runs in with SIGKILL before
+answering: an environment actor killed in the middle of a step.
 
 ``delayed``: single turn; reward 1 when the response contains the metadata's ``answer``, 0
 otherwise, given after a random wait of up to the metadata's ``max_delay_s`` seconds per
@@ -24,8 +25,8 @@ import os
 import random
 import signal
 import time
-from pathlib import Path
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from posttrain import hookimpl
@@ -34,8 +35,14 @@ from posttrain.interfaces import Environment, EnvironmentReturn
 
 class Scripted(Environment):
     def step(self, message_logs: Sequence[Sequence[Any]], metadata: Sequence[Any]) -> EnvironmentReturn:
-        return EnvironmentReturn.final([float(meta["reward"]) for meta in metadata], metadata,
-                                       errors=[meta.get("error") for meta in metadata])
+        rewards = [spread(log) if meta["reward"] == "spread" else float(meta["reward"])
+                   for log, meta in zip(message_logs, metadata, strict=True)]
+        return EnvironmentReturn.final(rewards, metadata, errors=[meta.get("error") for meta in metadata])
+
+
+def spread(message_log: Sequence[Any]) -> float:
+    """The number of distinct characters of the last message over 10."""
+    return len(set(message_log[-1]["content"])) / 10
 
 
 class Mortal(Environment):
@@ -46,7 +53,7 @@ class Mortal(Environment):
             counter.write_text(str(calls))
             if calls == int(metadata[0]["die_at_call"]):
                 os.kill(os.getpid(), signal.SIGKILL)
-        return EnvironmentReturn.final([len(set(log[-1]["content"])) / 10 for log in message_logs], metadata)
+        return EnvironmentReturn.final([spread(log) for log in message_logs], metadata)
 
 
 class Delayed(Environment):

@@ -39,6 +39,7 @@ from posttrain.config.schema import (
     WorkerResources,
 )
 from posttrain.run.context import RunContext, run_algorithm, seed_everything
+from posttrain.run.loop import RunEndedEarly
 from posttrain.run.metrics import read_metrics
 from posttrain_env_math.guess_number import guess_number_prompt
 from posttrain_grpo.algorithm import GRPO
@@ -90,6 +91,16 @@ def make_config(model: str, run_dir: Path, train: str, grpo: GRPOConfig, **overr
     )
     fields.update(overrides)
     return RunConfig(**fields)
+
+
+def run_grpo(config: RunConfig) -> dict:
+    """``config`` run in this process, with the test environments registered in every actor."""
+    seed_everything(config.seed)
+    ctx = RunContext(config)
+    try:
+        return GRPO(environment_plugins=[TEST_ENVIRONMENTS]).run(ctx)
+    finally:
+        ctx.close()
 
 
 def comparable(record: dict) -> dict:
@@ -277,6 +288,32 @@ def test_dynamic_sampling_never_fetches_dropped_groups(ray_cluster, tiny_model_p
     assert plane.partitions() == []  # every step's partition was cleared
 
 
+def test_dynamic_sampling_that_runs_out_of_prompts_stops_the_run_saying_why(ray_cluster, tiny_model_path, tmp_path):
+    """Only the first of 4 prompts gives rewards that differ: step 1 fills, step 2 draws the
+    other 3 and the epoch ends. The run stops with an error naming both ways out, after
+    saving step 1; following the first (more epochs) the resumed run does its 3 steps."""
+    rewards = ["spread", "0.0", "0.0", "0.0"]
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}], "metadata": {"reward": r}, "task": "scripted"}
+            for i, r in enumerate(rewards)]
+    train = write_rows(tmp_path / "train.jsonl", rows)
+    grpo = GRPOConfig(num_prompts_per_step=1, num_generations_per_prompt=4, max_num_steps=3,
+                      dynamic_sampling=DynamicSamplingConfig(enabled=True, max_gen_batches=20))
+    config = make_config(tiny_model_path, tmp_path / "run", train, grpo, environments={})
+    with pytest.raises(RunEndedEarly) as failure:
+        run_grpo(config)
+    assert str(failure.value) == (
+        "GRPO stopped after step 1 of 3: the prompts ran out (grpo.max_num_epochs=1 epochs of 4 prompt batches) "
+        "while dynamic sampling filled step 2: its 3 batches gave 0 of the 1 prompts with differing rewards a step "
+        "needs; so far a step took 4.0 batches. Set grpo.max_num_epochs: 4 (that many for 3 steps, with a margin), "
+        "or grpo.max_num_steps: 1. Nothing was exported; the checkpoint "
+        f"{tmp_path / 'run' / 'checkpoints' / 'step_1'} holds step 1; the run resumes from it when started again."
+    )
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl", "train")] == [1]
+
+    run_grpo(attrs.evolve(config, sections={"grpo": attrs.evolve(grpo, max_num_epochs=4)}))
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl", "train")] == [1, 2, 3]
+
+
 # ----------------------------------------------------------------------------- multi-turn
 
 
@@ -309,16 +346,6 @@ def test_multi_turn_game_trains_through_the_loop(ray_cluster, tiny_model_path, t
 
 
 # ----------------------------------------------------------------------------- divergence
-
-
-def run_grpo(config: RunConfig) -> dict:
-    """``config`` run in this process, with the test environments registered in every actor."""
-    seed_everything(config.seed)
-    ctx = RunContext(config)
-    try:
-        return GRPO(environment_plugins=[TEST_ENVIRONMENTS]).run(ctx)
-    finally:
-        ctx.close()
 
 
 def test_failed_samples_are_left_out_and_a_nan_loss_stops_the_run(ray_cluster, tiny_model_path, tmp_path):
