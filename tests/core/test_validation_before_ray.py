@@ -470,6 +470,31 @@ DPO_RULES = BatchSizeRules(micro_multiple=2, micro_reason="whole chosen/rejected
 SIZES = list(product([1, 2, 3, 4, 6], [1, 2], range(1, 33), range(1, 9)))  # workers, tensor parallel, global, micro
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "grpo.num_generations_per_prompt=-1",
+            "grpo.num_generations_per_prompt: must be >= 2 with grpo.baseline: leave_one_out (the baseline is the mean "
+            "of the other samples of the prompt), got -1. Where set: grpo.num_generations_per_prompt at command line "
+            f"override 'grpo.num_generations_per_prompt=-1'; grpo.baseline at {EXAMPLE}:64.",
+        ),
+        (
+            "grpo.num_prompts_per_step=-3",
+            "grpo.num_prompts_per_step: must be >= 1, got -3. Where set: grpo.num_prompts_per_step at command line "
+            "override 'grpo.num_prompts_per_step=-3'.",
+        ),
+    ],
+)
+def test_a_negative_count_of_samples_per_step_names_its_key(monkeypatch, no_ray, override, message):
+    """The batch-size check divides the samples of a step: a negative count used to reach it
+    (a raw ValueError of math.isqrt) before the grpo section's own check."""
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ConfigError) as info:
+        load_config(EXAMPLE, ["algorithm=grpo", override])
+    assert str(info.value) == message
+
+
 def _apply(config: RunConfig, assignments: str) -> RunConfig:
     fields = {key.removeprefix("policy."): int(value) for key, value in re.findall(r"(policy\.\w+)=(\d+)", assignments)}
     assert fields, assignments
