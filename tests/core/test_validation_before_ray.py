@@ -9,6 +9,7 @@ must not exist afterwards, and the exit status is 2.
 
 from __future__ import annotations
 
+import errno
 import importlib.metadata
 import json
 import os
@@ -309,6 +310,55 @@ def test_a_data_row_naming_an_unknown_environment(in_tmp, no_ray, tiny_model_pat
         "Did you mean 'math'? Correct the row's task, or install the plugin that provides 'mth'. "
         "Where set: data.train at exp.yaml:6."
     )
+
+
+# ----------------------------------------------------------------------------- the run's folder
+
+
+def test_a_run_dir_under_a_file_is_refused_naming_a_writable_one(in_tmp, no_ray, tiny_model_path):
+    grpo_yaml(in_tmp, tiny_model_path, rows(in_tmp / "train.jsonl", ["math"] * 8))
+    (in_tmp / "taken").write_text("a file, not a folder")
+    with pytest.raises(ConfigError) as info:
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo", "run_dir=taken/run"]))
+    assert str(info.value) == (
+        f"run_dir: cannot write the run's files in {in_tmp}/taken/run: Not a directory (errno 20). Set run_dir to a "
+        f"folder on a writable file system, e.g. run_dir={in_tmp}/runs/run. Where set: run_dir at command line "
+        "override 'run_dir=taken/run'."
+    )
+
+
+def test_a_run_dir_on_a_read_only_file_system_is_refused_and_the_advice_works(in_tmp, until_ray, tiny_model_path,
+                                                                               monkeypatch):
+    """The file system refuses to create the folder (as a read-only mount does, errno 30)."""
+    grpo_yaml(in_tmp, tiny_model_path, rows(in_tmp / "train.jsonl", ["math"] * 8))
+    mkdir = Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if "mounted_ro" in self.parts:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(ConfigError) as info:
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo", "run_dir=/mounted_ro/run"]))
+    message = str(info.value)
+    assert message.startswith("run_dir: cannot write the run's files in /mounted_ro/run: Read-only file system "
+                              "(errno 30). Set run_dir to a folder on a writable file system, e.g. run_dir=")
+    advice = re.search(r"e\.g\. (run_dir=\S+)\. Where set", message).group(1)
+    with pytest.raises(RayWouldStart):
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo", advice]))
+
+
+def test_a_refused_run_leaves_no_folder_behind_but_keeps_one_that_was_there(in_tmp, no_ray, tiny_model_path):
+    grpo_yaml(in_tmp, tiny_model_path, rows(in_tmp / "train.jsonl", ["math"] * 7 + ["mth"]))
+    with pytest.raises(ConfigError, match="unknown environment 'mth'"):
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo"]))
+    assert not (in_tmp / "run").exists()
+    (in_tmp / "run").mkdir()
+    (in_tmp / "run" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="unknown environment 'mth'"):
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo"]))
+    assert (in_tmp / "run" / "notes.txt").read_text() == "mine"
 
 
 # ----------------------------------------------------------------------------- data files
