@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -73,6 +76,44 @@ def test_exception_during_write_keeps_previous(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         manager.save(2, failing)
     assert manager.steps() == [1]
+    assert not (tmp_path / "tmp_step_2").exists()  # the partial folder is removed
+
+
+def test_a_full_disk_during_a_checkpoint_says_so_and_removes_the_partial_folder(tmp_path, monkeypatch):
+    """What a policy worker reports when the disk fills under torch.save: nothing about
+    space. The free space left says it."""
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, _writer("x" * 3000))
+    needed = sum(p.stat().st_size for p in (tmp_path / "step_1").rglob("*") if p.is_file())
+
+    def fills_the_disk(folder):
+        (folder / "state.txt").write_text("y" * 700)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**9, used=10**9 - 12, free=12))
+    with pytest.raises(CheckpointError) as info:
+        manager.save(2, fills_the_disk)
+    assert str(info.value) == (
+        f"checkpoint step 2 could not be written: the file system of {tmp_path} is full (12 bytes free); a "
+        f"checkpoint of this run takes {needed / 1024:.1f} KiB (step_1). The partial folder tmp_step_2 was removed "
+        f"and the previous checkpoint {tmp_path / 'step_1'} is intact. Free space there, point checkpointing.dir at "
+        "a file system with room, or keep fewer checkpoints (checkpointing.keep_top_k); then run the same command "
+        "again to resume. The error: RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 "
+        "vs 598"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+
+
+def test_an_error_saying_no_space_is_a_full_disk_whatever_the_free_space(tmp_path):
+    def no_space(folder):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "policy"))
+
+    with pytest.raises(CheckpointError) as info:
+        CheckpointManager(tmp_path).save(1, no_space)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint step 1 could not be written: the file system of {tmp_path} is full (")
+    assert "this checkpoint had written 0 bytes when it failed, and needs more" in message
+    assert "no earlier checkpoint exists" in message and not (tmp_path / "tmp_step_1").exists()
 
 
 def test_keep_top_k_by_metric_keeps_best_and_latest(tmp_path):
