@@ -14,10 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.batch import Batch
+from posttrain.config.environments import CoreEnvironmentOptions
 from posttrain.errors import ConfigError
 from posttrain.interfaces import Environment, EnvironmentReturn, Generation
 from posttrain.models.tiny import SPECIAL_TOKENS
-from posttrain.config.environments import CoreEnvironmentOptions
 from posttrain.run.environments import EnvironmentFailed, EnvironmentTimeout
 from posttrain.run.rollout import ChatFormat, run_rollout
 from posttrain_env_math.guess_number import STOP, GuessNumberEnvironment, GuessNumberOptions, guess_number_prompt

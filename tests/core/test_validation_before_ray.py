@@ -413,7 +413,7 @@ def test_rows_without_what_their_environment_needs_are_named_before_ray(in_tmp, 
     keys = "high, low" if task == "guess_number" else "source"
     assert str(info.value) == (
         f"data.train (train.jsonl) row 4: the {task} environment needs {needs} in each of its rows, and this row has "
-        f"none (its metadata keys: {keys}); 1 more row lacks what their environment needs: 8. Add the keys to these "
+        f"none (its metadata keys: {keys}); 1 more row lacks what its environment needs: 8. Add the keys to these "
         "rows (as keys of the row, or under its 'metadata'), remove them, or set data.skip_malformed: true to leave "
         "such rows out. Where set: data.train at exp.yaml:6."
     )

@@ -46,7 +46,7 @@ from posttrain.config.validate import where_set
 from posttrain.errors import ConfigError, DataError, NodeLost, PluginError, PosttrainError, WorkerError
 from posttrain.interfaces import Environment, EnvironmentReturn, Message
 from posttrain.log import get_logger
-from posttrain.plugins import PluginHost, new_plugin_host, plugin_host
+from posttrain.plugins import PluginHost, Registry, new_plugin_host, plugin_host
 
 if TYPE_CHECKING:
     from posttrain.config.schema import RunConfig
@@ -104,7 +104,7 @@ class _Containment:
 
     def run(self) -> ContainedStep:
         self.score(list(range(len(self.logs))))
-        result = merge_returns(self.parts, len(self.logs))
+        result = _merge_returns(self.parts, len(self.logs))
         failed = sum(error is not None for error in result.errors)
         return ContainedStep(result, failed - self.timeouts, self.timeouts, self.retried)
 
@@ -182,7 +182,7 @@ def _with_failures_contained(result: EnvironmentReturn) -> EnvironmentReturn:
     return attrs.evolve(result, rewards=rewards, terminateds=terminateds, reward_components=components)
 
 
-def merge_returns(parts: Sequence[tuple[Sequence[int], EnvironmentReturn]], num_samples: int) -> EnvironmentReturn:
+def _merge_returns(parts: Sequence[tuple[Sequence[int], EnvironmentReturn]], num_samples: int) -> EnvironmentReturn:
     """One :class:`EnvironmentReturn` of ``num_samples`` samples from results of calls on
     sets of them (``(indices, result)``, every sample in exactly one set): ``answers`` and
     ``errors`` always one entry per sample (None where a part had none), a reward part that
@@ -518,7 +518,9 @@ def environment_names(
     return names, default
 
 
-def check_required_metadata(config: RunConfig, dataset: TokenizedDataset, registry: Any, default_task: str | None) -> None:
+def check_required_metadata(
+    config: RunConfig, dataset: TokenizedDataset, registry: Registry, default_task: str | None
+) -> None:
     """Every row of ``dataset`` has the metadata its environment declared it needs
     (:func:`~posttrain.config.environments.requires_metadata`): a row's metadata, with its
     ``answer``. Rows that lack some are left out with ``data.skip_malformed`` (logged and
@@ -541,7 +543,7 @@ def check_required_metadata(config: RunConfig, dataset: TokenizedDataset, regist
             described = ", ".join(f"'{key}' ({needs[name][key]})" for key in missing)
             problems[row] = (
                 f"the {name} environment needs {described} in each of its rows, and this row has "
-                f"{'none' if len(missing) == 1 else 'neither'} (its metadata keys: {', '.join(sorted(meta)) or 'none'})"
+                f"{'none' if len(missing) == 1 else 'none of them'} (its metadata keys: {', '.join(sorted(meta)) or 'none'})"
             )
     if not problems:
         return
@@ -551,8 +553,8 @@ def check_required_metadata(config: RunConfig, dataset: TokenizedDataset, regist
     key = dataset.report.key or "the data"
     rows = sorted(problems)
     more = rows[1:]
-    others = (f"; {len(more)} more row{'s' if len(more) > 1 else ''} lack{'' if len(more) > 1 else 's'} what their "
-              f"environment needs: {', '.join(map(str, more[:10]))}{', ...' if len(more) > 10 else ''}") if more else ""
+    lack = "rows lack what their environment needs" if len(more) > 1 else "row lacks what its environment needs"
+    others = f"; {len(more)} more {lack}: {', '.join(map(str, more[:10]))}{', ...' if len(more) > 10 else ''}" if more else ""
     raise DataError(
         f"{key} ({dataset.report.source}) row {rows[0]}: {problems[rows[0]]}{others}. Add the keys to "
         f"{'these rows' if more else 'the row'} (as keys of the row, or under its 'metadata'), remove "

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from posttrain.batch import Batch
-from posttrain.config import GenerationConfig, PolicyConfig, RunConfig
+from posttrain.config import DataConfig, GenerationConfig, PolicyConfig, RunConfig
 from posttrain.data import ChatEncoder, StatefulDataLoader, build_dataset
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models.tiny import build_tokenizer
@@ -344,6 +344,21 @@ def test_an_unknown_task_names_the_data_key_file_and_row(tmp_path, encoder):
     assert message.endswith("Did you mean 'math'? Correct the row's task, or install the plugin that provides 'mth'.")
     with pytest.raises(ConfigError, match=r"^environments.gues_number: unknown environment 'gues_number'; installed: "):
         environment_names(RunConfig(environments={"gues_number": {}}), [train])
+
+
+def test_rows_without_what_their_environment_needs_are_left_out_with_skip_malformed(tmp_path, encoder):
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "task": "guess_number",
+             **({"target": i} if i != 1 else {})} for i in range(3)]
+    (tmp_path / "games.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    games = build_dataset(tmp_path / "games.jsonl", "prompt", encoder)
+    config = RunConfig(data=DataConfig(skip_malformed=True))
+    assert environment_names(config, [games]) == (["guess_number"], None)
+    assert [games[i]["row"] for i in range(len(games))] == [1, 3]
+    assert (games.report.num_examples, games.report.num_skipped) == (2, 1)
+    assert games.report.skipped == (
+        f"{tmp_path / 'games.jsonl'} row 2: the guess_number environment needs 'target' (the integer the model must "
+        "guess) in each of its rows, and this row has none (its metadata keys: none)",
+    )
 
 
 def test_plugin_modules_add_environments_to_the_check(tmp_path, encoder):
