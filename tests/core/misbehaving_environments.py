@@ -2,13 +2,17 @@
 
 ``flaky`` reads the last message of each log: "raise" makes the whole call raise,
 "short" makes it return one reward too few, "sleep" makes it hang, "bad" fails that sample
-alone (``EnvironmentReturn.errors``); anything else scores ``options["reward"]``.
-Option ``built_marker`` is a file path ``flaky`` writes when it is built. ``broken`` fails to
-build. Registered in Ray actors through ``plugins=[__name__]``.
+alone (``EnvironmentReturn.errors``), "die" kills the process it runs in with SIGKILL the
+first time it is seen (the file ``options["died_marker"]`` remembers it across processes);
+anything else scores ``options["reward"]``. Option ``built_marker`` is a file path ``flaky``
+writes when it is built. ``broken`` fails to build. Registered in Ray actors through
+``plugins=[__name__]``.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,13 +26,17 @@ from posttrain.interfaces import Environment, EnvironmentReturn
 
 
 class Flaky(Environment):
-    def __init__(self, reward: float = 1.0, built_marker: str | None = None):
+    def __init__(self, reward: float = 1.0, built_marker: str | None = None, died_marker: str | None = None):
         self.reward = reward
+        self.died_marker = Path(died_marker) if died_marker else None
         if built_marker:
             Path(built_marker).write_text("built")
 
     def step(self, message_logs: Sequence[Sequence[Any]], metadata: Sequence[Any]) -> EnvironmentReturn:
         says = [log[-1]["content"] for log in message_logs]
+        if "die" in says and self.died_marker is not None and not self.died_marker.exists():
+            self.died_marker.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
         if "raise" in says:
             raise RuntimeError("asked to raise")
         if "sleep" in says:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,7 +21,7 @@ from posttrain.errors import CheckpointError
 from posttrain.run.checkpoint import CheckpointManager, TrainingState, check_checkpoint_fits
 from posttrain.run.context import RunContext, seed_everything
 from posttrain.run.finished import finished_run, finished_unchanged
-from posttrain.run.loop import LoopPlan, LoopSteps, TrainingLoop
+from posttrain.run.loop import LoopPlan, LoopSteps, RunEndedEarly, TrainingLoop
 from posttrain.run.metrics import read_metrics
 from tests.stand_ins import Numbers
 
@@ -73,6 +76,44 @@ def test_exception_during_write_keeps_previous(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         manager.save(2, failing)
     assert manager.steps() == [1]
+    assert not (tmp_path / "tmp_step_2").exists()  # the partial folder is removed
+
+
+def test_a_full_disk_during_a_checkpoint_says_so_and_removes_the_partial_folder(tmp_path, monkeypatch):
+    """What a policy worker reports when the disk fills under torch.save: nothing about
+    space. The free space left says it."""
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, _writer("x" * 3000))
+    needed = sum(p.stat().st_size for p in (tmp_path / "step_1").rglob("*") if p.is_file())
+
+    def fills_the_disk(folder):
+        (folder / "state.txt").write_text("y" * 700)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**9, used=10**9 - 12, free=12))
+    with pytest.raises(CheckpointError) as info:
+        manager.save(2, fills_the_disk)
+    assert str(info.value) == (
+        f"checkpoint step 2 could not be written: the file system of {tmp_path} is full (12 bytes free); a "
+        f"checkpoint of this run takes {needed / 1024:.1f} KiB (step_1). The partial folder tmp_step_2 was removed "
+        f"and the previous checkpoint {tmp_path / 'step_1'} is intact. Free space there, point checkpointing.dir at "
+        "a file system with room, or keep fewer checkpoints (checkpointing.keep_top_k); then run the same command "
+        "again to resume. The error: RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 "
+        "vs 598"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+
+
+def test_an_error_saying_no_space_is_a_full_disk_whatever_the_free_space(tmp_path):
+    def no_space(folder):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "policy"))
+
+    with pytest.raises(CheckpointError) as info:
+        CheckpointManager(tmp_path).save(1, no_space)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint step 1 could not be written: the file system of {tmp_path} is full (")
+    assert "this checkpoint had written 0 bytes when it failed, and needs more" in message
+    assert "no earlier checkpoint exists" in message and not (tmp_path / "tmp_step_1").exists()
 
 
 def test_keep_top_k_by_metric_keeps_best_and_latest(tmp_path):
@@ -302,8 +343,8 @@ def _tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
-def test_the_loop_validates_saves_exports_and_stops_at_the_end_of_the_data(tmp_path):
-    result, steps, policy = _run_loop(tmp_path, total_steps=7)  # the data holds 5 batches
+def test_the_loop_validates_saves_and_exports(tmp_path):
+    result, steps, policy = _run_loop(tmp_path, total_steps=5)  # the data holds 5 batches
     records = _records(tmp_path)
     assert [(r["phase"], r["step"]) for r in records] == [
         ("validation", 0), ("train", 1), ("train", 2), ("validation", 2), ("train", 3), ("train", 4),
@@ -314,12 +355,34 @@ def test_the_loop_validates_saves_exports_and_stops_at_the_end_of_the_data(tmp_p
     last_train, last_validation = records[-2], records[-1]
     assert result == {"step": 5, **{k: last_train[k] for k in ("data", "noise", "updates")},
                       "validation/loss": last_validation["loss"]}
-    plan = {"total_steps": 7, "val_at_end": True, "export_dir": str(tmp_path / "hf")}
+    plan = {"total_steps": 5, "val_at_end": True, "export_dir": str(tmp_path / "hf")}
     info = json.loads((tmp_path / "checkpoints" / "step_4" / "training_info.json").read_text())
     assert info == {"step": 4, "validated_step": 4, "plan": plan,
                     "metrics": {**{k: records[5][k] for k in ("data", "noise", "updates")}, "validation/loss": records[6]["loss"]}}
     final = json.loads((tmp_path / "checkpoints" / "step_5" / "training_info.json").read_text())
     assert final["finished"] is True and final["plan"] == plan and final["validated_step"] == 5
+
+
+def test_data_that_runs_out_before_the_planned_steps_stops_the_run_saying_why(tmp_path):
+    """7 steps planned on 5 batches: step 6 cannot be filled. The 5 steps are checkpointed,
+    nothing is exported or marked finished, and the run ends with an error (exit 2 from the
+    command line) instead of passing for a finished one."""
+    exported = []
+    with pytest.raises(RunEndedEarly) as info, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CounterPolicy, "export_hf", lambda self, path: exported.append(path))
+        _run_loop(tmp_path, total_steps=7)
+    assert str(info.value) == (
+        "sft stopped after step 5 of 7: the training data ran out before step 6 could be filled. Nothing was "
+        f"exported; the checkpoint {tmp_path / 'checkpoints' / 'step_5'} holds step 5; the run resumes from it when "
+        "started again."
+    )
+    assert [(r["phase"], r["step"]) for r in _records(tmp_path)] == [
+        ("validation", 0), ("train", 1), ("train", 2), ("validation", 2), ("train", 3), ("train", 4),
+        ("validation", 4), ("train", 5),
+    ]
+    assert CheckpointManager(tmp_path / "checkpoints").steps() == [2, 4, 5]
+    assert exported == []
+    assert "finished" not in json.loads((tmp_path / "checkpoints" / "step_5" / "training_info.json").read_text())
 
 
 def test_a_stopped_loop_saves_its_last_step_and_a_resumed_one_continues_it_exactly(tmp_path):

@@ -305,6 +305,16 @@ def test_skip_malformed_skips_and_counts(tmp_path, encoder):
     assert ds.report.skipped[1].startswith(f"{path} row 3: invalid JSON: Expecting value")
 
 
+def test_a_json_lines_error_at_the_end_of_a_line_names_its_column(tmp_path, encoder):
+    """A line cut short (its closing brace missing): the parser stops at the end of the line,
+    column 32 (just past its 31 characters), not at column 1 of the line after it."""
+    path = tmp_path / "cut.jsonl"
+    path.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"\n{"prompt": "e", "response": "f"}\n')
+    with pytest.raises(DataError) as info:
+        build_dataset(path, "sft", encoder)
+    assert str(info.value) == f"{path} row 2: invalid JSON: Expecting ',' delimiter (column 32)"
+
+
 def test_file_of_the_wrong_kind_and_unknown_type(tmp_path, encoder):
     path = write_rows(tmp_path / "prefs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}])
     with pytest.raises(DataError, match=r"prefs\.jsonl: rows look like preference data \(row 1 has keys \['chosen', 'prompt', 'rejected'\]\), but sft data needs"):

@@ -8,10 +8,13 @@ import attrs
 import pytest
 import torch
 
-from posttrain.errors import ConfigError, NodeLost, PluginError
+from posttrain.errors import ConfigError, NodeLost, PluginError, WorkerError
 from posttrain.run.environments import (
     EnvironmentActor,
+    EnvironmentFailed,
+    EnvironmentTimeout,
     RemoteEnvironment,
+    check_failures,
     check_return,
     metrics_contained,
     start_environments,
@@ -48,22 +51,61 @@ def test_a_good_step_passes_through():
     assert step.result.metadata == [{"i": 0, "seen": "a"}, {"i": 1, "seen": "b"}]
 
 
-def test_an_exception_costs_every_sample_of_the_call():
+def test_an_exception_fails_only_the_sample_it_is_raised_for():
+    """The call is split until the sample the environment raises on is alone: its
+    neighbours are scored as if it were not there."""
     step = step_contained("flaky", Flaky(), logs("a", "raise", "c"), [{"i": 0}, {"i": 1}, {"i": 2}])
-    assert (step.errors, step.timeouts) == (3, 0)
-    assert step.result.rewards.tolist() == [0.0, 0.0, 0.0]
-    assert step.result.terminateds.tolist() == [True, True, True]
-    assert step.result.metadata == [{"i": 0}, {"i": 1}, {"i": 2}]  # unchanged
-    assert step.result.errors == ["RuntimeError: asked to raise"] * 3
+    assert (step.errors, step.timeouts) == (1, 0)
+    assert step.retried == 3 + 2  # [a, raise, c] failed: [a] and [raise, c] sent again; then [raise] and [c]
+    assert step.failed == [False, True, False]
+    assert step.result.rewards.tolist() == [1.0, 0.0, 1.0]
+    assert step.result.terminateds.tolist() == [False, True, False]
+    assert step.result.metadata == [{"i": 0, "seen": "a"}, {"i": 1}, {"i": 2, "seen": "c"}]  # the failed one unchanged
+    assert step.result.errors == [None, "RuntimeError: asked to raise", None]
+    assert [o["content"] for o in step.result.observations] == ["ok", "", "ok"]
+
+
+def test_an_environment_that_always_raises_fails_every_sample():
+    step = step_contained("flaky", Flaky(), logs("raise", "raise"), [{}, {}])
+    assert (step.errors, step.timeouts, step.failed) == (2, 0, [True, True])
+    assert step.result.rewards.tolist() == [0.0, 0.0]
+    assert step.result.errors == ["RuntimeError: asked to raise"] * 2
 
 
 def test_wrong_length_is_an_error_naming_the_environment_and_lengths():
     with pytest.raises(PluginError, match=r"environment 'flaky' returned 2 observations for 3 message logs; expected one per message log \(3\)"):
         check_return("flaky", Flaky().step(logs("a", "short", "c"), [{}, {}, {}]), 3)
     step = step_contained("flaky", Flaky(), logs("a", "short", "c"), [{}, {}, {}])
-    assert (step.errors, step.timeouts) == (3, 0)
-    assert step.result.rewards.tolist() == [0.0, 0.0, 0.0]
-    assert "returned 2 observations for 3 message logs" in step.result.errors[0]
+    assert (step.errors, step.timeouts) == (1, 0)
+    assert step.result.rewards.tolist() == [1.0, 0.0, 1.0]
+    assert step.result.errors[1] == (
+        "PluginError: environment 'flaky' returned 0 observations for 1 message logs; expected one per message log (1)"
+    )
+
+
+def test_a_dead_actor_or_a_deadline_is_retried_within_the_bound():
+    class FailsTwice(Flaky):
+        """What a RemoteEnvironment raises: its actor died, then it passed its deadline."""
+
+        calls = 0
+
+        def step(self, message_logs, metadata):
+            self.calls += 1
+            if self.calls == 1:
+                raise WorkerError("environment 'flaky' actor died during step(): killed")
+            if self.calls == 2:
+                raise EnvironmentTimeout("environment 'flaky' did not answer step() within 4 s")
+            return super().step(message_logs, metadata)
+
+    step = step_contained("flaky", FailsTwice(), logs("a", "b"), [{}, {}], call_retries=2)
+    assert (step.errors, step.timeouts, step.retried) == (0, 0, 4)
+    assert step.result.rewards.tolist() == [1.0, 1.0]
+    step = step_contained("flaky", FailsTwice(), logs("a", "b"), [{}, {}], call_retries=1)
+    assert (step.errors, step.timeouts, step.retried, step.failed) == (0, 2, 2, [True, True])
+    assert step.result.errors[0] == "EnvironmentTimeout: environment 'flaky' did not answer step() within 4 s"
+    step = step_contained("flaky", FailsTwice(), logs("a", "b"), [{}, {}])
+    assert (step.errors, step.timeouts, step.retried) == (2, 0, 0)
+    assert step.result.errors[0] == "WorkerError: environment 'flaky' actor died during step(): killed"
 
 
 def test_check_return_refuses_other_types_and_shapes():
@@ -155,10 +197,11 @@ def test_remote_math_environment_from_the_entry_points(ray_cluster):
 @pytest.mark.ray
 def test_remote_exceptions_and_bad_results_are_contained(flaky):
     raised = step_contained("flaky", flaky, logs("a", "raise"), [{}, {}])
-    assert (raised.errors, raised.result.rewards.tolist()) == (2, [0.0, 0.0])
-    assert "asked to raise" in raised.result.errors[0]
+    assert (raised.errors, raised.result.rewards.tolist()) == (1, [1.0, 0.0])
+    assert "asked to raise" in raised.result.errors[1]
     short = step_contained("flaky", flaky, logs("short", "b"), [{}, {}])
-    assert short.errors == 2 and "environment 'flaky' returned 1 observations for 2 message logs" in short.result.errors[0]
+    assert (short.errors, short.result.rewards.tolist()) == (1, [0.0, 1.0])
+    assert "environment 'flaky' returned 0 observations for 1 message logs" in short.result.errors[0]
     partial = step_contained("flaky", flaky, logs("bad", "b"), [{}, {}])
     assert (partial.errors, partial.result.rewards.tolist()) == (1, [0.0, 1.0])
     good = step_contained("flaky", flaky, logs("a"), [{"k": 1}])
@@ -175,6 +218,39 @@ def test_a_call_past_its_deadline_is_contained_and_the_next_call_works(flaky):
     assert "did not answer step() within 4 s (environments.flaky.call_timeout_s); its actor was stopped and the next call starts a fresh one" in step.result.errors[0]
     after = step_contained("flaky", flaky, logs("a", "b"), [{}, {}])  # a fresh actor answers
     assert (after.errors, after.timeouts, after.result.rewards.tolist()) == (0, 0, [1.0, 1.0])
+
+
+@pytest.mark.ray
+def test_a_call_whose_actor_is_killed_is_made_again_on_a_fresh_actor(ray_cluster, tmp_path):
+    """SIGKILL of the environment's actor in the middle of a call: the call is made again on
+    a fresh actor and every sample is scored as an uninterrupted call scores it."""
+    died = tmp_path / "died"
+    env = RemoteEnvironment("flaky", {"reward": 0.5, "died_marker": str(died)}, plugins=PLUGINS)
+    try:
+        step = step_contained("flaky", env, logs("a", "die", "c"), [{"i": 0}, {"i": 1}, {"i": 2}], call_retries=1)
+        assert died.exists()
+        assert (step.errors, step.timeouts, step.retried) == (0, 0, 3)
+        assert step.result.rewards.tolist() == [0.5, 0.5, 0.5]
+        assert step.result.metadata == [{"i": 0, "seen": "a"}, {"i": 1, "seen": "die"}, {"i": 2, "seen": "c"}]
+    finally:
+        env.shutdown()
+
+
+@pytest.mark.ray
+def test_without_retries_a_killed_call_fails_its_samples_and_too_many_stop_the_run(ray_cluster, tmp_path):
+    env = RemoteEnvironment("flaky", {"died_marker": str(tmp_path / "died"), "call_retries": 0}, plugins=PLUGINS)
+    try:
+        step = step_contained("flaky", env, logs("a", "die"), [{}, {}], call_retries=env.core_options.call_retries)
+    finally:
+        env.shutdown()
+    assert (step.errors, step.timeouts, step.retried, step.failed) == (2, 0, 0, [True, True])
+    assert step.result.errors[0].startswith("WorkerError: environment 'flaky' actor died during step(): ")
+    failures = [("train.jsonl row 7", error) for error in step.result.errors]
+    with pytest.raises(EnvironmentFailed, match=r"^environment 'flaky' could not score 2 of 3 samples of a rollout, "
+                       r"more than environments.flaky.max_failed_fraction=0.5 allows .* environments.flaky.call_retries=0 "
+                       r"times\). The first: train.jsonl row 7: WorkerError: environment 'flaky' actor died during step\(\)"):
+        check_failures("flaky", env.core_options, failures, 3)
+    check_failures("flaky", attrs.evolve(env.core_options, max_failed_fraction=1.0), failures, 3)  # the advice works
 
 
 @pytest.mark.ray

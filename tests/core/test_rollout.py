@@ -9,14 +9,16 @@ template's own tokenisation, the model's own logprobs, the environments' own sco
 from __future__ import annotations
 
 import pytest
+import structlog.testing
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.batch import Batch
+from posttrain.config.environments import CoreEnvironmentOptions
 from posttrain.errors import ConfigError
 from posttrain.interfaces import Environment, EnvironmentReturn, Generation
 from posttrain.models.tiny import SPECIAL_TOKENS
-from posttrain.run.environments import EnvironmentTimeout
+from posttrain.run.environments import EnvironmentFailed, EnvironmentTimeout
 from posttrain.run.rollout import ChatFormat, run_rollout
 from posttrain_env_math.guess_number import STOP, GuessNumberEnvironment, GuessNumberOptions, guess_number_prompt
 from posttrain_env_math.math_env import MathEnvironment, MathOptions
@@ -315,13 +317,84 @@ class AlwaysRaises(Environment):
         raise ValueError("no scores today")
 
 
-def test_a_failing_environment_costs_rewards_not_the_run(tiny_model_path, tokenizer):
+def tolerant(env: Environment, **options) -> Environment:
+    """``env`` run under core options that let every sample fail (and ``options``)."""
+    env.core_options = CoreEnvironmentOptions(**{"max_failed_fraction": 1.0, **options})
+    return env
+
+
+def test_a_rollout_whose_samples_mostly_fail_stops_naming_the_first_row(tiny_model_path, tokenizer):
+    generation = TransformersGeneration(tiny_model_path, max_new_tokens=3)
+    samples = Batch(messages=[[{"role": "user", "content": "hi"}]] * 2, task=["sad"] * 2, metadata=[{"k": 1}, {"k": 2}],
+                    origin=["train.jsonl row 4", "train.jsonl row 9"])
+    with pytest.raises(EnvironmentFailed) as info:
+        run_rollout(samples, generation, {"sad": AlwaysRaises()}, tokenizer, max_total_length=64, max_turns=3)
+    assert str(info.value) == (
+        "environment 'sad' could not score 2 of 2 samples of a rollout, more than "
+        "environments.sad.max_failed_fraction=0.5 allows (a call whose actor died or timed out was made again up to "
+        "environments.sad.call_retries=2 times). The first: train.jsonl row 4: ValueError: no scores today. A sample "
+        "the environment could not score is never trained on, so the run stops rather than go on with so few. Fix the "
+        "environment or the rows named, or set environments.sad.max_failed_fraction: 1.0 to train on the samples it "
+        "scores."
+    )
+
+
+def test_failed_samples_are_marked_and_left_out_of_the_reward_metrics(tiny_model_path, tokenizer):
     generation = TransformersGeneration(tiny_model_path, max_new_tokens=3)
     samples = Batch(messages=[[{"role": "user", "content": "hi"}]] * 2, task=["sad"] * 2, metadata=[{"k": 1}, {"k": 2}])
-    batch, metrics = run_rollout(samples, generation, {"sad": AlwaysRaises()}, tokenizer, max_total_length=64, max_turns=3)
-    assert batch["rewards"].tolist() == [0.0, 0.0] and batch["turns"].tolist() == [1, 1]
-    assert batch["metadata"] == [{"k": 1}, {"k": 2}]
+    batch, metrics = run_rollout(samples, generation, {"sad": tolerant(AlwaysRaises())}, tokenizer,
+                                 max_total_length=64, max_turns=3)
+    assert batch["failed"].tolist() == [True, True] and batch["turns"].tolist() == [1, 1]
+    assert batch["rewards"].tolist() == [0.0, 0.0] and batch["metadata"] == [{"k": 1}, {"k": 2}]
     assert metrics["env/sad/errors"] == 2.0 and metrics["env/sad/timeouts"] == 0.0
+    assert metrics["env/sad/retried"] == 2.0  # the call of 2 was split to find the failing samples
+    assert metrics["rollout/mean_reward"] == 0.0  # no sample was scored
+
+
+class MissingKeyRaises(GuessNumberEnvironment):
+    """A game that reads ``metadata["target"]`` without checking it: a row without one makes
+    its whole call raise (KeyError)."""
+
+    def step(self, message_logs, metadata) -> EnvironmentReturn:
+        [meta["target"] for meta in metadata]
+        return super().step(message_logs, metadata)
+
+
+@pytest.mark.parametrize("game", [GuessNumberEnvironment, MissingKeyRaises])
+def test_a_row_the_environment_cannot_score_fails_alone(tiny_model_path, tokenizer, game):
+    """A guess_number row without a target, between two good ones: whether the environment
+    reports it (guess_number) or raises for the whole call, only that row's samples fail;
+    the neighbours play every turn as in a rollout without it, and the warning names the row."""
+    def rollout(rows):
+        generation = TransformersGeneration(tiny_model_path, max_new_tokens=6, seed=1)
+        samples = Batch(messages=[guess_number_prompt(1, 9)] * len(rows), task=["guess_number"] * len(rows),
+                        metadata=[meta for _, meta in rows], origin=[origin for origin, _ in rows])
+        env = game(GuessNumberOptions(max_guesses=8))
+        return run_rollout(samples.repeat_interleave(2), generation, {"guess_number": env}, tokenizer,
+                           max_total_length=1024, max_turns=3, greedy=True)  # greedy: rows do not share a seed
+
+    good = [("games.jsonl row 1", {"target": 5}), ("games.jsonl row 3", {"target": 7})]
+    with_bad = [good[0], ("games.jsonl row 2", {"low": 1}), good[1]]
+    with structlog.testing.capture_logs() as logs:
+        batch, metrics = rollout(with_bad)
+    assert batch["failed"].tolist() == [False, False, True, True, False, False]
+    assert batch["turns"].tolist() == [3, 3, 1, 1, 3, 3]
+    assert metrics["env/guess_number/errors"] == 2.0
+    assert metrics["env/guess_number/mean_guesses"] == 3.0  # over the four games played
+    warnings = [log for log in logs if log["event"] == "environment could not score samples; they are left out of the loss"]
+    assert [(w["environment"], w["rows"], w["samples"], w["of"]) for w in warnings] == [
+        ("guess_number", ["games.jsonl row 2"], 2, 6)
+    ]
+    alone, alone_metrics = rollout(good)
+    neighbours = [0, 1, 4, 5]
+    assert [batch["messages"][i] for i in neighbours] == alone["messages"]
+    assert [batch["metadata"][i] for i in neighbours] == alone["metadata"]
+    assert batch["rewards"][neighbours].tolist() == alone["rewards"].tolist()
+    assert batch["input_ids"][neighbours, : alone["input_ids"].shape[1]].tolist() == alone["input_ids"].tolist()
+    assert {k: v for k, v in metrics.items() if not k.startswith(("timing/", "rollout/", "env/guess_number/errors",
+                                                                   "env/guess_number/retried"))} == \
+        {k: v for k, v in alone_metrics.items() if not k.startswith(("timing/", "rollout/", "env/guess_number/errors",
+                                                                       "env/guess_number/retried"))}
 
 
 class TwoParts(Environment):
@@ -387,10 +460,11 @@ def test_timeouts_and_wrong_length_results_are_counted_per_environment(tiny_mode
         messages=[[{"role": "user", "content": f"hi {i}"}] for i in range(5)],
         task=["slow", "short", "slow", "short", "short"], metadata=[{}] * 5,
     )
-    envs = {"slow": PastDeadline(), "short": OneShort()}
+    envs = {"slow": tolerant(PastDeadline(), call_retries=1), "short": tolerant(OneShort())}
     batch, metrics = run_rollout(samples, generation, envs, tokenizer, max_total_length=64, max_turns=3)
     assert batch["rewards"].tolist() == [0.0] * 5 and batch["turns"].tolist() == [1] * 5
-    assert (metrics["env/slow/timeouts"], metrics["env/slow/errors"]) == (2.0, 0.0)
+    assert batch["failed"].tolist() == [True] * 5
+    assert (metrics["env/slow/timeouts"], metrics["env/slow/errors"], metrics["env/slow/retried"]) == (2.0, 0.0, 2.0)
     assert (metrics["env/short/timeouts"], metrics["env/short/errors"]) == (0.0, 3.0)
 
 

@@ -9,6 +9,7 @@ must not exist afterwards, and the exit status is 2.
 
 from __future__ import annotations
 
+import errno
 import importlib.metadata
 import json
 import os
@@ -42,6 +43,21 @@ def no_ray(monkeypatch):
     monkeypatch.setattr(ray, "init", lambda *args, **kwargs: attempts.append("ray.init"))
     yield attempts
     assert attempts == [], "Ray was asked to start"
+
+
+class RayWouldStart(Exception):
+    """Raised where Ray would start: every check before it passed."""
+
+
+@pytest.fixture
+def until_ray(monkeypatch):
+    """Stop a run, with :class:`RayWouldStart`, where it would start Ray."""
+    import posttrain.distributed.cluster as cluster
+
+    def refuse(config):
+        raise RayWouldStart
+
+    monkeypatch.setattr(cluster, "init_ray", refuse)
 
 
 @pytest.fixture
@@ -296,6 +312,55 @@ def test_a_data_row_naming_an_unknown_environment(in_tmp, no_ray, tiny_model_pat
     )
 
 
+# ----------------------------------------------------------------------------- the run's folder
+
+
+def test_a_run_dir_under_a_file_is_refused_naming_a_writable_one(in_tmp, no_ray, tiny_model_path):
+    grpo_yaml(in_tmp, tiny_model_path, rows(in_tmp / "train.jsonl", ["math"] * 8))
+    (in_tmp / "taken").write_text("a file, not a folder")
+    with pytest.raises(ConfigError) as info:
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo", "run_dir=taken/run"]))
+    assert str(info.value) == (
+        f"run_dir: cannot write the run's files in {in_tmp}/taken/run: Not a directory (errno 20). Set run_dir to a "
+        f"folder on a writable file system, e.g. run_dir={in_tmp}/runs/run. Where set: run_dir at command line "
+        "override 'run_dir=taken/run'."
+    )
+
+
+def test_a_run_dir_on_a_read_only_file_system_is_refused_and_the_advice_works(in_tmp, until_ray, tiny_model_path,
+                                                                               monkeypatch):
+    """The file system refuses to create the folder (as a read-only mount does, errno 30)."""
+    grpo_yaml(in_tmp, tiny_model_path, rows(in_tmp / "train.jsonl", ["math"] * 8))
+    mkdir = Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if "mounted_ro" in self.parts:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(ConfigError) as info:
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo", "run_dir=/mounted_ro/run"]))
+    message = str(info.value)
+    assert message.startswith("run_dir: cannot write the run's files in /mounted_ro/run: Read-only file system "
+                              "(errno 30). Set run_dir to a folder on a writable file system, e.g. run_dir=")
+    advice = re.search(r"e\.g\. (run_dir=\S+)\. Where set", message).group(1)
+    with pytest.raises(RayWouldStart):
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo", advice]))
+
+
+def test_a_refused_run_leaves_no_folder_behind_but_keeps_one_that_was_there(in_tmp, no_ray, tiny_model_path):
+    grpo_yaml(in_tmp, tiny_model_path, rows(in_tmp / "train.jsonl", ["math"] * 7 + ["mth"]))
+    with pytest.raises(ConfigError, match="unknown environment 'mth'"):
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo"]))
+    assert not (in_tmp / "run").exists()
+    (in_tmp / "run").mkdir()
+    (in_tmp / "run" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="unknown environment 'mth'"):
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo"]))
+    assert (in_tmp / "run" / "notes.txt").read_text() == "mine"
+
+
 # ----------------------------------------------------------------------------- data files
 
 
@@ -318,6 +383,113 @@ def test_an_empty_data_file(in_tmp, no_ray, tiny_model_path):
     assert str(info.value) == (
         "data.train (at exp.yaml:6): empty.jsonl has no rows. Add rows to it, or set data.train to a dataset that has some"
     )
+
+
+# ----------------------------------------------------------------------------- rows that cannot train
+
+
+def prompt_rows(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}], **row}) + "\n"
+                            for i, row in enumerate(rows)))
+    return path.name
+
+
+@pytest.mark.parametrize(
+    ("task", "good", "bad", "needs"),
+    [
+        ("math", {"answer": "7"}, {"metadata": {"source": "web"}},
+         "'answer' (the ground truth the final answer is compared with)"),
+        ("guess_number", {"metadata": {"target": 3, "low": 1}}, {"metadata": {"low": 1, "high": 9}},
+         "'target' (the integer the model must guess)"),
+    ],
+)
+def test_rows_without_what_their_environment_needs_are_named_before_ray(in_tmp, no_ray, tiny_model_path, task, good,
+                                                                          bad, needs):
+    data = [{**good, "task": task}] * 3 + [{**bad, "task": task}] + [{**good, "task": task}] * 3 + [{**bad, "task": task}]
+    grpo_yaml(in_tmp, tiny_model_path, prompt_rows(in_tmp / "train.jsonl", data))
+    (in_tmp / "exp.yaml").write_text((in_tmp / "exp.yaml").read_text().replace("math: {num_workers: 1}", "{}"))
+    with pytest.raises(DataError) as info:
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo"]))
+    keys = "high, low" if task == "guess_number" else "source"
+    assert str(info.value) == (
+        f"data.train (train.jsonl) row 4: the {task} environment needs {needs} in each of its rows, and this row has "
+        f"none (its metadata keys: {keys}); 1 more row lacks what its environment needs: 8. Add the keys to these "
+        "rows (as keys of the row, or under its 'metadata'), remove them, or set data.skip_malformed: true to leave "
+        "such rows out. Where set: data.train at exp.yaml:6."
+    )
+
+
+def test_the_advice_for_rows_without_what_their_environment_needs_works(in_tmp, until_ray, tiny_model_path):
+    data = [{"answer": "7", "task": "math"}] * 7 + [{"task": "math"}]
+    grpo_yaml(in_tmp, tiny_model_path, prompt_rows(in_tmp / "train.jsonl", data))
+    with pytest.raises(RayWouldStart):  # leave them out
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo", "data.skip_malformed=true"]))
+    prompt_rows(in_tmp / "train.jsonl", [{"answer": "7", "task": "math"}] * 8)  # or add what they lack
+    with pytest.raises(RayWouldStart):
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo"]))
+
+
+def test_a_run_whose_prompts_leave_no_room_to_generate_is_refused_before_ray(in_tmp, no_ray, tiny_model_path):
+    """Prompts longer than policy.max_total_sequence_length: GRPO would generate nothing."""
+    data = [{"answer": "7", "task": "math", "messages": [{"role": "user", "content": "x" * (30 + i)}]} for i in range(8)]
+    grpo_yaml(in_tmp, tiny_model_path, prompt_rows(in_tmp / "train.jsonl", data))
+    with pytest.raises(DataError) as info:
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo", "policy.max_total_sequence_length=32"]))
+    assert str(info.value) == (
+        "data.train (train.jsonl): 8 of 8 prompts are longer than policy.max_total_sequence_length=32 tokens (the "
+        "longest has 41), leaving no room to generate a response: the run would learn nothing from them. Set "
+        "policy.max_total_sequence_length: 169 (memory grows with it), or shorten or remove those prompts. Where set: "
+        "policy.max_total_sequence_length at command line override 'policy.max_total_sequence_length=32'."
+    )
+
+
+def test_the_advice_for_prompts_that_leave_no_room_works(in_tmp, until_ray, tiny_model_path):
+    data = [{"answer": "7", "task": "math", "messages": [{"role": "user", "content": "x" * (30 + i)}]} for i in range(8)]
+    grpo_yaml(in_tmp, tiny_model_path, prompt_rows(in_tmp / "train.jsonl", data))
+    with pytest.raises(RayWouldStart):
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo", "policy.max_total_sequence_length=169"]))
+
+
+def sft_yaml(in_tmp: Path, model: str, lengths: list[int]) -> Path:
+    rows = [{"messages": [{"role": "user", "content": "y" * n}, {"role": "assistant", "content": "ok"}]} for n in lengths]
+    (in_tmp / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return write(in_tmp / "exp.yaml", f"""
+        run_dir: run
+        algorithm: sft
+        policy:
+          model: {model}
+          train_global_batch_size: 4
+        data:
+          train: sft.jsonl
+          max_length: 16
+        sft: {{max_num_steps: 1}}
+        logger: {{progress_bar: false}}
+        """)
+
+
+def test_an_sft_run_whose_rows_are_cut_before_their_answers_is_refused_before_ray(in_tmp, no_ray, tiny_model_path):
+    sft_yaml(in_tmp, tiny_model_path, [20, 30, 40, 2])
+    with pytest.raises(DataError) as info:
+        run_algorithm(load_config("exp.yaml"))
+    assert str(info.value) == (
+        "data.train (sft.jsonl): 3 of 4 rows have no token left to learn from once cut to data.max_length=16 tokens "
+        "(the longest has 47): the run would train on them at loss 0. Set data.max_length: 47 (memory grows with "
+        "it), or shorten or remove those rows. Where set: data.max_length at exp.yaml:8."
+    )
+
+
+def test_the_advice_for_sft_rows_cut_before_their_answers_works(in_tmp, until_ray, tiny_model_path):
+    sft_yaml(in_tmp, tiny_model_path, [20, 30, 40, 2])
+    with pytest.raises(RayWouldStart):
+        run_algorithm(load_config("exp.yaml", ["data.max_length=47"]))
+
+
+def test_a_few_rows_that_cannot_train_are_reported_not_refused(in_tmp, until_ray, tiny_model_path, capsys):
+    sft_yaml(in_tmp, tiny_model_path, [20, 2, 2, 2])
+    with pytest.raises(RayWouldStart):
+        run_algorithm(load_config("exp.yaml"))
+    [warning] = [line for line in capsys.readouterr().err.splitlines() if "some rows cannot train" in line]
+    assert "data.train (sft.jsonl): 1 of 4 rows have no token left to learn from" in warning
 
 
 # ----------------------------------------------------------------------------- batch sizes
@@ -346,6 +518,31 @@ def test_the_grpo_batch_suggestion_passes_the_next_check(in_tmp, no_ray):
 GRPO_RULES = BatchSizeRules(global_divides=24, global_reason="the samples of a GRPO step")
 DPO_RULES = BatchSizeRules(micro_multiple=2, micro_reason="whole chosen/rejected pairs of rows")
 SIZES = list(product([1, 2, 3, 4, 6], [1, 2], range(1, 33), range(1, 9)))  # workers, tensor parallel, global, micro
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "grpo.num_generations_per_prompt=-1",
+            "grpo.num_generations_per_prompt: must be >= 2 with grpo.baseline: leave_one_out (the baseline is the mean "
+            "of the other samples of the prompt), got -1. Where set: grpo.num_generations_per_prompt at command line "
+            f"override 'grpo.num_generations_per_prompt=-1'; grpo.baseline at {EXAMPLE}:64.",
+        ),
+        (
+            "grpo.num_prompts_per_step=-3",
+            "grpo.num_prompts_per_step: must be >= 1, got -3. Where set: grpo.num_prompts_per_step at command line "
+            "override 'grpo.num_prompts_per_step=-3'.",
+        ),
+    ],
+)
+def test_a_negative_count_of_samples_per_step_names_its_key(monkeypatch, no_ray, override, message):
+    """The batch-size check divides the samples of a step: a negative count used to reach it
+    (a raw ValueError of math.isqrt) before the grpo section's own check."""
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ConfigError) as info:
+        load_config(EXAMPLE, ["algorithm=grpo", override])
+    assert str(info.value) == message
 
 
 def _apply(config: RunConfig, assignments: str) -> RunConfig:

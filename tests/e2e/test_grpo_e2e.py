@@ -8,8 +8,10 @@ Ray actors, with the tiny character-level model.
   uninterrupted run (with dynamic sampling on, so the data position is not the step);
 - dynamic sampling decides from the data plane's tags and never fetches a dropped group;
 - a multi-turn game (guess_number) trains through the same loop;
-- samples an environment fails on score 0 and are counted; a NaN reward makes the loss
-  NaN: the run stops naming the step and the metric, and the last checkpoint stays as it was;
+- samples an environment fails on are counted and trained on by no loss; an environment
+  actor killed mid-step is retried and the run's metrics are those of an uninterrupted run;
+  a NaN reward makes the loss NaN: the run stops naming the step and the metric, and the
+  last checkpoint stays as it was;
 - a refit that leaves the engine's weights stale stops the run at the mismatch guard.
 """
 
@@ -37,6 +39,7 @@ from posttrain.config.schema import (
     WorkerResources,
 )
 from posttrain.run.context import RunContext, run_algorithm, seed_everything
+from posttrain.run.loop import RunEndedEarly
 from posttrain.run.metrics import read_metrics
 from posttrain_env_math.guess_number import guess_number_prompt
 from posttrain_grpo.algorithm import GRPO
@@ -88,6 +91,16 @@ def make_config(model: str, run_dir: Path, train: str, grpo: GRPOConfig, **overr
     )
     fields.update(overrides)
     return RunConfig(**fields)
+
+
+def run_grpo(config: RunConfig) -> dict:
+    """``config`` run in this process, with the test environments registered in every actor."""
+    seed_everything(config.seed)
+    ctx = RunContext(config)
+    try:
+        return GRPO(environment_plugins=[TEST_ENVIRONMENTS]).run(ctx)
+    finally:
+        ctx.close()
 
 
 def comparable(record: dict) -> dict:
@@ -275,6 +288,32 @@ def test_dynamic_sampling_never_fetches_dropped_groups(ray_cluster, tiny_model_p
     assert plane.partitions() == []  # every step's partition was cleared
 
 
+def test_dynamic_sampling_that_runs_out_of_prompts_stops_the_run_saying_why(ray_cluster, tiny_model_path, tmp_path):
+    """Only the first of 4 prompts gives rewards that differ: step 1 fills, step 2 draws the
+    other 3 and the epoch ends. The run stops with an error naming both ways out, after
+    saving step 1; following the first (more epochs) the resumed run does its 3 steps."""
+    rewards = ["spread", "0.0", "0.0", "0.0"]
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}], "metadata": {"reward": r}, "task": "scripted"}
+            for i, r in enumerate(rewards)]
+    train = write_rows(tmp_path / "train.jsonl", rows)
+    grpo = GRPOConfig(num_prompts_per_step=1, num_generations_per_prompt=4, max_num_steps=3,
+                      dynamic_sampling=DynamicSamplingConfig(enabled=True, max_gen_batches=20))
+    config = make_config(tiny_model_path, tmp_path / "run", train, grpo, environments={})
+    with pytest.raises(RunEndedEarly) as failure:
+        run_grpo(config)
+    assert str(failure.value) == (
+        "GRPO stopped after step 1 of 3: the prompts ran out (grpo.max_num_epochs=1 epochs of 4 prompt batches) "
+        "while dynamic sampling filled step 2: its 3 batches gave 0 of the 1 prompts with differing rewards a step "
+        "needs; so far a step took 4.0 batches. Set grpo.max_num_epochs: 4 (that many for 3 steps, with a margin), "
+        "or grpo.max_num_steps: 1. Nothing was exported; the checkpoint "
+        f"{tmp_path / 'run' / 'checkpoints' / 'step_1'} holds step 1; the run resumes from it when started again."
+    )
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl", "train")] == [1]
+
+    run_grpo(attrs.evolve(config, sections={"grpo": attrs.evolve(grpo, max_num_epochs=4)}))
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl", "train")] == [1, 2, 3]
+
+
 # ----------------------------------------------------------------------------- multi-turn
 
 
@@ -309,24 +348,19 @@ def test_multi_turn_game_trains_through_the_loop(ray_cluster, tiny_model_path, t
 # ----------------------------------------------------------------------------- divergence
 
 
-def test_failed_samples_score_zero_and_a_nan_loss_stops_the_run(ray_cluster, tiny_model_path, tmp_path):
-    # One prompt (4 samples) per step: step 1's environment fails on every sample, step 2
-    # scores 0, step 3's rewards are NaN.
-    metadata = [{"reward": "1.0", "error": "cannot score this"}, {"reward": "0.0"}, {"reward": "nan"}]
+def test_failed_samples_are_left_out_and_a_nan_loss_stops_the_run(ray_cluster, tiny_model_path, tmp_path):
+    # Two prompts (4 samples each) per step: in step 1 the environment fails on every sample
+    # of the first, the second scores 1; step 2 scores 0; step 3's rewards are NaN.
+    metadata = [{"reward": "1.0", "error": "cannot score this"}, {"reward": "1.0"}, {"reward": "0.0"}, {"reward": "0.0"},
+                {"reward": "nan"}, {"reward": "nan"}]
     rows = [{"messages": [{"role": "user", "content": f"hi {i}"}], "metadata": meta, "task": "scripted"}
             for i, meta in enumerate(metadata)]
     train = write_rows(tmp_path / "train.jsonl", rows)
-    grpo = GRPOConfig(num_prompts_per_step=1, num_generations_per_prompt=4, max_num_steps=3)
-    config = make_config(
-        tiny_model_path, tmp_path / "run", train, grpo, environments={}, checkpointing=CheckpointConfig(save_period=1)
-    )
-    seed_everything(config.seed)
-    ctx = RunContext(config)
-    try:
-        with pytest.raises(TrainingDiverged) as failure:
-            GRPO(environment_plugins=[TEST_ENVIRONMENTS]).run(ctx)
-    finally:
-        ctx.close()
+    grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=3)
+    config = make_config(tiny_model_path, tmp_path / "run", train, grpo, environments={},
+                         checkpointing=CheckpointConfig(save_period=1))
+    with pytest.raises(TrainingDiverged) as failure:
+        run_grpo(config)
 
     message = str(failure.value)
     assert "GRPO step 3: the training metric 'loss' is nan" in message
@@ -338,9 +372,34 @@ def test_failed_samples_score_zero_and_a_nan_loss_stops_the_run(ray_cluster, tin
     assert (checkpoints / "step_2" / "policy").is_dir() and (checkpoints / "step_2" / "rng.pt").is_file()
     records = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
     assert [r["step"] for r in records] == [1, 2]
-    # Failed samples get reward 0 (not the 1.0 the data asked for) and are counted; the run goes on.
-    assert (records[0]["reward"], records[0]["env/scripted/errors"]) == (0.0, 4.0)
-    assert (records[1]["reward"], records[1]["env/scripted/errors"]) == (0.0, 0.0)
+    # The failed samples are counted and trained on by no loss: neither as the 1.0 the data
+    # asked for nor as 0; the step's reward is the scored samples'.
+    assert (records[0]["num_valid_samples"], records[0]["env/scripted/errors"], records[0]["reward"]) == (4.0, 4.0, 1.0)
+    assert (records[1]["num_valid_samples"], records[1]["reward"], records[1]["env/scripted/errors"]) == (8.0, 0.0, 0.0)
+
+
+def test_an_environment_actor_killed_mid_step_is_retried_and_the_run_is_unchanged(ray_cluster, tiny_model_path, tmp_path):
+    """SIGKILL of the environment's actor during step 2's call: the call is made again on a
+    fresh actor, and every metric of both steps equals the uninterrupted run's (only the
+    count of samples sent again differs)."""
+    grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=2)
+
+    def run(name: str, **metadata) -> list[dict]:
+        rows = [{"messages": [{"role": "user", "content": f"Say seven. ({i})"}], "task": "mortal", "metadata": metadata}
+                for i in range(4)]
+        train = write_rows(tmp_path / f"{name}.jsonl", rows)
+        run_grpo(make_config(tiny_model_path, tmp_path / name, train, grpo, environments={}))
+        return read_metrics(tmp_path / name / "metrics.jsonl", "train")
+
+    uninterrupted = run("uninterrupted")
+    killed = run("killed", counter=str(tmp_path / "calls"), die_at_call=2)
+    assert (tmp_path / "calls").read_text() == "3"  # the second call died; a fresh actor took the third
+    assert [r["env/mortal/retried"] for r in killed] == [0.0, 8.0]
+    assert [r["env/mortal/errors"] for r in killed] == [0.0, 0.0]
+    assert uninterrupted[1]["reward"] > 0  # what a call that failed unseen would have replaced with 0
+    for before, after in zip(uninterrupted, killed, strict=True):
+        assert {k: v for k, v in comparable(after).items() if k != "env/mortal/retried"} == \
+            {k: v for k, v in comparable(before).items() if k != "env/mortal/retried"}, f"step {before['step']}"
 
 
 def test_a_stale_refit_stops_the_run_at_the_mismatch_guard(ray_cluster, tiny_model_path, tmp_path, monkeypatch, capsys):

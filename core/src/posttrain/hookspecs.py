@@ -131,8 +131,9 @@ def posttrain_environments() -> Mapping[str, EnvironmentFactory]:
     :func:`posttrain.config.environments.environment_options` (an attrs class): core then
     checks ``environments.<name>`` when the config is loaded, like a config section (types,
     choices, unknown keys with a suggestion, file and line), and the factory receives the
-    instance. Core's own option ``call_timeout_s`` is accepted under every environment and
-    never passed on. An undeclared factory receives the raw mapping, unchecked.
+    instance. Core's own options (``call_timeout_s``, ``call_retries``,
+    ``max_failed_fraction``) are accepted under every environment and never passed on. An
+    undeclared factory receives the raw mapping, unchecked.
     """
 
 

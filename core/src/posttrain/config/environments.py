@@ -2,8 +2,9 @@
 
 Two kinds of key live there:
 
-- core's own (:class:`CoreEnvironmentOptions`, today ``call_timeout_s``): accepted under
-  every environment, read by core and never passed to the environment;
+- core's own (:class:`CoreEnvironmentOptions`: ``call_timeout_s``, ``call_retries``,
+  ``max_failed_fraction``): accepted under every environment, read by core and never passed
+  to the environment;
 - the environment's own, declared once, on its factory, as an attrs class:
   ``@environment_options(MathOptions)``. They are read the way the loader reads a plugin
   section: types from the annotations (``int``, ``float``, ``X | None``, ``Literal[...]``,
@@ -12,6 +13,11 @@ Two kinds of key live there:
   and, when the loader recorded it, the file and line where it was set.
 
 A factory that declares no class receives the mapping (core's keys removed) unchecked.
+
+A factory may also declare the per-sample metadata keys it cannot score without
+(:func:`requires_metadata`), each with what it holds; the run checks every data row of the
+environment for them while the data is read, before Ray starts
+(:func:`posttrain.run.environments.environment_names`).
 
 The config check (:func:`posttrain.config.validate.validate_config`) reads the options of
 every configured environment when the config is loaded, so a bad option fails before Ray or
@@ -54,14 +60,26 @@ def at_least(minimum: float) -> Callable[[Any, attrs.Attribute, Any], None]:
     return check
 
 
+def fraction(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """attrs validator: a number from 0 to 1."""
+    if not (isinstance(value, (int, float)) and 0 <= value <= 1):
+        raise ValueError(f"expected a fraction from 0 to 1, found {value!r}")
+
+
 @attrs.frozen
 class CoreEnvironmentOptions:
     """Keys core reads under every ``environments.<name>``; never passed to the environment,
     so an environment cannot declare an option of these names."""
 
-    # seconds one call to the environment (a turn's step, its metrics) may take; past it the call's samples
-    # score 0 and count in env/<name>/timeouts, and the environment's actor is restarted
+    # seconds one call to the environment (a turn's step, its metrics) may take; past it the environment's
+    # actor is stopped and the call made again on a fresh one (call_retries)
     call_timeout_s: float = attrs.field(default=600.0, validator=above(0))
+    # times a call is made again, each on a fresh actor, after its actor died or passed call_timeout_s (in all,
+    # per turn of a rollout); samples still unscored after them are left out of the loss (env/<name>/errors, timeouts)
+    call_retries: int = attrs.field(default=2, validator=at_least(0))
+    # the largest share of a rollout's samples of this environment that may be left unscored (0 to 1); more stops
+    # the run, naming the environment, the first failed row and the error
+    max_failed_fraction: float = attrs.field(default=0.5, validator=fraction)
 
 
 CORE_KEYS = tuple(field.name for field in attrs.fields(CoreEnvironmentOptions))
@@ -100,6 +118,30 @@ def environment_options(options_class: type[T]) -> Callable[[Callable[[T], Any]]
 def declared_options(factory: Any) -> type | None:
     """The options class a factory declared with :func:`environment_options`, or None."""
     return getattr(factory, "options_class", None)
+
+
+def requires_metadata(**keys: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare the metadata keys an environment cannot score a sample without, each with a
+    short description of what it holds::
+
+        @requires_metadata(target="the integer the model must guess")
+        @environment_options(GuessNumberOptions)
+        def guess_number_environment(options): ...
+
+    A row's metadata is its ``metadata`` object with its other keys, and ``answer`` when the
+    row has one (see :mod:`posttrain.data.formats`). Every row of the environment is checked
+    for non-null values under these keys before the run starts."""
+
+    def declare(factory: Callable[..., Any]) -> Callable[..., Any]:
+        factory.required_metadata = dict(keys)  # type: ignore[attr-defined]
+        return factory
+
+    return declare
+
+
+def required_metadata(factory: Any) -> dict[str, str]:
+    """The metadata keys (and their descriptions) a factory declared with :func:`requires_metadata`."""
+    return dict(getattr(factory, "required_metadata", {}))
 
 
 @attrs.frozen

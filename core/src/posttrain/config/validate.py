@@ -373,6 +373,9 @@ def batch_size_rules(config: RunConfig) -> BatchSizeRules:
 def check_batch_sizes(config: RunConfig, rules: BatchSizeRules) -> None:
     """Raise :class:`ConfigError` when the workers or batch sizes break a rule, naming every
     broken rule and suggesting sizes that satisfy all of them."""
+    if rules.global_divides is not None and rules.global_divides < 1:
+        # a count below 1 (e.g. grpo.num_generations_per_prompt=-1) is its section's own error: its check names the key
+        rules = attrs.evolve(rules, global_divides=None)
     factors = config.replica_factors()
     sizes = {WORKERS: config.policy.num_workers, GLOBAL: config.policy.train_global_batch_size,
              MICRO: config.policy.train_micro_batch_size}

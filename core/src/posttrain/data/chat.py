@@ -36,11 +36,12 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 @attrs.frozen
 class Encoded:
-    """Token ids and a same-length 0/1 loss mask."""
+    """Token ids and a same-length 0/1 loss mask; ``full_length``: the tokens before truncation."""
 
     input_ids: list[int]
     token_mask: list[int]
     truncated: bool = False
+    full_length: int = attrs.field(default=attrs.Factory(lambda self: len(self.input_ids), takes_self=True))
 
     @property
     def num_loss_tokens(self) -> int:
@@ -155,7 +156,7 @@ class ChatEncoder:
 
 def _truncate(ids: list[int], mask: list[int], max_length: int | None) -> Encoded:
     if max_length is not None and len(ids) > max_length:
-        return Encoded(ids[:max_length], mask[:max_length], truncated=True)
+        return Encoded(ids[:max_length], mask[:max_length], truncated=True, full_length=len(ids))
     return Encoded(ids, mask)
 
 

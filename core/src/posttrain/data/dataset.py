@@ -8,7 +8,7 @@ Three kinds, by what an algorithm consumes (see :data:`~posttrain.data.formats.K
   size keeps each pair together.
 - ``prompt``: the prompt tokens (ending with the generation prompt) plus the per-sample
   ``messages``, ``answer``, ``metadata`` and ``task`` lists an RL loop and its
-  environments need.
+  environments need, and ``origin`` (``<source> row <n>``, for messages about the row).
 
 Collated batches (:class:`posttrain.batch.Batch`) hold ``input_ids`` int64 [B, S]
 right-padded with the tokenizer's pad id, ``input_lengths`` int64 [B], ``token_mask``
@@ -23,7 +23,7 @@ so a large dataset costs a few bytes per token rather than a Python object per t
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,7 @@ class LoadReport:
     num_truncated: int
     num_without_loss: int  # examples with sample_mask 0
     key: str | None = None
+    longest_without_loss: int = 0  # tokens, before truncation, of the longest example with sample_mask 0
 
 
 class TokenizedDataset:
@@ -91,6 +92,23 @@ class TokenizedDataset:
         """One example's stored columns (ids and masks as lists; JSON columns decoded)."""
         return _decode(self.kind, self.table[int(index)])
 
+    def drop_rows(self, problems: Mapping[int, str]) -> None:
+        """Leave out the examples of the source rows ``problems`` names (row number -> what is
+        wrong with it), counted and quoted in the report as skipped malformed rows; raises
+        :class:`DataError` when no example is left."""
+        keep = [i for i, row in enumerate(self.table["row"]) if row not in problems]
+        skipped = [f"{self.report.source} row {row}: {problem}" for row, problem in sorted(problems.items())]
+        if not keep:
+            raise DataError(f"{self.report.source}: no usable rows ({self.report.num_rows} read, {len(skipped)} "
+                            f"skipped); the first: {skipped[0]}")
+        self.table = self.table.select(keep)
+        report = self.report
+        self.report = attrs.evolve(
+            report, num_examples=len(keep), num_skipped=report.num_skipped + len(skipped),
+            skipped=(*report.skipped, *skipped)[:_REPORTED_SKIPS],
+        )
+        get_logger().warning("skipped rows", source=report.source, skipped=len(skipped), first=skipped[:_REPORTED_SKIPS])
+
     def collate(self, indices: Sequence[int]) -> Batch:
         """The examples at ``indices`` as a batch (preference: 2 rows per example)."""
         cols = self.table[[int(i) for i in indices]]
@@ -107,6 +125,7 @@ class TokenizedDataset:
             for name in ("messages", "answer", "metadata"):
                 batch[name] = [json.loads(v) for v in cols[name]]
             batch["task"] = list(cols["task"])
+            batch["origin"] = [f"{self.report.source} row {row}" for row in cols["row"]]
         return batch
 
 
@@ -141,7 +160,7 @@ def build_dataset(
     label = rows.label
     builder = _TableBuilder(kind)
     skipped: list[str] = []
-    num_rows = num_truncated = num_without_loss = 0
+    num_rows = num_truncated = num_without_loss = longest_without_loss = 0
     for number, row in rows:
         num_rows += 1
         try:
@@ -152,7 +171,7 @@ def build_dataset(
             if fmt == "auto":
                 fmt = _detect(label, kind, number, row)
             example = parse_row(row, fmt)
-            columns, truncated = _encode(example, encoder, max_length)
+            columns, truncated, full_length = _encode(example, encoder, max_length)
         except RowError as exc:
             message = f"{label} row {number}: {exc}"
             if not skip_malformed:
@@ -162,11 +181,13 @@ def build_dataset(
         except ConfigError as exc:
             raise ConfigError(f"{label} row {number}: {exc}") from None
         num_truncated += truncated
-        num_without_loss += not columns["sample_mask"]
+        if not columns["sample_mask"]:
+            num_without_loss += 1
+            longest_without_loss = max(longest_without_loss, full_length)
         builder.add(columns, number)
     report = LoadReport(
         label, fmt, num_rows, builder.size, len(skipped), tuple(skipped[:_REPORTED_SKIPS]),
-        num_truncated, num_without_loss, rows.key,
+        num_truncated, num_without_loss, rows.key, longest_without_loss,
     )
     if num_rows == 0:
         raise DataError(
@@ -198,12 +219,13 @@ def _detect(label: str, kind: str, number: int, row: Any) -> str:
     return fmt
 
 
-def _encode(example: Any, encoder: ChatEncoder, max_length: int | None) -> tuple[dict[str, Any], bool]:
-    """The stored columns of one example, and whether truncation cut it."""
+def _encode(example: Any, encoder: ChatEncoder, max_length: int | None) -> tuple[dict[str, Any], bool, int]:
+    """The stored columns of one example, whether truncation cut it, and its tokens before
+    truncation (the longer side of a pair)."""
     if isinstance(example, SFTExample):
         enc = encoder.encode(example.messages, max_length=max_length, tools=example.tools)
         return {"input_ids": enc.input_ids, "token_mask": enc.token_mask,
-                "sample_mask": int(enc.num_loss_tokens > 0)}, enc.truncated
+                "sample_mask": int(enc.num_loss_tokens > 0)}, enc.truncated, enc.full_length
     if isinstance(example, PreferenceExample):
         pair: list[Encoded] = [
             encoder.encode([*example.prompt, *completion], loss_from=len(example.prompt), max_length=max_length)
@@ -213,12 +235,12 @@ def _encode(example: Any, encoder: ChatEncoder, max_length: int | None) -> tuple
         columns = {"chosen_input_ids": c.input_ids, "chosen_token_mask": c.token_mask,
                    "rejected_input_ids": r.input_ids, "rejected_token_mask": r.token_mask,
                    "sample_mask": int(c.num_loss_tokens > 0 and r.num_loss_tokens > 0)}
-        return columns, c.truncated or r.truncated
+        return columns, c.truncated or r.truncated, max(c.full_length, r.full_length)
     assert isinstance(example, PromptExample)
     enc = encoder.encode_prompt(example.messages, max_length=max_length)
     return {"input_ids": enc.input_ids, "token_mask": enc.token_mask, "sample_mask": int(not enc.truncated),
             "messages": json.dumps(example.messages), "answer": json.dumps(example.answer, default=str),
-            "metadata": json.dumps(example.metadata, default=str), "task": example.task}, enc.truncated
+            "metadata": json.dumps(example.metadata, default=str), "task": example.task}, enc.truncated, enc.full_length
 
 
 class _TableBuilder:

@@ -74,8 +74,8 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            try:
-                yield line_number, json.loads(line)
+            try:  # without the line break, an error at the end of the line gets its column, not the next line's 1
+                yield line_number, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
                 yield line_number, Unparsable(f"invalid JSON: {exc.msg} (column {exc.colno})")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from posttrain.config.schema import RunConfig
 from posttrain.data.chat import ChatEncoder, load_tokenizer, read_chat_template
 from posttrain.data.dataset import TokenizedDataset, build_dataset
+from posttrain.data.lengths import check_lengths
 from posttrain.data.loader import StatefulDataLoader
 from posttrain.data.sources import open_source
 from posttrain.errors import ConfigError
@@ -25,7 +26,8 @@ def dataset_from_config(
     The key holds a path or a :class:`~posttrain.config.schema.DataSource` (see
     :mod:`posttrain.data.sources`); its columns are renamed by its own ``columns``, else by
     ``data.columns``. ``max_length`` defaults to ``data.max_length``, then
-    ``policy.max_total_sequence_length``.
+    ``policy.max_total_sequence_length``; with the limit from the config, a dataset where most
+    rows would be cut too short to train is refused (:mod:`posttrain.data.lengths`).
     """
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got '{split}'")
@@ -35,7 +37,10 @@ def dataset_from_config(
         return None
     source = open_source(spec, key=f"data.{split}", default_split=split, columns=data.columns, sources=config.sources)
     limit = max_length or data.max_length or config.policy.max_total_sequence_length
-    return build_dataset(source, kind, encoder, fmt=data.format, max_length=limit, skip_malformed=data.skip_malformed)
+    dataset = build_dataset(source, kind, encoder, fmt=data.format, max_length=limit, skip_malformed=data.skip_malformed)
+    if max_length is None:
+        check_lengths(config, split, kind, dataset.report)
+    return dataset
 
 
 def require_dataset(

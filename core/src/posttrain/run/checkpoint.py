@@ -30,6 +30,7 @@ import attrs
 
 from posttrain.errors import CheckpointError
 from posttrain.log import get_logger
+from posttrain.run.checkpoint_space import disk_full_error, folder_bytes
 
 if TYPE_CHECKING:
     from posttrain.interfaces.policy import Policy
@@ -67,18 +68,28 @@ class CheckpointManager:
     ) -> Path:
         """Write checkpoint ``step``: ``write(folder)`` fills the temporary folder, then it is
         renamed into place. ``training_info.json`` holds the step, ``metrics`` and the
-        JSON-serialisable fields of ``info``. Returns the final folder."""
+        JSON-serialisable fields of ``info``. Returns the final folder. A write that raises
+        removes the temporary folder; on a full file system it raises a
+        :class:`CheckpointError` saying so (:func:`~posttrain.run.checkpoint_space.disk_full_error`)."""
         final = self.directory / f"step_{step}"
         tmp = self.directory / f"tmp_step_{step}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        write(tmp)
-        if config_yaml is not None:
-            (tmp / "config.yaml").write_text(config_yaml)
-        record = {**(info or {}), "step": step, "metrics": {k: float(v) for k, v in (metrics or {}).items()}}
-        (tmp / INFO_FILE).write_text(json.dumps(record, indent=2))
-        _fsync_tree(tmp)
+        previous = self.latest()
+        try:
+            tmp.mkdir(parents=True)
+            write(tmp)
+            if config_yaml is not None:
+                (tmp / "config.yaml").write_text(config_yaml)
+            record = {**(info or {}), "step": step, "metrics": {k: float(v) for k, v in (metrics or {}).items()}}
+            (tmp / INFO_FILE).write_text(json.dumps(record, indent=2))
+            _fsync_tree(tmp)
+        except Exception as exc:  # nothing of a failed save is kept; a full disk is said so
+            full = disk_full_error(exc, self.directory, step, folder_bytes(tmp), previous)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if full is not None:
+                raise full from exc
+            raise
         if final.exists():  # re-saving a step (e.g. after resume): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)

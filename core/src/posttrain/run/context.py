@@ -23,6 +23,7 @@ from posttrain.plugins import PluginHost, plugin_host
 from posttrain.run.checkpoint import CheckpointManager, check_checkpoint_fits
 from posttrain.run.finished import finished_unchanged
 from posttrain.run.metrics import MetricLogger, ProgressBar
+from posttrain.run.run_dir import prepare_run_dir, remove_created_run_dir
 from posttrain.run.startup import Started, Startup
 from posttrain.run.stop import StartupInterrupted, StoppedDuringStartup, StopRequest, stop_on_signals
 
@@ -60,6 +61,7 @@ class RunContext:
         self.host = host or plugin_host()
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.cluster_requested = False  # set once the run asks for its cluster: from then on Ray may run
         self.log = get_logger()
         self.metrics = MetricLogger.open(config, self.run_dir, self.host)
         ckpt = config.checkpointing
@@ -108,6 +110,7 @@ class RunContext:
                 from posttrain.distributed.cluster import VirtualCluster, check_node_count, colocated_groups
 
                 check_node_count(self.config.cluster)
+                self.cluster_requested = True
                 self._start_ray()
                 self._cluster = VirtualCluster(self.config.cluster, colocate=colocated_groups(self.config) if colocate else {},
                                                check=self.stop.check_startup)
@@ -274,8 +277,10 @@ def run_algorithm(config: RunConfig, host: PluginHost | None = None) -> dict[str
     """Run ``config.algorithm`` to completion and return its final metrics.
 
     A run that already finished with this config returns at once, starting nothing
-    (:func:`~posttrain.run.finished.finished_unchanged`; the run hooks are not called). Inputs
-    are checked first (:func:`check_inputs`). SIGINT and SIGTERM stop the run
+    (:func:`~posttrain.run.finished.finished_unchanged`; the run hooks are not called).
+    ``run_dir`` must be writable (:func:`~posttrain.run.run_dir.prepare_run_dir`); a run
+    that created it and fails before asking for its cluster (a refusal) removes it again.
+    Inputs are checked first (:func:`check_inputs`). SIGINT and SIGTERM stop the run
     (:mod:`posttrain.run.stop`): during start-up at once, raising
     :class:`~posttrain.run.stop.StoppedDuringStartup`; once the steps began, at the next step
     boundary after a checkpoint, raising :class:`~posttrain.errors.RunStopped` once the
@@ -285,28 +290,36 @@ def run_algorithm(config: RunConfig, host: PluginHost | None = None) -> dict[str
     """
     stop = StopRequest()
     context: RunContext | None = None
+    created = False
     with stop_on_signals(stop):
         try:
-            host = host or plugin_host()
-            algorithm = host.algorithms[config.algorithm or ""]()
-            configure_logging(config.logger.level, Path(config.run_dir) / "events.jsonl")
-            seed_everything(config.seed, config.deterministic)
-            context = RunContext(config, host, stop)
             try:
-                finished = finished_unchanged(context)
-                if finished is not None:
+                host = host or plugin_host()
+                algorithm = host.algorithms[config.algorithm or ""]()
+                created = prepare_run_dir(config)
+                configure_logging(config.logger.level, Path(config.run_dir) / "events.jsonl")
+                seed_everything(config.seed, config.deterministic)
+                context = RunContext(config, host, stop)
+                try:
+                    finished = finished_unchanged(context)
+                    if finished is not None:
+                        context.close()
+                        return finished
+                    check_inputs(config, context)
+                    stop.check_startup()
+                except BaseException:
                     context.close()
-                    return finished
-                check_inputs(config, context)
-                stop.check_startup()
-            except BaseException:
-                context.close()
-                raise
-            return _run(algorithm, context)
-        except StartupInterrupted as interrupted:
-            resumes_from = None if context is None else context.resume_checkpoint()
-            checkpoint = None if resumes_from is None else str(resumes_from)
-            raise StoppedDuringStartup(stop.signal_name, 128 + interrupted.signum, checkpoint) from None
+                    raise
+                return _run(algorithm, context)
+            except StartupInterrupted as interrupted:
+                resumes_from = None if context is None else context.resume_checkpoint()
+                checkpoint = None if resumes_from is None else str(resumes_from)
+                raise StoppedDuringStartup(stop.signal_name, 128 + interrupted.signum, checkpoint) from None
+        except BaseException:
+            if created and (context is None or not context.cluster_requested):  # refused: leave no folder behind
+                configure_logging(config.logger.level)  # closes events.jsonl
+                remove_created_run_dir(config.run_dir)
+            raise
 
 
 def _run(algorithm: Any, context: RunContext) -> dict[str, Any]:

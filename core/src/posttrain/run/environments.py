@@ -3,36 +3,50 @@
 Each environment named by a run's tasks runs in its own Ray actor
 (:class:`RemoteEnvironment`), built there by name from that process's plugin host with the
 options under ``environments.<name>``, read as :mod:`posttrain.config.environments` says:
-core's own keys (``call_timeout_s``, the deadline of one call to the actor) are read here and
-not passed on; the rest go to the environment's factory, checked against the options class
-it declares.
+core's own keys (``call_timeout_s``, ``call_retries``, ``max_failed_fraction``) are read here
+and not passed on; the rest go to the environment's factory, checked against the options
+class it declares.
 
-Containment (:func:`step_contained`, used by the rollout): an environment call that raises,
-returns results of the wrong length, or passes its deadline gives every sample of that call
-reward 0 and ends those samples; a sample the environment itself reports in
-``EnvironmentReturn.errors`` is the only one lost. The run goes on; the counts become the
-rollout metrics ``env/<name>/errors`` and ``env/<name>/timeouts`` (in samples). After a
-timeout the actor is killed and a fresh one is started on the next call. An actor that died
-with its node (:class:`~posttrain.errors.NodeLost`) is not contained: the run stops, naming
-the node.
+Containment (:func:`step_contained`, used by the rollout). A failed environment call never
+becomes a reward:
+
+- a call whose actor died, or that passed its deadline (the actor is then stopped), is made
+  again on a fresh actor, at most ``call_retries`` times per :func:`step_contained`;
+- a call that raised or returned a malformed result is split in halves, each scored on its
+  own, down to single samples, so that a sample the environment cannot score fails alone and
+  its neighbours are scored;
+- a sample still unscored after that, or one the environment itself reports in
+  ``EnvironmentReturn.errors``, is *failed*: its ``errors`` entry holds why, its reward is 0
+  and its episode ends; the rollout marks it (``failed``) so that no loss trains on it.
+
+The counts become rollout metrics (in samples): ``env/<name>/retried`` (samples sent again),
+``env/<name>/errors`` and ``env/<name>/timeouts`` (samples failed, by cause). An actor that
+died with its node (:class:`~posttrain.errors.NodeLost`) is not contained: the run stops,
+naming the node.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
-from posttrain.config.environments import read_core_options, read_environment_options
+from posttrain.config.environments import (
+    CoreEnvironmentOptions,
+    read_core_options,
+    read_environment_options,
+    required_metadata,
+)
 from posttrain.config.validate import where_set
-from posttrain.errors import ConfigError, NodeLost, PluginError, PosttrainError, WorkerError
+from posttrain.errors import ConfigError, DataError, NodeLost, PluginError, PosttrainError, WorkerError
 from posttrain.interfaces import Environment, EnvironmentReturn, Message
 from posttrain.log import get_logger
-from posttrain.plugins import PluginHost, new_plugin_host, plugin_host
+from posttrain.plugins import PluginHost, Registry, new_plugin_host, plugin_host
 
 if TYPE_CHECKING:
     from posttrain.config.schema import RunConfig
@@ -45,44 +59,158 @@ class EnvironmentTimeout(PosttrainError):
     """An environment call did not return within its deadline."""
 
 
+class EnvironmentFailed(PosttrainError):
+    """More of a rollout's samples failed in an environment than its
+    ``max_failed_fraction`` allows."""
+
+
 # ----------------------------------------------------------------------------- containment
 
 
 @attrs.frozen
 class ContainedStep:
-    """A step's result with failures replaced, and how many samples were lost to each kind."""
+    """A step's result, one entry per sample in every field; a failed sample has its reason
+    in ``result.errors`` (None for the others), reward 0, and is terminated."""
 
     result: EnvironmentReturn
-    errors: int  # samples lost to an exception, a malformed result or a per-sample error
-    timeouts: int  # samples lost to a call past its deadline
+    errors: int  # samples failed by an exception, a malformed result, a dead actor or a per-sample error
+    timeouts: int  # samples failed by calls past their deadline
+    retried: int = 0  # samples sent again: on a fresh actor, or in a smaller call to isolate a failing one
+
+    @property
+    def failed(self) -> list[bool]:
+        """Per sample: the environment could not score it."""
+        return [error is not None for error in self.result.errors]
 
 
-def step_contained(name: str, env: Environment, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Any]) -> ContainedStep:
-    """``env.step`` with every failure turned into reward 0 and termination (see module doc)."""
-    n = len(message_logs)
-    try:
-        result = env.step(message_logs, metadata)
-        check_return(name, result, n)
-    except EnvironmentTimeout as exc:
-        _log.warning("environment call timed out", environment=name, samples=n, error=str(exc))
-        return ContainedStep(failed_return(metadata, str(exc)), errors=0, timeouts=n)
-    except NodeLost:
-        raise
-    except Exception as exc:  # contained: the run goes on with these samples scored 0
-        message = f"{type(exc).__name__}: {exc}"
-        _log.warning("environment call failed", environment=name, samples=n, error=message)
-        return ContainedStep(failed_return(metadata, message), errors=n, timeouts=0)
+def step_contained(
+    name: str, env: Environment, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Any],
+    *, call_retries: int = 0,
+) -> ContainedStep:
+    """``env.step`` with failures contained as the module docstring says; ``call_retries``
+    bounds the calls made again after a dead actor or a deadline."""
+    return _Containment(name, env, message_logs, metadata, call_retries).run()
+
+
+class _Containment:
+    """One contained step: scores sets of samples, retrying and splitting as needed, and
+    keeps each sample's part of the results it got."""
+
+    def __init__(self, name: str, env: Environment, logs: Sequence[Sequence[Message]], metadata: Sequence[Any], retries: int):
+        self.name, self.env, self.logs, self.metadata = name, env, logs, metadata
+        self.retries_left = retries
+        self.parts: list[tuple[list[int], EnvironmentReturn]] = []
+        self.timeouts = self.retried = 0
+
+    def run(self) -> ContainedStep:
+        self.score(list(range(len(self.logs))))
+        result = _merge_returns(self.parts, len(self.logs))
+        failed = sum(error is not None for error in result.errors)
+        return ContainedStep(result, failed - self.timeouts, self.timeouts, self.retried)
+
+    def score(self, indices: list[int]) -> None:
+        try:
+            result = self.env.step([self.logs[i] for i in indices], [self.metadata[i] for i in indices])
+            check_return(self.name, result, len(indices))
+        except NodeLost:
+            raise
+        except (EnvironmentTimeout, WorkerError) as exc:  # the actor is gone: a fresh one may answer
+            if self.retries_left > 0:
+                self.retries_left -= 1
+                self.retried += len(indices)
+                _log.warning("environment call failed; making it again on a fresh actor", environment=self.name,
+                             samples=len(indices), retries_left=self.retries_left, error=_described(exc))
+                self.score(indices)
+                return
+            self.fail(indices, _described(exc), timeout=isinstance(exc, EnvironmentTimeout))
+        except Exception as exc:  # the environment raised, or answered wrongly: find the samples it fails on
+            if len(indices) > 1:
+                half = len(indices) // 2
+                self.retried += len(indices)
+                for part in (indices[:half], indices[half:]):
+                    self.score(part)
+                return
+            self.fail(indices, _described(exc), timeout=False)
+        else:
+            self.parts.append((indices, _with_failures_contained(result)))
+
+    def fail(self, indices: list[int], error: str, *, timeout: bool) -> None:
+        if timeout:
+            self.timeouts += len(indices)
+        self.parts.append((indices, failed_return([self.metadata[i] for i in indices], error)))
+
+
+def check_failures(
+    name: str, options: CoreEnvironmentOptions, failures: Sequence[tuple[str | None, str]], total: int
+) -> None:
+    """Log the samples of environment ``name`` that failed in a rollout of ``total`` of its
+    samples (``failures``: each one's data row and error), and raise
+    :class:`EnvironmentFailed` when they are more than ``options.max_failed_fraction`` of it."""
+    if not failures:
+        return
+    rows = list(dict.fromkeys(origin or "a sample" for origin, _ in failures))
+    first_row, first_error = failures[0][0], " ".join(failures[0][1].split())
+    _log.warning("environment could not score samples; they are left out of the loss", environment=name,
+                 samples=len(failures), of=total, rows=rows[:5], more_rows=max(0, len(rows) - 5), first_error=first_error)
+    if len(failures) <= options.max_failed_fraction * total:
+        return
+    raise EnvironmentFailed(
+        f"environment '{name}' could not score {len(failures)} of {total} samples of a rollout, more than "
+        f"environments.{name}.max_failed_fraction={options.max_failed_fraction:g} allows (a call whose actor died or "
+        f"timed out was made again up to environments.{name}.call_retries={options.call_retries} times). The first: "
+        f"{first_row or 'a sample'}: {first_error}. A sample the environment could not score is never trained on, so "
+        f"the run stops rather than go on with so few. Fix the environment or the rows named, or set "
+        f"environments.{name}.max_failed_fraction: 1.0 to train on the samples it scores."
+    )
+
+
+def _described(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _with_failures_contained(result: EnvironmentReturn) -> EnvironmentReturn:
+    """``result`` with the samples it reports in ``errors`` scored 0 (their reward parts too)
+    and terminated."""
     failed = [i for i, error in enumerate(result.errors) if error is not None]
     if not failed:
-        return ContainedStep(result, errors=0, timeouts=0)
-    _log.warning("environment failed on some samples", environment=name, samples=len(failed), first_error=result.errors[failed[0]])
+        return result
     rewards, terminateds = result.rewards.clone(), result.terminateds.clone()
     rewards[failed] = 0.0
     terminateds[failed] = True
     components = {name: values.clone().index_fill_(0, torch.tensor(failed), 0.0)
                   for name, values in result.reward_components.items()}
-    contained = attrs.evolve(result, rewards=rewards, terminateds=terminateds, reward_components=components)
-    return ContainedStep(contained, errors=len(failed), timeouts=0)
+    return attrs.evolve(result, rewards=rewards, terminateds=terminateds, reward_components=components)
+
+
+def _merge_returns(parts: Sequence[tuple[Sequence[int], EnvironmentReturn]], num_samples: int) -> EnvironmentReturn:
+    """One :class:`EnvironmentReturn` of ``num_samples`` samples from results of calls on
+    sets of them (``(indices, result)``, every sample in exactly one set): ``answers`` and
+    ``errors`` always one entry per sample (None where a part had none), a reward part that
+    some call did not report 0 for its samples."""
+    if len(parts) == 1 and list(parts[0][0]) == list(range(num_samples)):
+        result = parts[0][1]
+        return attrs.evolve(result, answers=result.answers or [None] * num_samples,
+                            errors=result.errors or [None] * num_samples)
+    observations: list[Any] = [None] * num_samples
+    metadata: list[Any] = [None] * num_samples
+    stops: list[Any] = [None] * num_samples
+    answers: list[str | None] = [None] * num_samples
+    errors: list[str | None] = [None] * num_samples
+    rewards = torch.zeros(num_samples, dtype=torch.float32)
+    terminateds = torch.zeros(num_samples, dtype=torch.bool)
+    names = sorted({name for _, result in parts for name in result.reward_components})
+    components = {name: torch.zeros(num_samples, dtype=torch.float32) for name in names}
+    for indices, result in parts:
+        for k, i in enumerate(indices):
+            observations[i], metadata[i], stops[i] = result.observations[k], result.metadata[k], result.next_stop_strings[k]
+            answers[i] = result.answers[k] if result.answers else None
+            errors[i] = result.errors[k] if result.errors else None
+        index = torch.tensor(list(indices), dtype=torch.long)
+        rewards[index] = result.rewards.to(torch.float32)
+        terminateds[index] = result.terminateds.to(torch.bool)
+        for name, values in result.reward_components.items():
+            components[name][index] = values.to(torch.float32)
+    return EnvironmentReturn(observations, metadata, stops, rewards, terminateds, answers, errors, components)
 
 
 def check_return(name: str, result: Any, num_samples: int) -> None:
@@ -207,6 +335,7 @@ class RemoteEnvironment(Environment):
     ):
         core, self._options = read_core_options(name, options)
         self.name = name
+        self.core_options = core
         self._node: str | None = None  # the Ray node of the actor, once started
         self.call_timeout_s = core.call_timeout_s
         self._plugins = tuple(plugins)
@@ -294,6 +423,13 @@ class RemoteEnvironment(Environment):
         self._actor = None
 
 
+def core_options(env: Environment) -> CoreEnvironmentOptions:
+    """The core options an environment runs under: its ``core_options`` attribute when it has
+    one (a :class:`RemoteEnvironment`: ``environments.<name>``), else the defaults."""
+    options = getattr(env, "core_options", None)
+    return options if isinstance(options, CoreEnvironmentOptions) else CoreEnvironmentOptions()
+
+
 @functools.cache
 def _remote_actor_class() -> Any:
     import ray
@@ -339,8 +475,9 @@ def environment_names(
     (the only environment, or None when every row names its task).
 
     Every name must be registered (in this process's plugin host, plus the extra plugin
-    modules ``plugins``), checked here, before Ray or any worker starts: an unknown task
-    names the config key of its data, the file and the row."""
+    modules ``plugins``), and every row must hold the metadata its environment needs
+    (:func:`check_required_metadata`), checked here, before Ray or any worker starts: an
+    unknown task or a missing key names the config key of its data, the file and the row."""
     registry = host_with(plugins).environments
     for name in config.environments:
         if name not in registry:
@@ -367,14 +504,62 @@ def environment_names(
             "'task' and the config has no 'environments' section; add e.g. 'environments: {math: {}}' or a 'task' "
             "to every data row"
         )
-    if None not in tasks and "" not in tasks:
-        return names, None
-    if len(names) > 1:
-        raise ConfigError(
-            f"some data rows have no 'task', and there are {len(names)} environments ({', '.join(names)}) they "
-            "could go to; give every row a 'task', or configure exactly one environment under 'environments'"
-        )
-    return names, names[0]
+    default = None
+    if None in tasks or "" in tasks:
+        if len(names) > 1:
+            raise ConfigError(
+                f"some data rows have no 'task', and there are {len(names)} environments ({', '.join(names)}) they "
+                "could go to; give every row a 'task', or configure exactly one environment under 'environments'"
+            )
+        default = names[0]
+    for dataset in datasets:
+        if dataset is not None:
+            check_required_metadata(config, dataset, registry, default)
+    return names, default
+
+
+def check_required_metadata(
+    config: RunConfig, dataset: TokenizedDataset, registry: Registry, default_task: str | None
+) -> None:
+    """Every row of ``dataset`` has the metadata its environment declared it needs
+    (:func:`~posttrain.config.environments.requires_metadata`): a row's metadata, with its
+    ``answer``. Rows that lack some are left out with ``data.skip_malformed`` (logged and
+    counted); otherwise the first is named, with how many more, in a :class:`DataError`."""
+    needs: dict[str, dict[str, str]] = {}
+    problems: dict[int, str] = {}
+    table = dataset.table
+    for task, row, meta_json, answer_json in zip(table["task"], table["row"], table["metadata"], table["answer"], strict=True):
+        name = task or default_task
+        if name is None:
+            continue
+        if name not in needs:
+            needs[name] = required_metadata(registry[name])
+        if not needs[name]:
+            continue
+        meta, answer = json.loads(meta_json), json.loads(answer_json)
+        meta = {"answer": answer, **meta} if answer is not None else meta
+        missing = [key for key in needs[name] if meta.get(key) is None]
+        if missing:
+            described = ", ".join(f"'{key}' ({needs[name][key]})" for key in missing)
+            problems[row] = (
+                f"the {name} environment needs {described} in each of its rows, and this row has "
+                f"{'none' if len(missing) == 1 else 'none of them'} (its metadata keys: {', '.join(sorted(meta)) or 'none'})"
+            )
+    if not problems:
+        return
+    if config.data.skip_malformed:
+        dataset.drop_rows(problems)
+        return
+    key = dataset.report.key or "the data"
+    rows = sorted(problems)
+    more = rows[1:]
+    lack = "rows lack what their environment needs" if len(more) > 1 else "row lacks what its environment needs"
+    others = f"; {len(more)} more {lack}: {', '.join(map(str, more[:10]))}{', ...' if len(more) > 10 else ''}" if more else ""
+    raise DataError(
+        f"{key} ({dataset.report.source}) row {rows[0]}: {problems[rows[0]]}{others}. Add the keys to "
+        f"{'these rows' if more else 'the row'} (as keys of the row, or under its 'metadata'), remove "
+        f"{'them' if more else 'it'}, or set data.skip_malformed: true to leave such rows out.{where_set(config, key)}"
+    )
 
 
 def shutdown_environments(environments: Mapping[str, Environment]) -> None:

@@ -14,8 +14,13 @@ and states its :class:`LoopPlan`; :class:`TrainingLoop` runs them the same way f
 - validation (phase ``validation``): before the first step when ``val_at_start`` (step 0,
   fresh runs only), every ``val_period`` steps, and after the last step when ``val_at_end``
   (unless that step was just validated or a stop was requested);
-- training steps until ``total_steps`` or until the data runs out, each one's metrics
-  logged (phase ``train``) and shown on the progress bar;
+- training steps until ``total_steps``, each one's metrics logged (phase ``train``) and
+  shown on the progress bar;
+- data that runs out before ``total_steps`` (a step that takes a varying number of batches,
+  as dynamic sampling does): the steps done are checkpointed, then :class:`RunEndedEarly`
+  says after which step the run stopped and why (:meth:`LoopSteps.out_of_data`), without the
+  end-of-run validation and export, so that the run exits non-zero instead of passing for
+  a finished one;
 - checkpoints: every ``checkpointing.save_period`` steps and after the last step run,
   scored by the step's metrics and the last validation's (``validation/<name>``);
 - export: the policy's final weights as a Hugging Face folder (``export_dir``);
@@ -35,9 +40,14 @@ import abc
 from typing import Any
 
 from posttrain.config import dump_config
+from posttrain.errors import PosttrainError
 from posttrain.run.checkpoint import TrainingState
 from posttrain.run.context import RunContext
 from posttrain.run.plan import LoopPlan
+
+
+class RunEndedEarly(PosttrainError):
+    """The training data ran out before the run's planned steps were done."""
 
 
 class LoopSteps(abc.ABC):
@@ -58,6 +68,11 @@ class LoopSteps(abc.ABC):
         """One validation pass after ``step`` steps; its metrics (the loop logs them), or
         None when the run has nothing to validate on."""
         return None
+
+    def out_of_data(self, step: int) -> str:
+        """Why the data ran out before step ``step`` could be filled, and the settings that
+        let a run go further (after :meth:`train_step` returned None)."""
+        return f"the training data ran out before step {step} could be filled"
 
 
 class TrainingLoop:
@@ -91,10 +106,12 @@ class TrainingLoop:
         if plan.val_at_start and self.step == 0:
             self.validate()
         bar = context.progress(plan.total_steps, plan.label, initial=self.step)
+        ran_out = False
         try:
             while self.step < plan.total_steps and not context.stop_requested:
                 metrics = self.steps.train_step(self.step + 1)
                 if metrics is None:
+                    ran_out = True
                     break
                 self.step, self.metrics = self.step + 1, metrics
                 context.log_metrics(self.step, metrics, "train")
@@ -105,6 +122,8 @@ class TrainingLoop:
                     self.save()
         finally:
             bar.close()
+        if ran_out:
+            raise self.ended_early(start)
         if plan.val_at_end and self.validated_step != self.step and not context.stop_requested:
             self.validate()
         if self.step > start and self.saved_step != self.step:
@@ -115,6 +134,18 @@ class TrainingLoop:
         if context.checkpoints is not None and self.saved_step == self.step and not context.stop_requested:
             context.checkpoints.update_info(self.step, {"finished": True, "plan": plan.record(), "length_keys": list(plan.length_keys)})
         return {"step": self.step, **self.metrics, **self._scored_validation()}
+
+    def ended_early(self, start: int) -> RunEndedEarly:
+        """Checkpoint the steps done (when any were), and the error saying why the run stopped."""
+        if self.step > start and self.saved_step != self.step:
+            self.save()
+        saved = self.context.checkpoints.latest() if self.context.checkpoints is not None else None
+        where = (f"the checkpoint {saved} holds step {self.step}; the run resumes from it when started again"
+                 if saved is not None else "no checkpoint was saved")
+        return RunEndedEarly(
+            f"{self.plan.label} stopped after step {self.step} of {self.plan.total_steps}: "
+            f"{self.steps.out_of_data(self.step + 1)}. Nothing was exported; {where}."
+        )
 
     def validate(self) -> None:
         """Run the steps' validation after the current step and log it."""

@@ -16,8 +16,8 @@ from posttrain.batch import Batch
 from posttrain.interfaces import Environment, Generation
 from posttrain.run.rollout import run_rollout
 
-#: Per-sample fields of a prompt batch that the rollout reads.
-PROMPT_FIELDS = ("messages", "task", "metadata", "answer")
+#: Per-sample fields of a prompt batch that the rollout reads (``origin``: when the batch has it).
+PROMPT_FIELDS = ("messages", "task", "metadata", "answer", "origin")
 
 
 class Rollout(Protocol):
@@ -42,7 +42,7 @@ class PromptRollout:
     default_task: str | None = None
 
     def __call__(self, prompts: Batch, *, greedy: bool, repeats: int) -> tuple[Batch, dict[str, float]]:
-        samples = prompts.fields(PROMPT_FIELDS)
+        samples = prompts.fields([name for name in PROMPT_FIELDS if name != "origin" or name in prompts])
         samples["task"] = [task or self.default_task for task in samples["task"]]
         return run_rollout(
             samples.repeat_interleave(repeats),
@@ -68,7 +68,7 @@ def validate_greedy(prompts: Batch, rollout: Rollout, generation: Generation, se
     finally:
         generation.finish_generation()
     return {
-        "accuracy": float(batch["rewards"].float().mean()),
+        "accuracy": rollout_metrics["rollout/mean_reward"],
         "mean_response_length": float(batch["response_lengths"].float().mean()),
         **rollout_metrics,
     }

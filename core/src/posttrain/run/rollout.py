@@ -10,7 +10,8 @@ for at most ``max_turns`` turns, for the samples still active:
 1. generate one assistant turn each (with the stop strings their environment asked for);
 2. decode the new tokens and append the assistant message (with its ``token_ids``);
 3. call each task's environment once, on all its samples of this turn
-   (failures contained: :func:`posttrain.run.environments.step_contained`);
+   (failures contained: :func:`posttrain.run.environments.step_contained`; a sample the
+   environment could not score is *failed*: its episode ends there, and the batch marks it);
 4. add the step's reward; a sample stops when the environment terminates it, when the
    turn budget is spent, or when no room is left under ``max_total_length``;
 5. otherwise append the observation message, rendered with the template's formatting for
@@ -37,6 +38,14 @@ Rewards are the sum of the environment's rewards over a sample's turns; so is ea
 part an environment reports (``EnvironmentReturn.reward_components``), 0 for a sample none
 of its steps reported it for.
 
+Failed samples. A failed sample keeps reward 0 in ``rewards`` only as a placeholder: the
+batch marks it in ``failed``, the rollout's reward metrics and the environments' ``metrics()``
+leave it out, and an algorithm that learns from rewards must leave it out of its loss (GRPO
+sets its ``sample_mask`` to 0 and computes its group's baseline without it). Each failed
+sample is logged with its data row (the samples' ``origin``). When more than
+``environments.<name>.max_failed_fraction`` of a rollout's samples of an environment failed,
+the rollout raises :class:`~posttrain.run.environments.EnvironmentFailed`.
+
 Weight versions. When the generation backend reports which weights generated each row
 (``weight_versions``), every generated token keeps that version (a conversation's turns may
 come from different versions when weights change between turns).
@@ -54,7 +63,7 @@ import torch
 from posttrain.batch import Batch, padded_tensor
 from posttrain.errors import ConfigError
 from posttrain.interfaces import Environment, EnvironmentReturn, Generation, Message
-from posttrain.run.environments import metrics_contained, step_contained
+from posttrain.run.environments import check_failures, core_options, metrics_contained, step_contained
 from posttrain.run.metrics import StageTimer
 
 #: The batch field of an environment's named reward part ``name`` is ``reward/<name>``.
@@ -77,15 +86,17 @@ def run_rollout(
     ``samples`` (e.g. a prompt :class:`Batch` from the data loader) holds per-sample lists:
     ``messages`` (the prompt message log), ``task`` (the environment's name) and
     ``metadata`` (a dict for the environment); an optional ``answer`` list is put into each
-    sample's metadata under ``"answer"`` unless the metadata has one. ``chat_template``
-    overrides the tokenizer's.
+    sample's metadata under ``"answer"`` unless the metadata has one; an optional ``origin``
+    list names each sample's data row for messages (e.g. ``train.jsonl row 3``).
+    ``chat_template`` overrides the tokenizer's.
 
     The batch (B samples, S = the longest sequence) holds ``input_ids`` int64 [B, S]
     (right-padded with the pad id), ``input_lengths``, ``prompt_lengths``,
     ``response_lengths`` (generated tokens) and ``turns`` int64 [B], ``token_mask`` float32
     [B, S] (1 exactly on generated tokens), ``generation_logprobs`` float32 [B, S] (the
     generation backend's logprob of token t at position t, 0 elsewhere), ``rewards``
-    float32 [B], ``truncated`` bool [B], ``sample_mask`` float32 [B] (ones), and the lists
+    float32 [B], ``truncated`` bool [B], ``failed`` bool [B] (the environment could not score
+    the sample: see the module docstring), ``sample_mask`` float32 [B] (ones), and the lists
     ``messages`` (final message logs; added messages carry ``token_ids``), ``metadata``
     (the environments' final per-sample metadata), ``answers`` (the answer the environment
     extracted at the last step, ``EnvironmentReturn.answers``, or None) and ``task``; when every ``generate`` call
@@ -96,9 +107,10 @@ def run_rollout(
     Metrics: ``rollout/mean_turns``, ``rollout/mean_generated_tokens`` (per sample),
     ``rollout/generated_tokens`` (total), ``rollout/mean_generated_tokens_per_turn``,
     ``rollout/truncation_rate``,
-    ``rollout/mean_reward``, ``rollout/mean_sequence_length``, and per environment
-    ``env/<name>/<metric>`` from its ``metrics()`` plus ``env/<name>/errors`` and
-    ``env/<name>/timeouts`` (samples lost to failures, see :mod:`posttrain.run.environments`);
+    ``rollout/mean_reward`` (over the samples not failed), ``rollout/mean_sequence_length``,
+    and per environment ``env/<name>/<metric>`` from its ``metrics()`` (over its samples not
+    failed) plus ``env/<name>/errors`` and ``env/<name>/timeouts`` (samples failed) and
+    ``env/<name>/retried`` (samples sent again), see :mod:`posttrain.run.environments`;
     ``timing/generation`` and ``timing/environment``: seconds spent in ``generate`` calls and in
     environment steps, over every turn (the rest of a rollout's time is the driver's own work).
     """
@@ -108,6 +120,7 @@ def run_rollout(
     conversations = _start_conversations(samples, environments, chat, max_total_length)
     errors: dict[str, int] = defaultdict(int)
     timeouts: dict[str, int] = defaultdict(int)
+    retried: dict[str, int] = defaultdict(int)
     versions_known = True
     timer = StageTimer("generation", "environment")
 
@@ -123,21 +136,29 @@ def run_rollout(
 
         for task, indices in _by_task(active).items():
             group = [active[i] for i in indices]
+            env = environments[task]
             with timer("environment"):
-                step = step_contained(task, environments[task], [c.messages for c in group], [c.metadata for c in group])
+                step = step_contained(task, env, [c.messages for c in group], [c.metadata for c in group],
+                                      call_retries=core_options(env).call_retries)
             errors[task] += step.errors
             timeouts[task] += step.timeouts
+            retried[task] += step.retried
             for k, conversation in enumerate(group):
                 conversation.add_environment_step(step.result, k, chat, max_total_length, last_turn=turn == max_turns)
 
     batch = training_batch(conversations, chat.pad_token_id, with_versions=versions_known)
     metrics = rollout_metrics(batch)
     for task, indices in _by_task(conversations).items():
-        final_metadata = [conversations[i].metadata for i in indices]
-        env_metrics = metrics_contained(task, environments[task], batch["rewards"][indices], final_metadata)
-        metrics.update({f"env/{task}/{name}": value for name, value in env_metrics.items()})
+        failures = [(c.origin, c.failed) for c in (conversations[i] for i in indices) if c.failed is not None]
+        check_failures(task, core_options(environments[task]), failures, len(indices))
+        scored = [i for i in indices if conversations[i].failed is None]
+        if scored:
+            final_metadata = [conversations[i].metadata for i in scored]
+            env_metrics = metrics_contained(task, environments[task], batch["rewards"][scored], final_metadata)
+            metrics.update({f"env/{task}/{name}": value for name, value in env_metrics.items()})
         metrics[f"env/{task}/errors"] = float(errors[task])
         metrics[f"env/{task}/timeouts"] = float(timeouts[task])
+        metrics[f"env/{task}/retried"] = float(retried[task])
     metrics.update(timer.metrics())
     return batch, metrics
 
@@ -228,6 +249,8 @@ class Conversation:
     turns: int = 0
     done: bool = False
     truncated: bool = False
+    failed: str | None = None  # why the environment could not score the sample; None: scored
+    origin: str | None = None  # the sample's data row, for messages
 
     def __attrs_post_init__(self) -> None:  # the prompt: no logprobs, no loss
         self.logprobs = [0.0] * len(self.token_ids)
@@ -257,13 +280,16 @@ class Conversation:
         self.turns += 1
 
     def add_environment_step(self, result: EnvironmentReturn, k: int, chat: ChatFormat, max_total_length: int, *, last_turn: bool) -> None:
+        """Add the result of sample ``k`` of a contained step (its ``errors`` hold one entry
+        per sample): a failed sample records why and ends."""
+        self.failed = result.errors[k] if result.errors else None
         self.reward += float(result.rewards[k])
         for name, values in result.reward_components.items():
             self.reward_components[name] = self.reward_components.get(name, 0.0) + float(values[k])
         self.metadata = result.metadata[k]
         self.answer = result.answers[k] if result.answers else None
         self.stop_strings = result.next_stop_strings[k]
-        if bool(result.terminateds[k]) or last_turn:
+        if bool(result.terminateds[k]) or last_turn or self.failed is not None:
             self.done = True
             return
         observation = result.observations[k]
@@ -292,10 +318,11 @@ def _start_conversations(
     messages, tasks = samples["messages"], samples["task"]
     metadata = samples["metadata"] if "metadata" in samples else [{} for _ in messages]
     answers = samples["answer"] if "answer" in samples else [None] * len(messages)
+    origins = samples["origin"] if "origin" in samples else [f"sample {i}" for i in range(len(messages))]
     conversations = []
     tools_of: dict[str, list[Any]] = {}
     prompt_ids: dict[tuple[Any, ...], list[int]] = {}  # a prompt repeated for its group is encoded once
-    for i, (prompt, task, meta, answer) in enumerate(zip(messages, tasks, metadata, answers, strict=True)):
+    for i, (prompt, task, meta, answer, origin) in enumerate(zip(messages, tasks, metadata, answers, origins, strict=True)):
         if task not in environments:
             raise ConfigError(
                 f"sample {i} has task {task!r}, but no environment of that name was started; "
@@ -310,7 +337,7 @@ def _start_conversations(
             prompt_ids[key] = chat.prompt_ids(prompt, tools_of[task])
         token_ids = list(prompt_ids[key])
         conversation = Conversation([dict(m) for m in prompt], task, meta, token_ids, prompt_length=len(token_ids),
-                                     tools=tools_of[task])
+                                     tools=tools_of[task], origin=origin)
         if len(token_ids) >= max_total_length:  # no room to generate anything
             conversation.done = conversation.truncated = True
         conversations.append(conversation)
@@ -349,6 +376,7 @@ def training_batch(conversations: Sequence[Conversation], pad_token_id: int, *, 
         generation_logprobs=padded_tensor([c.logprobs for c in conversations], 0.0, torch.float32),
         rewards=torch.tensor([c.reward for c in conversations], dtype=torch.float32),
         truncated=torch.tensor([c.truncated for c in conversations], dtype=torch.bool),
+        failed=torch.tensor([c.failed is not None for c in conversations], dtype=torch.bool),
         turns=torch.tensor([c.turns for c in conversations], dtype=torch.long),
         sample_mask=torch.ones(len(conversations), dtype=torch.float32),
         messages=[c.messages for c in conversations],
@@ -368,12 +396,13 @@ def training_batch(conversations: Sequence[Conversation], pad_token_id: int, *, 
 def rollout_metrics(batch: Batch) -> dict[str, float]:
     """The ``rollout/*`` metrics of a training batch (see :func:`run_rollout`)."""
     generated = batch["response_lengths"].float()
+    scored = batch["rewards"][~batch["failed"]]
     return {
         "rollout/mean_turns": float(batch["turns"].float().mean()),
         "rollout/mean_generated_tokens": float(generated.mean()),
         "rollout/generated_tokens": float(generated.sum()),
         "rollout/mean_generated_tokens_per_turn": float(generated.sum() / batch["turns"].sum().clamp(min=1)),
         "rollout/truncation_rate": float(batch["truncated"].float().mean()),
-        "rollout/mean_reward": float(batch["rewards"].mean()),
+        "rollout/mean_reward": float(scored.mean()) if scored.numel() else 0.0,
         "rollout/mean_sequence_length": float(batch["input_lengths"].float().mean()),
     }

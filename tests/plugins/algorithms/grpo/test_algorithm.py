@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from posttrain.batch import Batch
-from posttrain.config import GenerationConfig, PolicyConfig, RunConfig
+from posttrain.config import DataConfig, GenerationConfig, PolicyConfig, RunConfig
 from posttrain.data import ChatEncoder, StatefulDataLoader, build_dataset
 from posttrain.errors import CheckpointError, ConfigError
 from posttrain.models.tiny import build_tokenizer
@@ -145,6 +145,29 @@ def test_score_with_default_options_uses_the_environment_rewards_as_they_are():
     assert signal.tolist() == batch["shaped_rewards"].tolist() == [1.0, 0.0, 0.5, 2.0, 2.0, 2.0]
     assert batch["advantages"].tolist() == pytest.approx([0.5, -0.5, 0.0, 0.0, 0.0, 0.0])
     assert batch["sample_mask"].tolist() == [1.0] * 6  # no overlong filtering unless asked
+
+
+@pytest.mark.parametrize("baseline_valid_only", [False, True])
+def test_samples_the_environment_could_not_score_neither_train_nor_count(baseline_valid_only):
+    """Sample 1 failed (its reward 0 is no reward): sample_mask 0, and the leave-one-out
+    baseline and std of its group are those of the group's three scored samples alone, as if
+    it were not there; whatever grpo.baseline_valid_only says. Its signal is NaN."""
+    grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, baseline_valid_only=baseline_valid_only)
+    batch = rollout_batch([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0], [4] * 8, [False] * 8)
+    batch["failed"] = torch.tensor([False, True, False, False, False, False, False, False])
+    signal = score(batch, grpo, max_new_tokens=10)
+    assert batch["sample_mask"].tolist() == [1.0, 0.0] + [1.0] * 6
+    scored = [1.0, 0.0, 1.0]  # group 0 without sample 1
+    expected = reference_advantages(scored, 3)
+    assert batch["advantages"][[0, 2, 3]].double().tolist() == pytest.approx(expected, rel=1e-5)
+    assert batch["advantages"][1] == 0.0
+    assert batch["advantages"][4:].double().tolist() == pytest.approx(reference_advantages([1.0, 0, 0, 0], 4), rel=1e-5)
+    assert signal[1].isnan() and not signal[[0, 2, 3, 4, 5, 6, 7]].isnan().any()
+
+
+def test_the_step_reward_leaves_failed_samples_out():
+    batch = Batch(rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]), failed=torch.tensor([False, True, True, False]))
+    assert rollout_summary([(batch, {"env/math/retried": 4.0})]) == {"env/math/retried": 4.0, "reward": 1.0}
 
 
 # ----------------------------------------------------------------------------- keys and seeds
@@ -282,7 +305,7 @@ def encoder():
 
 
 def prompt_dataset(tmp_path, name: str, tasks: list[str | None], encoder):
-    rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "answer": "1", **({"task": t} if t else {})}
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "answer": "1", "target": 1, **({"task": t} if t else {})}
             for i, t in enumerate(tasks)]
     path = tmp_path / f"{name}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -321,6 +344,21 @@ def test_an_unknown_task_names_the_data_key_file_and_row(tmp_path, encoder):
     assert message.endswith("Did you mean 'math'? Correct the row's task, or install the plugin that provides 'mth'.")
     with pytest.raises(ConfigError, match=r"^environments.gues_number: unknown environment 'gues_number'; installed: "):
         environment_names(RunConfig(environments={"gues_number": {}}), [train])
+
+
+def test_rows_without_what_their_environment_needs_are_left_out_with_skip_malformed(tmp_path, encoder):
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "task": "guess_number",
+             **({"target": i} if i != 1 else {})} for i in range(3)]
+    (tmp_path / "games.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    games = build_dataset(tmp_path / "games.jsonl", "prompt", encoder)
+    config = RunConfig(data=DataConfig(skip_malformed=True))
+    assert environment_names(config, [games]) == (["guess_number"], None)
+    assert [games[i]["row"] for i in range(len(games))] == [1, 3]
+    assert (games.report.num_examples, games.report.num_skipped) == (2, 1)
+    assert games.report.skipped == (
+        f"{tmp_path / 'games.jsonl'} row 2: the guess_number environment needs 'target' (the integer the model must "
+        "guess) in each of its rows, and this row has none (its metadata keys: none)",
+    )
 
 
 def test_plugin_modules_add_environments_to_the_check(tmp_path, encoder):

@@ -21,6 +21,14 @@ def test_groups_with_signal():
     assert groups_with_signal(rewards, 3).tolist() == [False, True, False, True]
 
 
+def test_samples_without_a_score_carry_no_signal():
+    """NaN: a sample the environment could not score. A group has signal when its scored
+    samples differ; two alike, or fewer than two, carry none."""
+    nan = float("nan")
+    rewards = torch.tensor([1, nan, 0, 1, nan, 1, nan, nan, 1, nan, nan, nan])
+    assert groups_with_signal(rewards, 3).tolist() == [True, False, False, False]
+
+
 def test_fills_across_batches_in_order():
     sampler = DynamicSampler(num_prompts=3, group_size=2, max_gen_batches=5)
     sampler.add(*gen_batch("a", [1, 1, 0, 1, 0, 0]))  # only group a1 differs

@@ -96,13 +96,14 @@ def _assistant_text(message: dict) -> str:
     return f"{content} {calls}" if content and calls else content + calls
 
 
-def test_failing_and_late_agents_score_zero_and_their_sessions_end(endpoint):
+def test_failing_and_late_agents_are_left_out_and_their_sessions_end(endpoint):
     batch, metrics = run_agent_rollout(problems(2), endpoint, openai_agent.fails, max_concurrency=2, timeout_s=60)
     assert batch["rewards"].tolist() == [0.0, 0.0] and metrics["agent/errors"] == 2.0
+    assert batch["failed"].tolist() == [True, True]  # no reward: left out of the loss, not trained as 0
     assert batch["token_mask"].sum() == 0  # nothing was generated: nothing trains
 
     batch, metrics = run_agent_rollout(problems(1), endpoint, openai_agent.dawdles, max_concurrency=1, timeout_s=1)
-    assert metrics["agent/timeouts"] == 1.0 and batch["rewards"].tolist() == [0.0]
+    assert metrics["agent/timeouts"] == 1.0 and batch["failed"].tolist() == [True]
 
 
 def test_requests_the_endpoint_refuses(endpoint):

@@ -69,5 +69,6 @@ def test_options_are_checked_when_the_config_is_loaded():
     with pytest.raises(ConfigError) as info:
         config_from_dict({"environments": {"guess_number": {"colour": "red"}}})
     assert str(info.value) == (
-        "unknown config key 'environments.guess_number.colour' (at <dict>). Valid keys here: call_timeout_s, max_guesses."
+        "unknown config key 'environments.guess_number.colour' (at <dict>). Valid keys here: call_retries, "
+        "call_timeout_s, max_failed_fraction, max_guesses."
     )

@@ -174,22 +174,29 @@ def grpo_advantages(
     config: GRPOConfig,
     *,
     trained: torch.Tensor | None = None,
+    scored: torch.Tensor | None = None,
     token_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`compute_advantages` with the options of a ``grpo`` section, or
     :func:`normalize_then_sum` of reward parts ``rewards`` [B, K] with
     ``grpo.reward_aggregation: normalize_then_sum``; ``trained`` (bool [B]) marks the samples
     that train (the valid ones of ``grpo.baseline_valid_only``, the whitened ones),
-    ``token_counts`` [B] their loss tokens (token whitening)."""
+    ``scored`` (bool [B], default all) the samples whose rewards are real: the others are in
+    no baseline or std, whatever ``grpo.baseline_valid_only`` says, and get advantage 0
+    before whitening (they must not train: ``trained`` excludes them), ``token_counts`` [B]
+    their loss tokens (token whitening)."""
     if config.whiten_advantages == "tokens" and token_counts is None:
         raise ValueError("grpo.whiten_advantages=tokens needs each sample's token count")
+    members = trained if config.baseline_valid_only else None
+    if scored is not None:
+        members = scored if members is None else members & scored
     group_options: dict[str, Any] = dict(
         leave_one_out=config.baseline == "leave_one_out",
         normalize=config.normalize_rewards,
         subtract_baseline=config.baseline != "none",
         std_scope=config.reward_std_scope,
         std_epsilon=config.advantage_std_epsilon,
-        valid=trained if config.baseline_valid_only else None,
+        valid=members,
     )
     clip = dict(clip_low=config.advantage_clip_low, clip_high=config.advantage_clip_high)
     if config.reward_aggregation == "normalize_then_sum":

@@ -83,7 +83,9 @@ def run_agent_rollout(
     ``answer``); return the training batch (the layout of
     :func:`~posttrain.run.rollout.run_rollout`, ``task`` "agent") and its metrics: the
     ``rollout/*`` ones, ``agent/errors`` and ``agent/timeouts`` (samples) and
-    ``agent/mean_requests`` (per sample)."""
+    ``agent/mean_requests`` (per sample). A sample whose agent raised, returned no finite
+    reward or passed its deadline has no reward: it is marked ``failed`` (left out of the
+    loss and the reward metrics, as a sample an environment could not score)."""
     messages = list(samples["messages"])
     metadata = list(samples["metadata"]) if "metadata" in samples else [{} for _ in messages]
     answers = list(samples["answer"]) if "answer" in samples else [None] * len(messages)
@@ -93,10 +95,10 @@ def run_agent_rollout(
         for log, meta, answer in zip(messages, metadata, answers, strict=True)
     ]
     sessions = [endpoint.open(greedy=greedy) for _ in tasks]
-    rewards, errors, timeouts = _run_agents(agent, tasks, sessions, endpoint, max_concurrency, timeout_s)
+    rewards, failures, errors, timeouts = _run_agents(agent, tasks, sessions, endpoint, max_concurrency, timeout_s)
     conversations = [_finished(session, task, endpoint) for session, task in zip(sessions, tasks, strict=True)]
-    for conversation, reward in zip(conversations, rewards, strict=True):
-        conversation.reward = reward
+    for i, (conversation, reward) in enumerate(zip(conversations, rewards, strict=True)):
+        conversation.reward, conversation.failed = reward, failures.get(i)
     with_versions = all(v >= 0 for c in conversations for v, m in zip(c.versions, c.mask, strict=True) if m)
     batch = training_batch(conversations, endpoint.chat.pad_token_id, with_versions=with_versions)
     metrics = rollout_metrics(batch)
@@ -110,8 +112,9 @@ def run_agent_rollout(
 def _run_agents(
     agent: Agent, tasks: list[dict[str, Any]], sessions: list[Session], endpoint: ChatEndpoint,
     max_concurrency: int, timeout_s: float,
-) -> tuple[list[float], int, int]:
-    """Run every agent; its reward, or 0 for one that failed (counted as an error or a timeout)."""
+) -> tuple[list[float], dict[int, str], int, int]:
+    """Run every agent; its reward (0 for one that failed), why each failed one failed (by
+    sample), and the counts of errors and timeouts."""
     started: dict[int, float] = {}
     lock = threading.Lock()
 
@@ -123,6 +126,7 @@ def _run_agents(
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="posttrain-agent")
     futures = {pool.submit(episode, i): i for i in range(len(tasks))}
     rewards, errors, timeouts = [0.0] * len(tasks), 0, 0
+    failures: dict[int, str] = {}
     pending = set(futures)
     try:
         while pending:
@@ -135,9 +139,10 @@ def _run_agents(
                     if not math.isfinite(reward):
                         raise ValueError(f"reward {reward}")
                     rewards[i] = reward
-                except Exception as error:  # contained: this sample scores 0
+                except Exception as error:  # contained: this sample is left out
                     errors += 1
-                    _log.warning("agent failed", sample=i, error=f"{type(error).__name__}: {error}")
+                    failures[i] = f"{type(error).__name__}: {error}"
+                    _log.warning("agent failed", sample=i, error=failures[i])
             now = time.monotonic()
             with lock:
                 late = [f for f in pending if futures[f] in started and now - started[futures[f]] > timeout_s]
@@ -145,11 +150,12 @@ def _run_agents(
                 i = futures[future]
                 endpoint.end(sessions[i], f"its agent passed its deadline of {timeout_s:g} s (grpo.agent.timeout_s)")
                 timeouts += 1
+                failures[i] = f"its agent passed its deadline of {timeout_s:g} s (grpo.agent.timeout_s)"
                 pending.discard(future)
                 _log.warning("agent timed out", sample=i, timeout_s=timeout_s)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    return rewards, errors, timeouts
+    return rewards, failures, errors, timeouts
 
 
 def _finished(session: Session, task: dict[str, Any], endpoint: ChatEndpoint) -> Conversation:

@@ -48,6 +48,7 @@ naming the step and the metric; no checkpoint is written after it.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -200,6 +201,9 @@ class GRPORun(LoopSteps):
         self.colocated = config.generation.colocated
         self.rounds: RoundProducer[Rollouts] | None = None
         self.weights_version = 0  # of the weights the engines hold: the refit after step s carries s
+        # When the prompts ran out while a round was being collected: the prompt batches it drew
+        # and the informative groups it had kept (dynamic sampling)
+        self.shortfall: tuple[int, int] | None = None
 
     def start_services(self, cleanup: contextlib.ExitStack) -> None:
         """Start the environments, the policy, the generation backend and the data plane, all
@@ -332,6 +336,25 @@ class GRPORun(LoopSteps):
             **throughput(float(trained["input_lengths"].sum()), rollouts.metrics["rollout/generated_tokens"], timings),
         }
 
+    def out_of_data(self, step: int) -> str:
+        """Why round ``step`` could not be filled: dynamic sampling drew the last prompt batch
+        of the last epoch first; and the settings that let a run go on, from the batches a
+        step took so far (see :meth:`~posttrain.run.loop.LoopSteps.out_of_data`)."""
+        drawn, kept = self.shortfall or (0, 0)
+        grpo = self.grpo
+        per_epoch, total = len(self.prompts.loader), self.prompts.total_batches
+        why = (f"the prompts ran out (grpo.max_num_epochs={grpo.max_num_epochs} epochs of {per_epoch} prompt batches) "
+               f"while dynamic sampling filled step {step}: its {drawn} batches gave {kept} of the "
+               f"{grpo.num_prompts_per_step} prompts with differing rewards a step needs")
+        done = step - 1 + kept / grpo.num_prompts_per_step  # steps' worth of informative groups from all batches
+        if not done:
+            return (f"{why}. Set grpo.max_num_epochs above {grpo.max_num_epochs}, use more prompts, or prompts the "
+                    "policy solves only sometimes")
+        per_step = total / done
+        epochs = max(grpo.max_num_epochs + 1, math.ceil(1.2 * per_step * self.plan.total_steps / per_epoch))
+        return (f"{why}; so far a step took {per_step:.1f} batches. Set grpo.max_num_epochs: {epochs} (that many for "
+                f"{self.plan.total_steps} steps, with a margin){f', or grpo.max_num_steps: {step - 1}' if step > 1 else ''}")
+
     def drop_stale(self, step: int, partition: str, keys: list[str]) -> dict[str, float]:
         """Drop (``sample_mask`` 0) the groups of the step's samples with a sample older than
         ``grpo.asynchronous.max_staleness_steps`` versions; return the staleness metrics."""
@@ -387,6 +410,7 @@ class GRPORun(LoopSteps):
             while True:
                 prompts = self.prompts.next()
                 if prompts is None:
+                    self.shortfall = (len(rollouts), sampler.groups_kept if sampler is not None else 0)
                     return None
                 batch, metrics = self.rollout(prompts, greedy=False, repeats=group_size)
                 rollouts.append((batch, metrics))

@@ -15,7 +15,9 @@ non-zero; we prefer the group rule because:
   baseline, and in any other group we keep every sample, including all non-zero advantages.
 
 With the mean baseline the two rules coincide. Decide on the rewards *before* overlong
-shaping (length penalties would make an all-wrong group look informative).
+shaping (length penalties would make an all-wrong group look informative), and without the
+samples the environments could not score (their signal is NaN): their group carries signal
+when its scored samples differ.
 
 The sampler sees sample keys and their signal rewards only: the GRPO loop writes every
 rollout into the step's data-plane partition with the signal reward as a tag, decides from
@@ -37,11 +39,15 @@ class DynamicSamplingError(PosttrainError):
 
 def groups_with_signal(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """bool [B / group_size]: True for each block of ``group_size`` consecutive samples whose
-    rewards are not all equal."""
+    rewards are not all equal. A NaN reward (a sample the environment could not score) is
+    left out: the others must differ."""
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
     groups = rewards.view(-1, group_size)
-    return groups.amax(dim=1) != groups.amin(dim=1)
+    scored = ~groups.isnan()
+    highest = torch.where(scored, groups, -torch.inf).amax(dim=1)
+    lowest = torch.where(scored, groups, torch.inf).amin(dim=1)
+    return scored.sum(dim=1).ge(2) & (highest != lowest)
 
 
 class DynamicSampler:

@@ -38,7 +38,7 @@ VERSION_TAG = "weight_version"
 #: The name of the overlong penalty among the reward parts of ``reward_aggregation: normalize_then_sum``.
 OVERLONG_PART = "overlong"
 #: Rollout metrics that are counts: summed over a step's rollouts; every other one is averaged.
-_COUNT_SUFFIXES = ("/errors", "/timeouts", "/generated_tokens")
+_COUNT_SUFFIXES = ("/errors", "/timeouts", "/retried", "/generated_tokens")
 
 
 class TrainingDiverged(PosttrainError):
@@ -53,9 +53,12 @@ def score(batch: Batch, grpo: GRPOConfig, max_new_tokens: int) -> torch.Tensor:
     Order: reward scaling, then the overlong length penalty (``shaped_rewards``), overlong
     filtering, then group advantages of the shaped rewards (over the samples that train, with
     ``grpo.baseline_valid_only``; whitened over them, with ``grpo.whiten_advantages``).
-    Returns the scaled rewards *before* shaping: the
-    signal dynamic sampling decides on (a length penalty must not make a group of equally
-    wrong answers look informative).
+    Samples the environments could not score (the rollout's ``failed``) never train and never
+    count: ``sample_mask`` 0, advantage 0, and their group's baseline and std are computed
+    over its other samples (a group left with one scored sample gives it advantage 0).
+    Returns the scaled rewards *before* shaping, NaN for failed samples: the signal dynamic
+    sampling decides on (a length penalty must not make a group of equally wrong answers look
+    informative).
     """
     scaled = scale_rewards(batch["rewards"].float(), grpo.reward_scaling)
     parts = {name[len(REWARD_COMPONENT_PREFIX):]: batch[name] for name in batch.keys()
@@ -73,13 +76,16 @@ def score(batch: Batch, grpo: GRPOConfig, max_new_tokens: int) -> torch.Tensor:
         shaped = scaled + penalty
         parts[OVERLONG_PART] = penalty
     groups = consecutive_group_ids(len(batch), grpo.num_generations_per_prompt)
+    scored = ~batch["failed"] if "failed" in batch else torch.ones(len(batch), dtype=torch.bool)
+    batch["sample_mask"] = batch["sample_mask"] * scored.to(batch["sample_mask"].dtype)
     if grpo.overlong_filtering:
         batch["sample_mask"] = mask_truncated(batch["sample_mask"], batch["truncated"])
     batch["shaped_rewards"] = shaped
     tokens = batch["token_mask"].sum(dim=1) if grpo.whiten_advantages == "tokens" else None
     rewards = reward_parts(parts, grpo) if grpo.reward_aggregation == "normalize_then_sum" else shaped
-    batch["advantages"] = grpo_advantages(rewards, groups, grpo, trained=batch["sample_mask"] > 0, token_counts=tokens)
-    return scaled
+    batch["advantages"] = grpo_advantages(rewards, groups, grpo, trained=batch["sample_mask"] > 0, scored=scored,
+                                          token_counts=tokens)
+    return torch.where(scored, scaled, torch.nan)
 
 
 def reward_parts(parts: Mapping[str, torch.Tensor], grpo: GRPOConfig) -> torch.Tensor:
@@ -145,11 +151,11 @@ def step_seed(seed: int, phase: str, step: int) -> int:
 
 def rollout_summary(rollouts: Sequence[tuple[Batch, Mapping[str, float]]]) -> dict[str, float]:
     """The step's rollout metrics over every rollout it ran (one, or several with dynamic
-    sampling): counts (``.../errors``, ``.../timeouts``, ``rollout/generated_tokens``) and
-    seconds (``timing/...``) are summed, other metrics averaged weighted by each rollout's samples; ``reward`` is the mean
-    environment reward over every generated sample."""
+    sampling): counts (``.../errors``, ``.../timeouts``, ``.../retried``, ``rollout/generated_tokens``)
+    and seconds (``timing/...``) are summed, other metrics averaged weighted by each rollout's
+    samples; ``reward`` is the mean environment reward over every generated sample the
+    environments scored (the rollout's ``failed`` ones left out; 0 when none was scored)."""
     sizes = [len(batch) for batch, _ in rollouts]
-    total = sum(sizes)
     out: dict[str, float] = {}
     for name in dict.fromkeys(n for _, metrics in rollouts for n in metrics):
         present = [(size, metrics[name]) for size, (_, metrics) in zip(sizes, rollouts, strict=True) if name in metrics]
@@ -157,7 +163,9 @@ def rollout_summary(rollouts: Sequence[tuple[Batch, Mapping[str, float]]]) -> di
             out[name] = float(sum(value for _, value in present))
         else:
             out[name] = sum(size * value for size, value in present) / sum(size for size, _ in present)
-    out["reward"] = float(torch.cat([batch["rewards"].float() for batch, _ in rollouts]).sum()) / total
+    scored = torch.cat([batch["rewards"].float()[~batch["failed"]] if "failed" in batch else batch["rewards"].float()
+                        for batch, _ in rollouts])
+    out["reward"] = float(scored.mean()) if scored.numel() else 0.0
     return out
 
 

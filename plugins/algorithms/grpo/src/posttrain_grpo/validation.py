@@ -249,6 +249,10 @@ def check_grpo_config(grpo: GRPOConfig, config: RunConfig) -> None:
         "max_rollout_turns",
     ):
         if getattr(grpo, name) < 1:
+            if name == "num_generations_per_prompt" and grpo.baseline == "leave_one_out":
+                raise _error(config, f"grpo.{name}: must be >= 2 with grpo.baseline: leave_one_out (the baseline is the "
+                             f"mean of the other samples of the prompt), got {grpo.num_generations_per_prompt}.",
+                             f"grpo.{name}", "grpo.baseline")
             raise _error(config, f"grpo.{name}: must be >= 1, got {getattr(grpo, name)}.", f"grpo.{name}")
     if grpo.max_num_steps < 0:
         raise _error(config, f"grpo.max_num_steps: must be >= 0 (0 validates only), got {grpo.max_num_steps}.", "grpo.max_num_steps")

@@ -8,9 +8,10 @@ a guess costs a turn and gets a reminder of the format.
 
 Options (``environments.guess_number``): ``max_guesses`` (default 8).
 
-Metadata per sample: ``target`` (int, required), ``low`` and ``high`` (the range told to
-the model, default 1 and 100). The environment adds ``guesses`` (how many turns it has
-answered) and ``solved``.
+Metadata per sample: ``target`` (int, required: a sample without an integer target is
+reported as a per-sample error, not scored), ``low`` and ``high`` (the range told to the
+model, default 1 and 100). The environment adds ``guesses`` (how many turns it has answered)
+and ``solved``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,11 @@ class GuessNumberEnvironment(Environment):
         self.options = options
 
     def step(self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Any]) -> EnvironmentReturn:
-        results = [self._answer(last_assistant_text(log), meta) for log, meta in zip(message_logs, metadata, strict=True)]
+        errors = [_metadata_problem(meta) for meta in metadata]
+        results = [
+            self._answer(last_assistant_text(log), meta) if error is None else ("", meta, 0.0, True)
+            for log, meta, error in zip(message_logs, metadata, errors, strict=True)
+        ]
         return EnvironmentReturn(
             observations=[{"role": "user", "content": reply} for reply, *_ in results],
             metadata=[meta for _, meta, _, _ in results],
@@ -57,6 +62,7 @@ class GuessNumberEnvironment(Environment):
             rewards=torch.tensor([reward for _, _, reward, _ in results], dtype=torch.float32),
             terminateds=torch.tensor([done for *_, done in results], dtype=torch.bool),
             answers=[str(parse_guess(last_assistant_text(log))) for log in message_logs],
+            errors=errors if any(error is not None for error in errors) else [],
         )
 
     def _answer(self, reply: str, meta: Mapping[str, Any]) -> tuple[str, dict[str, Any], float, bool]:
@@ -82,3 +88,13 @@ class GuessNumberEnvironment(Environment):
             "mean_guesses": sum(int(m.get("guesses", 0)) for m in metadata) / len(metadata),
         }
 
+
+
+def _metadata_problem(meta: Any) -> str | None:
+    """Why a sample's metadata cannot be played, or None."""
+    target = meta.get("target") if isinstance(meta, Mapping) else None
+    try:
+        int(target)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return f"the sample's metadata has no integer 'target' (the number to guess), found {target!r}"
+    return None

@@ -2,7 +2,8 @@
 
 Every Ray worker loads this module, so it imports nothing heavy: the environments (torch,
 math-verify) are imported by their factories when an environment is built. Each factory
-declares its options class, which core reads and checks when the config is loaded.
+declares its options class, which core reads and checks when the config is loaded, and the
+metadata keys its samples need, which core checks in every data row before the run starts.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from posttrain import hookimpl
-from posttrain.config.environments import environment_options
+from posttrain.config.environments import environment_options, requires_metadata
 from posttrain_env_math.options import GuessNumberOptions, MathOptions
 
 if TYPE_CHECKING:
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from posttrain_env_math.math_env import MathEnvironment
 
 
+@requires_metadata(answer="the ground truth the final answer is compared with")
 @environment_options(MathOptions)
 def math_environment(options: MathOptions) -> MathEnvironment:
     """Factory of the ``math`` environment."""
@@ -27,6 +29,7 @@ def math_environment(options: MathOptions) -> MathEnvironment:
     return MathEnvironment(options)
 
 
+@requires_metadata(target="the integer the model must guess")
 @environment_options(GuessNumberOptions)
 def guess_number_environment(options: GuessNumberOptions) -> GuessNumberEnvironment:
     """Factory of the ``guess_number`` environment."""
