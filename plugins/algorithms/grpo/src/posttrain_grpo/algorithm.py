@@ -79,6 +79,7 @@ from posttrain_grpo.config import GRPOConfig
 from posttrain_grpo.dynamic_sampling import DynamicSampler
 from posttrain_grpo.endpoint import ChatEndpoint
 from posttrain_grpo.mismatch import check_mismatch
+from posttrain_grpo.mismatch_buckets import mismatch_means
 from posttrain_grpo.prompts import PromptStream
 from posttrain_grpo.rounds import RoundProducer, SharedPlane
 from posttrain_grpo.step import (
@@ -86,6 +87,7 @@ from posttrain_grpo.step import (
     METRIC_FIELDS,
     ROLLOUT_FIELDS,
     SIGNAL_TAG,
+    STALENESS_FIELDS,
     TRAIN_FIELDS,
     VERSION_TAG,
     TrainingDiverged,
@@ -306,6 +308,7 @@ class GRPORun(LoopSteps):
                     self.add_logprobs(partition, keys)
                 with timer("training"):
                     fields = [*TRAIN_FIELDS, *(["prev_logprobs"] if self.needs_prev else []),
+                              *(STALENESS_FIELDS if self.grpo.asynchronous.enabled else []),
                               *(["reference_logprobs"] if self.needs_reference else [])]
                     train_metrics = self.optimize(step, PlaneSamples(self.plane, partition, keys, fields))
                 with timer("refit"):
@@ -334,13 +337,16 @@ class GRPORun(LoopSteps):
 
     def drop_stale(self, step: int, partition: str, keys: list[str]) -> dict[str, float]:
         """Drop (``sample_mask`` 0) the groups of the step's samples with a sample older than
-        ``grpo.asynchronous.max_staleness_steps`` versions; return the staleness metrics."""
+        ``grpo.asynchronous.max_staleness_steps`` versions; return the staleness metrics. An
+        asynchronous step tags its samples with the version it trains (``trained_version``)."""
         group = self.grpo.num_generations_per_prompt
         versions = self.plane.tags(partition, keys)[VERSION_TAG]
         stale_groups = ((step - 1) - versions > self.grpo.asynchronous.max_staleness_steps).view(-1, group).any(dim=1)
         if stale_groups.any():
             stale = [key for key, drop in zip(keys, stale_groups.repeat_interleave(group).tolist(), strict=True) if drop]
             self.plane.put(partition, stale, {"sample_mask": torch.zeros(len(stale))})
+        if self.grpo.asynchronous.enabled:
+            self.plane.put(partition, keys, {"trained_version": torch.full((len(keys),), step - 1, dtype=torch.long)})
         return staleness_metrics(step, versions, stale_groups)
 
     # ------------------------------------------------------------------ rounds
@@ -434,7 +440,7 @@ class GRPORun(LoopSteps):
         ``grpo.mismatch_guard`` (warns past a warn bound)."""
         parts = []
         for chunk in samples.chunks(self.config.policy.train_global_batch_size):
-            metrics = self.policy.train_from(chunk, self.loss_fn)
+            metrics = mismatch_means(self.policy.train_from(chunk, self.loss_fn))
             bad = first_nonfinite(metrics, ("loss", "grad_norm"))
             if bad is not None:
                 raise self.diverged(step, bad, metrics[bad], chunk.get())
