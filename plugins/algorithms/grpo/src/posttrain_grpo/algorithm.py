@@ -15,7 +15,8 @@ One step, as data::
       dropped (sample_mask 0) and counted
       -> every pass below reads the kept samples' inputs from the partition
       -> previous logprobs (only with several optimizer steps per batch: on policy the
-         training pass's own, detached; never with grpo.loss.rollout_correction=bypass) and
+         training pass's own, detached; never with grpo.loss.rollout_correction=bypass, which
+         a synchronous run with exact logprobs (generation.exact_logprobs) takes) and
          reference logprobs when grpo.loss.kl_penalty > 0
       -> policy.train(clipped_pg), one optimizer step per policy.train_global_batch_size
       -> refit the generation backend -> clear the partition
@@ -56,6 +57,7 @@ import attrs
 import torch
 
 from posttrain.batch import Batch
+from posttrain.config.exact import rollout_logprobs_are_the_trainers
 from posttrain.data import (
     TokenizedDataset,
     dataloader_from_config,
@@ -191,12 +193,17 @@ class GRPORun(LoopSteps):
             export_dir=self.grpo.export_dir,
             length_keys=("grpo.max_num_steps", "grpo.max_num_epochs"),
         )
-        self.loss_fn = ctx.build_loss("clipped_pg", self.grpo.effective_loss(config.generation.max_new_tokens))
+        exact = rollout_logprobs_are_the_trainers(config, ctx.host)
+        loss = self.grpo.effective_loss(config.generation.max_new_tokens, exact_rollouts=exact)
+        if loss.rollout_correction != self.grpo.loss.rollout_correction:
+            ctx.log.info("exact logprobs: the rollouts' logprobs are the previous policy's, so the loss takes them "
+                         "(grpo.loss.rollout_correction=bypass) and no previous-logprob pass runs")
+        self.loss_fn = ctx.build_loss("clipped_pg", loss)
         self.needs_reference = self.grpo.loss.kl_penalty > 0 or not self.grpo.skip_reference_logprobs_when_kl_off
         # On policy or not, the one optimizer step of a step starts from the weights the step's
         # logprobs would be computed with: prev_logprobs are the training pass's own. In bypass
         # mode the loss takes the generation engine's logprobs instead.
-        self.needs_prev = self.grpo.loss.rollout_correction == "decoupled" and (
+        self.needs_prev = loss.rollout_correction == "decoupled" and (
             updates_per_step > 1 or not self.grpo.skip_prev_logprobs_when_on_policy
         )
         self.colocated = config.generation.colocated
