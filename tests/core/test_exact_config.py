@@ -106,3 +106,44 @@ def test_hf_with_dtensor_on_cpus_is_exact(yaml_file, tiny_model_path):
     assert rollout_logprobs_are_the_trainers(config, plugin_host())
     plain = load_config(yaml_file(f"policy:\n  model: {tiny_model_path}\n"))
     assert not rollout_logprobs_are_the_trainers(plain, plugin_host())
+
+
+VLLM_ON_GPUS = ("cluster:\n  use_gpus: true\n  num_gpus: 2\npolicy:\n  resources:\n    gpus: 1\n"
+                "generation:\n  backend: vllm\n  colocated: false\n  exact_logprobs: true\n  resources:\n    gpus: 1\n")
+
+
+@pytest.mark.vllm
+def test_vllm_runs_batch_invariant_on_gpus_and_is_refused_on_cpus(yaml_file):
+    pytest.importorskip("vllm")
+    config = load_config(yaml_file(VLLM_ON_GPUS))
+    assert config.generation.exact_logprobs and not rollout_logprobs_are_the_trainers(config, plugin_host())
+    with pytest.raises(ConfigError) as info:
+        load_config(yaml_file("generation:\n  backend: vllm\n  exact_logprobs: true\n"))
+    assert str(info.value).startswith(
+        "generation.exact_logprobs is true with generation.backend vllm on CPUs: vLLM-CPU computes with kernels of its own"
+    )
+    assert str(info.value).endswith(
+        "set generation.backend: hf, whose logprobs are the trainer's bit for bit. Where set: generation.exact_logprobs "
+        "at exp.yaml:3; generation.backend at exp.yaml:2."
+    )
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("  vllm:\n    engine_kwargs:\n      attention_backend: FLASHINFER\n",
+         "generation.exact_logprobs is true, but generation.vllm.engine_kwargs chooses the attention backend FLASHINFER, "
+         "which vLLM's batch-invariant mode does not support; choose one of FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, "
+         "FLASH_ATTN_MLA, TRITON_MLA, or leave it to vLLM."),
+        ("    env_vars:\n      VLLM_BATCH_INVARIANT: '0'\n",
+         "generation.exact_logprobs is true, but generation.resources.env_vars sets VLLM_BATCH_INVARIANT=0; the option "
+         "turns vLLM's batch-invariant mode on (VLLM_BATCH_INVARIANT=1): leave it out."),
+    ],
+    ids=["attention-backend", "environment"],
+)
+def test_vllm_settings_that_break_batch_invariance_are_refused(yaml_file, extra, message):
+    pytest.importorskip("vllm")
+    with pytest.raises(ConfigError) as info:
+        load_config(yaml_file(VLLM_ON_GPUS + extra))
+    assert str(info.value).startswith(message)

@@ -8,7 +8,8 @@ top-p: the trainer computes the full softmax), one device per policy replica (te
 parallelism splits the products' sums), and CPUs (there the kernels give a row the same bits in
 any batch; GPU libraries pick kernels by the shape of the whole product). A generation backend
 declaring ``batch_invariant_logprobs`` instead runs batch-invariant kernels on GPUs: its
-logprobs do not depend on the batch, but they are not the trainer's bit for bit.
+logprobs do not depend on the batch, but they are not the trainer's bit for bit (one dtype and
+the unfiltered distribution are still asked of it).
 Backend-specific conditions (attention kernels, LoRA dropout) are the backends' own checks.
 """
 

@@ -266,7 +266,7 @@ def check_exact_logprobs(config: RunConfig, host: PluginHost) -> None:
         problems.append((f"generation.top_k is {gen.top_k} and generation.top_p {gen.top_p}: the engines would report "
                          "logprobs of the filtered distribution, the trainer computes the full softmax; set "
                          "generation.top_k: null and generation.top_p: 1.0", ("generation.top_k", "generation.top_p")))
-    for key, size in config.replica_factors():
+    for key, size in config.replica_factors() if exact else ():
         if size != 1:
             problems.append((f"{key} is {size}: model parallelism splits the sums of the policy's products over "
                              f"devices, which the engines do not; set {key}: 1 (data parallelism keeps them whole)",
