@@ -1,7 +1,8 @@
 """The CUDA paths (``nox -s gpu`` on a machine with GPUs; never in CI): dtensor training on a
 GPU, generation by vLLM and by the hf engine, the weight sync to a colocated engine (on the
 policy's GPU), to an engine on a GPU of its own and to engines inside the policy's workers,
-with logprob parity after each, and sleep / wake."""
+with logprob parity after each, sleep / wake, and vLLM's batch-invariant mode under
+``generation.exact_logprobs``."""
 
 from __future__ import annotations
 
@@ -115,4 +116,33 @@ def test_engines_in_policy_workers_take_the_trained_weights_on_the_gpu(ray_clust
     finally:
         generation.shutdown()
         policy.shutdown()
+        cluster.shutdown()
+
+
+@needs_cuda
+@pytest.mark.vllm
+def test_vllm_with_exact_logprobs_runs_batch_invariant(ray_cluster, tiny_model_path):
+    """``generation.exact_logprobs`` with vLLM on a GPU is accepted and runs the engine
+    batch-invariant: each row's greedy tokens and logprobs have the same bits alone and among
+    fifteen other rows."""
+    pytest.importorskip("vllm")
+    from posttrain.config.validate import check_exact_logprobs
+    from posttrain_vllm.config import validate_generation_config
+
+    config = _config(tiny_model_path, engine="vllm", colocated=False)
+    config = attrs.evolve(config, generation=attrs.evolve(config.generation, exact_logprobs=True, max_new_tokens=16))
+    check_exact_logprobs(config, plugin_host())
+    validate_generation_config(config)
+    cluster = VirtualCluster(config.cluster)
+    generation = plugin_host().generation_backends["vllm"](config, cluster)
+    try:
+        together = generation.generate(prompt_batch(PROMPTS * 4), greedy=True)
+        for row, prompt in enumerate(PROMPTS):
+            alone = generation.generate(prompt_batch([prompt]), greedy=True)
+            length = int(alone["unpadded_sequence_lengths"][0])
+            assert int(together["unpadded_sequence_lengths"][row]) == length
+            assert torch.equal(alone["output_ids"][0, :length], together["output_ids"][row, :length])
+            assert torch.equal(alone["logprobs"][0, :length], together["logprobs"][row, :length]), row
+    finally:
+        generation.shutdown()
         cluster.shutdown()

@@ -29,6 +29,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from posttrain.backend.exact import pad_rows
+
 
 @attrs.frozen
 class VocabShard:
@@ -196,6 +198,7 @@ def target_logprobs(
     temperature: float = 1.0,
     shard: VocabShard | None = None,
     softcap: float | None = None,
+    min_rows: int = 0,
 ) -> torch.Tensor:
     """Logprob of ``targets[i]`` under ``softmax(logits[i] / temperature)``, ``logits =
     hidden @ weight.T`` (``softcap * tanh(hidden @ weight.T / softcap)`` with ``softcap``).
@@ -204,13 +207,19 @@ def target_logprobs(
     with ``shard``), ``targets`` int64 [N] (full-vocabulary ids), or [N, K] for K ids per row
     (e.g. a teacher's top-k tokens), ``temperature`` > 0, ``softcap`` > 0 or None. Returns the
     shape of ``targets`` in float32 (or float64 for float64 inputs), differentiable in
-    ``hidden`` and ``weight``.
+    ``hidden`` and ``weight``. With fewer than ``min_rows`` rows, zero rows are appended for
+    the computation (so its matrix products take the kernels of larger ones: exact logprobs,
+    :mod:`posttrain.backend.exact`) and dropped from the result.
     """
     if not temperature > 0:
         raise ValueError(f"logprob temperature must be > 0, got {temperature}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"logit soft-cap must be > 0 or None, got {softcap}")
-    return _ChunkedTargetLogprob.apply(hidden, weight, targets, chunk_size, temperature, shard, softcap)
+    rows = hidden.shape[0]
+    if rows < min_rows:
+        hidden, targets = pad_rows(hidden, min_rows), pad_rows(targets, min_rows)
+    out = _ChunkedTargetLogprob.apply(hidden, weight, targets, chunk_size, temperature, shard, softcap)
+    return out[:rows]
 
 
 def sequence_logprobs(
@@ -222,8 +231,10 @@ def sequence_logprobs(
     temperature: float = 1.0,
     shard: VocabShard | None = None,
     softcap: float | None = None,
+    min_rows: int = 0,
 ) -> torch.Tensor:
-    """Per-position logprobs of rows of tokens (logits soft-capped with ``softcap``).
+    """Per-position logprobs of rows of tokens (logits soft-capped with ``softcap``; the head
+    on at least ``min_rows`` rows, see :func:`target_logprobs`).
 
     ``hidden`` [R, T, H] are the final hidden states of ``input_ids`` [R, T]; ``predicted``
     bool [R, T] is True where token ``t`` is predicted from position ``t - 1`` of the same
@@ -233,7 +244,9 @@ def sequence_logprobs(
     token ids per position, whose logprobs at that position are returned, [R, T, K].
     """
     src = predicted[:, 1:]
-    values = target_logprobs(hidden[:, :-1][src], weight, input_ids[:, 1:][src], chunk_size, temperature, shard, softcap)
+    values = target_logprobs(
+        hidden[:, :-1][src], weight, input_ids[:, 1:][src], chunk_size, temperature, shard, softcap, min_rows
+    )
     if values.dim() == 1:
         shifted = values.new_zeros(src.shape).masked_scatter(src, values)
         return torch.nn.functional.pad(shifted, (1, 0))

@@ -6,11 +6,18 @@
   engines load the adapters a refit with ``policy.lora.refit: adapter`` sends;
 - ``runs_in_policy_workers`` on a generation backend's section: its engines can run inside the
   policy's worker processes (``generation.in_policy_workers``); its factory then takes the
-  policy as ``host`` (:mod:`posttrain.backend.hosted`).
+  policy as ``host`` (:mod:`posttrain.backend.hosted`);
+- ``supports_exact_logprobs`` on a policy backend's section: with ``generation.exact_logprobs``
+  it scores tokens as :mod:`posttrain.backend.exact` lays out; on a generation backend's
+  section: its engines then report those logprobs, bit for bit;
+- ``batch_invariant_logprobs`` on a generation backend's section: with
+  ``generation.exact_logprobs`` its engines run batch-invariant kernels instead (their logprobs
+  do not depend on the batch, but are not the trainer's bit for bit).
 
 Core's config check refuses a feature the chosen backend does not declare
 (:func:`posttrain.config.validate.check_lora`,
-:func:`~posttrain.config.validate.check_generation_placement`); ``posttrain plugins`` lists what each plugin
+:func:`~posttrain.config.validate.check_generation_placement`, :func:`~posttrain.config.validate.check_exact_logprobs`);
+``posttrain plugins`` lists what each plugin
 declares. Imports nothing heavy.
 """
 
@@ -23,6 +30,8 @@ FEATURES = {
     "supports_lora": "LoRA (policy.lora)",
     "supports_lora_adapters": "LoRA adapters sent by refit (policy.lora.refit: adapter)",
     "runs_in_policy_workers": "engines inside the policy's workers (generation.in_policy_workers)",
+    "supports_exact_logprobs": "exact logprobs, the trainer's bit for bit (generation.exact_logprobs)",
+    "batch_invariant_logprobs": "batch-invariant logprobs (generation.exact_logprobs)",
 }
 
 

@@ -166,6 +166,9 @@ class GenerationConfig:
     temperature: float = 1.0  # >= 0; 0: greedy. Policy backends compute logprobs at this temperature
     top_p: float = 1.0  # nucleus sampling, in (0, 1]: the most likely tokens holding this probability; 1: off
     top_k: int | None = None  # sample among the k most likely tokens (k >= 1); None: off
+    # true: the engines report each sampled token's logprob as the policy computes it, bit for bit (backends that
+    # declare it: hf with dtensor, on CPUs); vllm on GPUs runs batch-invariant instead (docs/backends/hf.md)
+    exact_logprobs: bool = False
     stop_token_ids: list[int] = attrs.field(factory=list)  # end a completion, besides the model's EOS ids
     stop_strings: list[str] = attrs.field(factory=list)  # end a completion (kept in it); a batch may add its own
     ignore_eos: bool = False  # True: the model's EOS ids do not end a completion (only stop_token_ids do)

@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 
 from posttrain.config.environments import read_environment_options
+from posttrain.config.exact import BATCH_INVARIANT_FEATURE, EXACT_FEATURE, EXACT_KEY
 from posttrain.config.features import section_declares
 from posttrain.config.requirements import section_requirements
 from posttrain.config.schema import RunConfig
@@ -60,7 +61,7 @@ def require_registered(registry: Registry, name: str, key: str, *, config: RunCo
 
 def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
     """Check sizes, the packages the selected backends need, the optimizer and its schedule,
-    ``policy.lora``, the GPUs asked for, batch arithmetic (with the algorithm's
+    ``policy.lora``, ``generation.exact_logprobs``, the GPUs asked for, batch arithmetic (with the algorithm's
     :class:`BatchSizeRules`), the data plane, every configured environment (its name and
     options), then the plugins' checks.
 
@@ -77,6 +78,7 @@ def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
     check_optimizer(config)
     check_lora(config, host)
     check_generation_placement(config, host)
+    check_exact_logprobs(config, host)
     check_devices(config)
     check_batch_sizes(config, batch_size_rules(config))
     require_registered(host.data_planes, config.data_plane.backend, "data_plane.backend", config=config)
@@ -231,6 +233,52 @@ def check_generation_placement(config: RunConfig, host: PluginHost) -> None:
             f"policy's {config.policy.num_workers} worker(s), one each; leave generation.num_workers at 1 or set it to "
             f"{config.policy.num_workers}.{where_set(config, 'generation.num_workers', 'policy.num_workers')}"
         )
+
+
+def check_exact_logprobs(config: RunConfig, host: PluginHost) -> None:
+    """Refuse ``generation.exact_logprobs`` with a backend or a setting that breaks it, naming
+    the key, what it is, and what to set instead."""
+    if not config.generation.exact_logprobs:
+        return
+    gen, policy = config.generation, config.policy
+    policies, engines = host.policy_backends, host.generation_backends
+    if policy.backend in policies and not section_declares(host, f"policy.{policy.backend}", EXACT_FEATURE):
+        able = [name for name in policies if section_declares(host, f"policy.{name}", EXACT_FEATURE)]
+        raise ConfigError(
+            f"{EXACT_KEY} is true, but the policy backend '{policy.backend}' ({policies.distribution_of(policy.backend)}) "
+            f"cannot score tokens as the engines do; backends that can: {', '.join(able) or 'none installed'}. Set "
+            f"policy.backend to one of them, or {EXACT_KEY}: false.{where_set(config, EXACT_KEY, 'policy.backend')}"
+        )
+    exact = section_declares(host, f"generation.{gen.backend}", EXACT_FEATURE)
+    if gen.backend in engines and not exact and not section_declares(host, f"generation.{gen.backend}", BATCH_INVARIANT_FEATURE):
+        able = [name for name in engines if section_declares(host, f"generation.{name}", EXACT_FEATURE)]
+        raise ConfigError(
+            f"{EXACT_KEY} is true, but the generation backend '{gen.backend}' ({engines.distribution_of(gen.backend)}) "
+            f"computes logprobs with kernels of its own; backends that report the trainer's: "
+            f"{', '.join(able) or 'none installed'}. Set generation.backend to one of them, or {EXACT_KEY}: false."
+            f"{where_set(config, EXACT_KEY, 'generation.backend')}"
+        )
+    problems = []
+    if gen.dtype != policy.dtype:
+        problems.append((f"generation.dtype is {gen.dtype} and policy.dtype {policy.dtype}: the two sides must compute "
+                         "in one dtype; set both to the same", ("generation.dtype", "policy.dtype")))
+    if gen.top_k is not None or gen.top_p < 1:
+        problems.append((f"generation.top_k is {gen.top_k} and generation.top_p {gen.top_p}: the engines would report "
+                         "logprobs of the filtered distribution, the trainer computes the full softmax; set "
+                         "generation.top_k: null and generation.top_p: 1.0", ("generation.top_k", "generation.top_p")))
+    for key, size in config.replica_factors() if exact else ():
+        if size != 1:
+            problems.append((f"{key} is {size}: model parallelism splits the sums of the policy's products over "
+                             f"devices, which the engines do not; set {key}: 1 (data parallelism keeps them whole)",
+                             (key,)))
+    if exact and config.cluster.use_gpus:
+        problems.append(("cluster.use_gpus is true: exact logprobs are bit for bit on CPUs, where the kernels give "
+                         "a row the same bits in any batch; GPU libraries choose kernels by the shape of the whole "
+                         "product. On GPUs use generation.backend: vllm, which runs batch-invariant kernels",
+                         ("cluster.use_gpus", "generation.backend")))
+    if problems:
+        message, keys = problems[0]
+        raise ConfigError(f"{EXACT_KEY} is true, but {message}.{where_set(config, EXACT_KEY, *keys)}")
 
 
 # --------------------------------------------------------------------------- devices

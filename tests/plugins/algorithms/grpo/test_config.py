@@ -369,6 +369,21 @@ def test_asynchronous_runs_ahead_within_both_bounds_and_corrects_by_default():
     assert grpo().effective_loss() == grpo().loss  # synchronous: the loss as configured
 
 
+def test_exact_rollouts_make_a_synchronous_loss_bypass_the_previous_logprob_pass():
+    """The engine's logprobs are the previous policy's in a synchronous run with exact
+    logprobs: the decoupled loss takes them (bypass), its correction dropped (every weight is 1).
+    Not asynchronously (the engine's are an older policy's), nor with the KL in the reward
+    (its estimate takes the previous policy's logprobs, which bypass replaces)."""
+    tis = grpo(loss=ClippedPGConfig(importance_sampling_correction="tis", is_max=2.0))
+    assert tis.effective_loss(exact_rollouts=True) == ClippedPGConfig(rollout_correction="bypass")
+    assert tis.effective_loss() == tis.loss
+    run_ahead = grpo(asynchronous=AsynchronousConfig(max_staleness_steps=1))
+    assert run_ahead.effective_loss(exact_rollouts=True) == run_ahead.effective_loss()
+    assert run_ahead.effective_loss().rollout_correction == "decoupled"
+    kl = grpo(loss=ClippedPGConfig(kl_penalty=0.1, kl_in_reward="token"))
+    assert kl.effective_loss(exact_rollouts=True) == kl.loss
+
+
 def test_constant_normalizer_defaults_to_the_generation_budget():
     dr_grpo = grpo(loss=ClippedPGConfig(token_normalizer="constant"))
     assert dr_grpo.effective_loss(max_new_tokens=64).constant_normalizer == 64

@@ -15,7 +15,8 @@ One step, as data::
       dropped (sample_mask 0) and counted
       -> every pass below reads the kept samples' inputs from the partition
       -> previous logprobs (only with several optimizer steps per batch: on policy the
-         training pass's own, detached; never with grpo.loss.rollout_correction=bypass) and
+         training pass's own, detached; never with grpo.loss.rollout_correction=bypass, which
+         a synchronous run with exact logprobs (generation.exact_logprobs) takes) and
          reference logprobs when grpo.loss.kl_penalty > 0
       -> policy.train(clipped_pg), one optimizer step per policy.train_global_batch_size
       -> refit the generation backend -> clear the partition
@@ -57,6 +58,7 @@ import attrs
 import torch
 
 from posttrain.batch import Batch
+from posttrain.config.exact import rollout_logprobs_are_the_trainers
 from posttrain.data import (
     TokenizedDataset,
     dataloader_from_config,
@@ -80,6 +82,7 @@ from posttrain_grpo.config import GRPOConfig
 from posttrain_grpo.dynamic_sampling import DynamicSampler
 from posttrain_grpo.endpoint import ChatEndpoint
 from posttrain_grpo.mismatch import check_mismatch
+from posttrain_grpo.mismatch_buckets import mismatch_means
 from posttrain_grpo.prompts import PromptStream
 from posttrain_grpo.rounds import RoundProducer, SharedPlane
 from posttrain_grpo.step import (
@@ -87,6 +90,7 @@ from posttrain_grpo.step import (
     METRIC_FIELDS,
     ROLLOUT_FIELDS,
     SIGNAL_TAG,
+    STALENESS_FIELDS,
     TRAIN_FIELDS,
     VERSION_TAG,
     TrainingDiverged,
@@ -190,12 +194,17 @@ class GRPORun(LoopSteps):
             export_dir=self.grpo.export_dir,
             length_keys=("grpo.max_num_steps", "grpo.max_num_epochs"),
         )
-        self.loss_fn = ctx.build_loss("clipped_pg", self.grpo.effective_loss(config.generation.max_new_tokens))
+        exact = rollout_logprobs_are_the_trainers(config, ctx.host)
+        loss = self.grpo.effective_loss(config.generation.max_new_tokens, exact_rollouts=exact)
+        if loss.rollout_correction != self.grpo.loss.rollout_correction:
+            ctx.log.info("exact logprobs: the rollouts' logprobs are the previous policy's, so the loss takes them "
+                         "(grpo.loss.rollout_correction=bypass) and no previous-logprob pass runs")
+        self.loss_fn = ctx.build_loss("clipped_pg", loss)
         self.needs_reference = self.grpo.loss.kl_penalty > 0 or not self.grpo.skip_reference_logprobs_when_kl_off
         # On policy or not, the one optimizer step of a step starts from the weights the step's
         # logprobs would be computed with: prev_logprobs are the training pass's own. In bypass
         # mode the loss takes the generation engine's logprobs instead.
-        self.needs_prev = self.grpo.loss.rollout_correction == "decoupled" and (
+        self.needs_prev = loss.rollout_correction == "decoupled" and (
             updates_per_step > 1 or not self.grpo.skip_prev_logprobs_when_on_policy
         )
         self.colocated = config.generation.colocated
@@ -310,6 +319,7 @@ class GRPORun(LoopSteps):
                     self.add_logprobs(partition, keys)
                 with timer("training"):
                     fields = [*TRAIN_FIELDS, *(["prev_logprobs"] if self.needs_prev else []),
+                              *(STALENESS_FIELDS if self.grpo.asynchronous.enabled else []),
                               *(["reference_logprobs"] if self.needs_reference else [])]
                     train_metrics = self.optimize(step, PlaneSamples(self.plane, partition, keys, fields))
                 with timer("refit"):
@@ -357,13 +367,16 @@ class GRPORun(LoopSteps):
 
     def drop_stale(self, step: int, partition: str, keys: list[str]) -> dict[str, float]:
         """Drop (``sample_mask`` 0) the groups of the step's samples with a sample older than
-        ``grpo.asynchronous.max_staleness_steps`` versions; return the staleness metrics."""
+        ``grpo.asynchronous.max_staleness_steps`` versions; return the staleness metrics. An
+        asynchronous step tags its samples with the version it trains (``trained_version``)."""
         group = self.grpo.num_generations_per_prompt
         versions = self.plane.tags(partition, keys)[VERSION_TAG]
         stale_groups = ((step - 1) - versions > self.grpo.asynchronous.max_staleness_steps).view(-1, group).any(dim=1)
         if stale_groups.any():
             stale = [key for key, drop in zip(keys, stale_groups.repeat_interleave(group).tolist(), strict=True) if drop]
             self.plane.put(partition, stale, {"sample_mask": torch.zeros(len(stale))})
+        if self.grpo.asynchronous.enabled:
+            self.plane.put(partition, keys, {"trained_version": torch.full((len(keys),), step - 1, dtype=torch.long)})
         return staleness_metrics(step, versions, stale_groups)
 
     # ------------------------------------------------------------------ rounds
@@ -458,7 +471,7 @@ class GRPORun(LoopSteps):
         ``grpo.mismatch_guard`` (warns past a warn bound)."""
         parts = []
         for chunk in samples.chunks(self.config.policy.train_global_batch_size):
-            metrics = self.policy.train_from(chunk, self.loss_fn)
+            metrics = mismatch_means(self.policy.train_from(chunk, self.loss_fn))
             bad = first_nonfinite(metrics, ("loss", "grad_norm"))
             if bad is not None:
                 raise self.diverged(step, bad, metrics[bad], chunk.get())

@@ -263,12 +263,24 @@ class GRPOConfig:
     def samples_per_step(self) -> int:
         return self.num_prompts_per_step * self.num_generations_per_prompt
 
-    def effective_loss(self, max_new_tokens: int | None = None) -> ClippedPGConfig:
+    def effective_loss(self, max_new_tokens: int | None = None, exact_rollouts: bool = False) -> ClippedPGConfig:
         """The loss options a run trains with: :attr:`loss`, with TIS to [0, ASYNC_IS_MAX]
         when the run is asynchronous, corrects off-policy samples, is not in bypass mode and
         the loss names no correction of its own; and with ``max_new_tokens`` (the generation
-        budget) as the constant normaliser when ``token_normalizer`` is constant without one."""
+        budget) as the constant normaliser when ``token_normalizer`` is constant without one.
+
+        ``exact_rollouts``: the rollouts' logprobs are the trainer's, bit for bit
+        (``generation.exact_logprobs``). A synchronous run's samples come from the weights the
+        step starts from, so the engine's logprobs are the previous policy's: the decoupled
+        loss becomes ``rollout_correction: bypass`` (the same numbers, without the
+        previous-logprob pass), its train/inference correction dropped (every weight is 1).
+        Not with ``kl_in_reward``, whose estimate takes the previous policy's logprobs, which
+        bypass replaces with the trained ones (the same only in a step's first update)."""
         loss, run_ahead = self.loss, self.asynchronous
+        if (exact_rollouts and not run_ahead.enabled and loss.rollout_correction == "decoupled"
+                and loss.kl_in_reward is None):
+            loss = attrs.evolve(loss, rollout_correction="bypass", importance_sampling_correction=None,
+                                is_min=None, is_max=None)
         if (run_ahead.enabled and run_ahead.importance_sampling_correction and loss.importance_sampling_correction is None
                 and loss.rollout_correction == "decoupled"):
             loss = attrs.evolve(loss, importance_sampling_correction="tis", is_max=ASYNC_IS_MAX)

@@ -29,6 +29,8 @@ import torch
 from posttrain_grpo.config import ClippedPGConfig, NonfiniteGeneration
 from posttrain_grpo.reduction import Reduction
 
+#: The reduction of 1 over the tokens the mismatch metrics cover (see :func:`mismatch_metrics`).
+MISMATCH_SHARE = "mismatch/share"
 #: Bound on a log-ratio or log-ratio sum before a diagnostic exponentiates it.
 DIAGNOSTIC_LOG_BOUND = 20.0
 
@@ -105,14 +107,21 @@ def mismatch_metrics(
       entropy at the visited states (tokens were drawn from the engine's policy).
 
     Token means are reduced like the loss's metrics; the chi-square terms bound their
-    log-ratios (sums) to +-20 first. Non-finite engine logprobs give non-finite values.
+    log-ratios (sums) to +-20 first; ``mismatch_kl`` is computed in float64 (the k3 of a
+    float32 rounding gap, about 1e-14, cancels to 0 in float32). Non-finite engine logprobs
+    give non-finite values. ``mismatch/share`` is the reduction of 1 (its sum over a pass is 1
+    up to rounding): :func:`posttrain_grpo.mismatch_buckets.mismatch_means` divides
+    ``token_mult_prob_error`` by it, so that identical logprobs give exactly 1 whatever the
+    microbatches.
     """
     d = torch.where(reduce.valid, prev - gen, 0.0)
+    wide = d.double()
     bounded = d.clamp(-DIAGNOSTIC_LOG_BOUND, DIAGNOSTIC_LOG_BOUND)
     sequence_sum = reduce.sequence_sum(d).clamp(-DIAGNOSTIC_LOG_BOUND, DIAGNOSTIC_LOG_BOUND)
     return {
         "token_mult_prob_error": reduce.metric(torch.exp(d.abs())),
-        "mismatch_kl": reduce.metric(torch.exp(d) - 1 - d),
+        MISMATCH_SHARE: reduce.metric(torch.ones_like(d)),
+        "mismatch_kl": reduce.metric(torch.exp(wide) - 1 - wide),
         "mismatch_chi2_token": reduce.metric(torch.exp(2 * bounded) - 1),
         "mismatch_chi2_sequence": reduce.per_sequence(torch.exp(2 * sequence_sum) - 1),
         "mismatch_ppl_ratio": reduce.per_sequence(torch.exp(-reduce.sequence_mean(d))),

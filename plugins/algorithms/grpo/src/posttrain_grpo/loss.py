@@ -19,7 +19,9 @@ advantage and ``r`` the ratio to the proximal policy ``prev`` (:mod:`posttrain_g
 Reduction over the global batch (:mod:`posttrain_grpo.reduction`): token-level
 ``sum_{i,t} m (l + KL) / N`` with ``N`` per ``token_normalizer``; sequence-level
 ``sum_i sample_mask_i * mean_t (l + KL) / global_valid_seqs``. Metrics are global means over
-tokens (token-level) or sequences, so they sum over microbatches.
+tokens (token-level) or sequences, so they sum over microbatches. With the engine's logprobs, the
+mismatch metrics (:mod:`posttrain_grpo.importance`) come per turn, position bucket and staleness
+too (:mod:`posttrain_grpo.mismatch_buckets`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from posttrain.interfaces.loss import LossFunction, LossType
 from posttrain_grpo.config import ClippedPGConfig
 from posttrain_grpo.importance import generation_log_ratio, importance_weights, mismatch_metrics
 from posttrain_grpo.kl import kl_loss_term, kl_reward_shift
+from posttrain_grpo.mismatch_buckets import bucket_sums
 from posttrain_grpo.objectives import policy_objective, policy_ratio
 from posttrain_grpo.reduction import Reduction
 from posttrain_grpo.validation import check_loss_config
@@ -109,6 +112,7 @@ class ClippedPGLoss(LossFunction):
 
         if gen is not None:
             metrics.update(mismatch_metrics(prev, gen, logp.detach(), reduce))
+            metrics.update(bucket_sums(prev, gen, reduce, batch))
 
         metrics.update(
             loss=loss,

@@ -29,6 +29,9 @@ LOGPROB_FIELDS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
 TRAIN_FIELDS = (*LOGPROB_FIELDS, "advantages", "generation_logprobs")
 #: Per-sample values :func:`batch_metrics` reads: small, fetched for the trained samples.
 METRIC_FIELDS = ("sample_mask", "advantages", "input_lengths", "shaped_rewards", "prompt_lengths", "response_lengths")
+#: What an asynchronous step's training pass reads besides: each token's weight version and the
+#: version the step trains (put by the step), for the loss's staleness buckets of its mismatch metrics.
+STALENESS_FIELDS = ("generation_versions", "trained_version")
 #: What a rollout puts into the step's partition.
 ROLLOUT_FIELDS = tuple(dict.fromkeys((*TRAIN_FIELDS, *METRIC_FIELDS)))
 #: The tag dynamic sampling decides on: the scaled reward before length shaping.

@@ -36,10 +36,13 @@ class DTensorConfig:
     - ``reduce_dtype``: dtype of the gradient reduce-scatter across data-parallel ranks
       (``float32`` keeps accumulation exact when ``policy.dtype`` is bfloat16).
 
-    The backend implements ``policy.lora`` (:mod:`posttrain_dtensor.lora`).
+    The backend implements ``policy.lora`` (:mod:`posttrain_dtensor.lora`) and
+    ``generation.exact_logprobs`` (with ``attn_implementation: sdpa``; under LoRA in float32
+    without adapter dropout).
     """
 
     supports_lora: ClassVar[bool] = True
+    supports_exact_logprobs: ClassVar[bool] = True
 
     attn_implementation: str = "sdpa"
     activation_checkpointing: bool = False
@@ -66,7 +69,34 @@ def validate_policy_config(config: RunConfig) -> None:
             f"policy.sequence_packing needs {SECTION}.attn_implementation in {', '.join(PACKING_ATTENTION)} "
             f"(kernels that keep packed samples apart), got '{options.attn_implementation}'"
         )
+    if config.generation.exact_logprobs:
+        check_exact_logprobs(config, options)
     if p.lora.enabled:
         from posttrain_dtensor.lora import check_targets
 
         check_targets(config)
+
+
+def check_exact_logprobs(config: RunConfig, options: DTensorConfig) -> None:
+    """What ``generation.exact_logprobs`` needs of this backend: ``sdpa`` attention (run as
+    segments of exactly each prefix's length) and, under LoRA, layers that can compute with the
+    merged weight a refit sends: float32, no adapter dropout (training's forward must be the
+    engines')."""
+    from posttrain.config.validate import where_set
+
+    p, key = config.policy, "generation.exact_logprobs"
+    problems = []
+    if options.attn_implementation != "sdpa":
+        problems.append((f"{SECTION}.attn_implementation is '{options.attn_implementation}'; exact logprobs run "
+                         f"attention as sdpa segments: set {SECTION}.attn_implementation: sdpa",
+                         f"{SECTION}.attn_implementation"))
+    if p.lora.enabled and p.lora.dropout > 0:
+        problems.append((f"policy.lora.dropout is {p.lora.dropout}: training's forward would not be the engines'; "
+                         "set policy.lora.dropout: 0", "policy.lora.dropout"))
+    if p.lora.enabled and p.dtype != "float32":
+        problems.append((f"policy.lora is on with policy.dtype {p.dtype}: the merged weight a refit sends is computed "
+                         "in float32, the layers' own products would be in another dtype; set policy.dtype: float32",
+                         "policy.dtype"))
+    if problems:
+        message, where = problems[0]
+        raise ConfigError(f"{key} is true, but {message}.{where_set(config, key, where)}")

@@ -14,12 +14,16 @@ matrix (``rank`` wide) stays whole on every tensor-parallel rank.
 
 The reference policy is the base model: :func:`adapters_disabled` turns the adapters off
 for a pass, so no second copy of the weights is kept.
+
+With exact logprobs, :func:`compute_merged` makes each adapted layer compute with its merged
+weight, the very tensor a merged refit sends to the engines.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import types
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -141,6 +145,26 @@ def tensor_parallel_plan(base_model: nn.Module, plan: dict[str, str]) -> dict[st
             else:
                 out[path] = style
     return out
+
+
+def compute_merged(layers: dict[str, nn.Module]) -> None:
+    """Make every adapted layer of ``layers`` compute ``x @ (W + (B @ A) * scale).T + bias``:
+    one product with the merged weight, computed as
+    :class:`~posttrain_dtensor.weights.MergedWeights` computes the weight a refit sends, so the
+    layer's output has the bits of the engine's layer holding that weight (peft's two-path
+    sum, ``W x + scale * B (A x)``, has others). Gradients reach ``A`` and ``B`` through the
+    merge; with the adapters disabled the layer is its base layer. Needs float32 weights and
+    no adapter dropout (checked with the config)."""
+    for layer in layers.values():
+        layer.forward = types.MethodType(_merged_forward, layer)
+
+
+def _merged_forward(self: nn.Module, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    base = self.get_base_layer()
+    if self.disable_adapters:
+        return base(x, *args, **kwargs)
+    delta = self.lora_B[ADAPTER].weight @ self.lora_A[ADAPTER].weight
+    return nn.functional.linear(x, base.weight + delta * self.scaling[ADAPTER], base.bias)
 
 
 @contextlib.contextmanager

@@ -35,6 +35,8 @@ from transformers import AttentionInterface
 from posttrain.backend.attention import scores_attention, window_binds, window_mask
 
 SEGMENT_SDPA = "posttrain_segment_sdpa"
+#: :func:`exact_segment_sdpa`'s name: segment attention for exact logprobs.
+EXACT_SEGMENT_SDPA = "posttrain_exact_segment_sdpa"
 
 
 #: Segments whose lengths are within this factor of a bucket's shortest share one SDPA call.
@@ -52,13 +54,14 @@ def segment_sdpa(
     cu_seq_lens_q: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    spread: float = BUCKET_SPREAD,
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention output ``[rows, width, heads, head_dim]`` of ``query`` ``[rows, heads,
     width, head_dim]`` over ``key``/``value`` ``[rows, kv_heads, width, head_dim]``
     (grouped-query heads are shared, not copied).
 
-    Segments of similar length (:data:`BUCKET_SPREAD`) are gathered into one right-padded
+    Segments of similar length (within ``spread`` times a bucket's shortest) are gathered into one right-padded
     batch, run as one causal call and their real tokens copied back: a few kernel calls per
     layer however many samples a row holds (a call costs about a millisecond on CPU). Tokens
     are gathered and placed whole (all heads at once, ``index_select`` / ``index_copy``,
@@ -94,7 +97,7 @@ def segment_sdpa(
 
     q, k, v = tokens(query), tokens(key), tokens(value)
     outputs, places = [], []
-    for starts, lengths in _buckets(bounds):
+    for starts, lengths in _buckets(bounds, spread):
         count, longest = len(starts), int(lengths.max())
         steps = torch.arange(longest)
         index = (starts[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)).flatten()  # [count * longest]
@@ -117,16 +120,24 @@ def _check_bounds(bounds: list[int], rows: int, width: int) -> None:
             raise ValueError(f"segment [{start}, {end}) of cu_seq_lens_q is empty or crosses the end of row {start // width}")
 
 
-def _buckets(bounds: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def exact_segment_sdpa(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """:func:`segment_sdpa` with only segments of one length sharing a call: each runs as the
+    causal attention of a sequence of exactly its length, the arithmetic of exact logprobs
+    (:mod:`posttrain.backend.exact`; a right-padded bucket would change its bits)."""
+    return segment_sdpa(*args, spread=1.0, **kwargs)
+
+
+def _buckets(bounds: list[int], spread: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Segments grouped by length, shortest first: ``(starts, lengths)`` per bucket, where a
-    bucket's longest segment is at most :data:`BUCKET_SPREAD` times its shortest."""
+    bucket's longest segment is at most ``spread`` times its shortest."""
     segments = sorted(zip((b - a for a, b in zip(bounds, bounds[1:], strict=False)), bounds, strict=False))
     buckets: list[list[tuple[int, int]]] = []
     for length, start in segments:
-        if not buckets or length > BUCKET_SPREAD * buckets[-1][0][0]:
+        if not buckets or length > spread * buckets[-1][0][0]:
             buckets.append([])
         buckets[-1].append((length, start))
     return [(torch.tensor([s for _, s in b]), torch.tensor([n for n, _ in b])) for b in buckets]
 
 
 AttentionInterface.register(SEGMENT_SDPA, segment_sdpa)
+AttentionInterface.register(EXACT_SEGMENT_SDPA, exact_segment_sdpa)

@@ -24,6 +24,12 @@ model is sharded; only they reach the optimizer, its state and checkpoints; the 
 pass turns them off; the weight sync sends the merged weights (or, with
 ``policy.lora.refit: adapter``, the adapters) and the export writes a PEFT folder
 (:mod:`posttrain_dtensor.weights`).
+
+With ``generation.exact_logprobs``, logprobs (every pass, and training's) are computed from
+each turn's scoring prefix (:func:`posttrain_dtensor.rows.exact_rows`, the layout of
+:mod:`posttrain.backend.exact`) with attention that runs every prefix at exactly its length,
+experts that run token by token, and LoRA layers compute with their merged weight (:func:`posttrain_dtensor.lora.compute_merged`),
+so a generation engine reports the same bits.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from posttrain.backend.adapter_folder import MERGED_FOLDER, write_adapter_folder
+from posttrain.backend.exact import EXPERTS_IMPLEMENTATION, MIN_ROWS
 from posttrain.backend.hf_export import write_hf_metadata, write_hf_shards
 from posttrain.backend.hf_layout import checkpoint_tensors
 from posttrain.backend.logprobs import logsumexp_logits, loss_positions, sequence_logprobs, topk_logits
@@ -55,7 +62,7 @@ from posttrain.interfaces.loss import LossFunction, combine_metrics, global_vali
 from posttrain.models.folder import read_model_config
 from posttrain_dtensor import checkpoint
 from posttrain_dtensor.config import DTensorConfig
-from posttrain_dtensor.lora import ADAPTER, adapters_disabled, attach_adapters
+from posttrain_dtensor.lora import ADAPTER, adapters_disabled, attach_adapters, compute_merged
 from posttrain_dtensor.optim import build_optimizer, clip_grads_, total_grad_norm
 from posttrain_dtensor.parallel import (
     CausalLMHead,
@@ -66,8 +73,8 @@ from posttrain_dtensor.parallel import (
     output_softcap,
     reshard_all,
 )
-from posttrain_dtensor.rows import ModelRows, microbatch_rows
-from posttrain_dtensor.segment_attention import SEGMENT_SDPA
+from posttrain_dtensor.rows import ModelRows, exact_rows, microbatch_rows
+from posttrain_dtensor.segment_attention import EXACT_SEGMENT_SDPA, SEGMENT_SDPA
 from posttrain_dtensor.weights import AdapterWeights, FullWeights, MergedWeights, WeightView
 
 
@@ -111,6 +118,8 @@ class DTensorPolicyWorker(PolicyWorker):
         self.compute_dtype = torch_dtype(policy.dtype)
         # logprobs (and the training loss's) are those of logits / T, as the sampler reports them
         self.temperature = logprob_temperature(config.generation.temperature)
+        #: generation.exact_logprobs: logprobs laid out as the engines score them (posttrain.backend.exact)
+        self.exact = config.generation.exact_logprobs
         #: With LoRA: the adapted layers' module paths (in the Hugging Face model) and scales.
         self.adapter_scales: dict[str, float] = {}
         self.model = self._build_model(config, options)
@@ -149,18 +158,21 @@ class DTensorPolicyWorker(PolicyWorker):
         if config.deterministic:
             torch.use_deterministic_algorithms(True)
         # sdpa runs as segment attention: packed rows need bounds, not an O(width^2) mask
-        kernel = SEGMENT_SDPA if options.attn_implementation == "sdpa" else options.attn_implementation
+        segments = EXACT_SEGMENT_SDPA if self.exact else SEGMENT_SDPA
+        kernel = segments if options.attn_implementation == "sdpa" else options.attn_implementation
+        load = dict(dtype=torch.float32, attn_implementation=kernel,
+                    **({"experts_implementation": EXPERTS_IMPLEMENTATION} if self.exact else {}))
         if policy.head == "value":
-            lm = AutoModelForSequenceClassification.from_pretrained(
-                policy.model, num_labels=1, dtype=torch.float32, attn_implementation=kernel
-            )
+            lm = AutoModelForSequenceClassification.from_pretrained(policy.model, num_labels=1, **load)
             lm.config.architectures = [type(lm).__name__]  # what the exported folder loads as
         else:
-            lm = AutoModelForCausalLM.from_pretrained(policy.model, dtype=torch.float32, attn_implementation=kernel)
+            lm = AutoModelForCausalLM.from_pretrained(policy.model, **load)
         check_model_fits(lm.config, policy.tensor_parallel_size)
         if policy.lora.enabled:
             torch.manual_seed(config.seed)  # the same adapters on every rank, whatever loading drew
             layers = attach_adapters(lm, config)
+            if self.exact:
+                compute_merged(layers)
             self.adapter_scales = {path: float(layer.scaling[ADAPTER]) for path, layer in layers.items()}
         if options.activation_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -198,13 +210,15 @@ class DTensorPolicyWorker(PolicyWorker):
 
     def _microbatch_logprobs(self, mb: Batch, batching: Batching) -> torch.Tensor:
         """Logprobs [b, S] of a microbatch on the device (of ``logits / self.temperature``),
-        0 where not reported."""
-        rows = self._rows(mb, batching)
+        0 where not reported (with exact logprobs: also off the generated tokens)."""
+        mask = mb["token_mask"] if "token_mask" in mb else None
+        rows = exact_rows(mb["input_ids"], mb["input_lengths"], mask).to(self.device) if self.exact else self._rows(mb, batching)
         chunk, temperature, softcap = self.config.policy.logprob_chunk_size, self.temperature, self.logit_softcap
-        values = self._forward(
-            rows, lambda h, w: sequence_logprobs(h, w, rows.input_ids, rows.predicted, chunk, temperature, softcap=softcap)
-        )
-        keep = loss_positions(mb["input_lengths"], rows.width, mb["token_mask"] if "token_mask" in mb else None)
+        min_rows = MIN_ROWS if self.exact else 0
+        values = self._forward(rows, lambda h, w: sequence_logprobs(
+            h, w, rows.input_ids, rows.predicted, chunk, temperature, softcap=softcap, min_rows=min_rows
+        ))
+        keep = loss_positions(mb["input_lengths"], rows.width, mask)
         return torch.where(keep.to(self.device), rows.to_samples(values), 0.0)
 
     def _microbatch_values(self, mb: Batch, batching: Batching) -> torch.Tensor:

@@ -28,19 +28,30 @@ class HFGenerationConfig:
       ``sdpa`` on the CPU shares grouped-query heads instead of copying them
       (:mod:`posttrain_hf.attention`).
 
-    Its engines can run inside the policy's worker processes (``generation.in_policy_workers``).
+    Its engines can run inside the policy's worker processes (``generation.in_policy_workers``)
+    and report the policy's logprobs bit for bit (``generation.exact_logprobs``, with
+    ``attn_implementation: sdpa``; :mod:`posttrain_hf.exact`).
     """
 
-    runs_in_policy_workers = True  # a feature (posttrain.config.features), not an option
+    runs_in_policy_workers = True  # features (posttrain.config.features), not options
+    supports_exact_logprobs = True
 
     max_batch_size: int = 64
     attn_implementation: str = "sdpa"
 
 
 def validate_generation_config(config: RunConfig) -> None:
-    """An ``hf`` engine is one process on one device: ``generation.tensor_parallel_size`` 1."""
+    """An ``hf`` engine is one process on one device: ``generation.tensor_parallel_size`` 1;
+    exact logprobs rescore with the ``sdpa`` kernel."""
     from posttrain.config.validate import where_set
 
+    options: HFGenerationConfig = config.sections.get(SECTION) or HFGenerationConfig()
+    if config.generation.exact_logprobs and options.attn_implementation != "sdpa":
+        raise ConfigError(
+            f"generation.exact_logprobs is true, but {SECTION}.attn_implementation is "
+            f"'{options.attn_implementation}': the engines rescore their samples with the policy's sdpa arithmetic; "
+            f"set {SECTION}.attn_implementation: sdpa.{where_set(config, 'generation.exact_logprobs', f'{SECTION}.attn_implementation')}"
+        )
     size = config.generation.tensor_parallel_size
     if size != 1:
         raise ConfigError(

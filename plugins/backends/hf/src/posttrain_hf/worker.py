@@ -8,12 +8,14 @@ from typing import Any
 
 import torch
 
+from posttrain.backend.exact import EXPERTS_IMPLEMENTATION
 from posttrain.backend.generation_group import Completion, EngineWorker, GenerationRequest, model_tokens
 from posttrain.backend.weight_sync import BroadcastReceiver, ParamMeta, TransferInit
 from posttrain.distributed.placement import uses_cuda
 from posttrain.errors import WorkerError, did_you_mean
 from posttrain_hf.attention import SHARED_KV_SDPA
 from posttrain_hf.decode import decode
+from posttrain_hf.exact import rescore
 from posttrain_hf.stop_strings import StopStringMatcher
 
 
@@ -22,23 +24,30 @@ class HFEngineWorker(EngineWorker):
     serves :class:`~posttrain.backend.generation_group.EngineWorker` calls.
 
     The tokenizer is loaded from the model folder on first use, and only to check stop
-    strings. ``sleep``/``wake_up`` move the model to the CPU and back when it lives on a GPU
+    strings. With ``exact_chunk_size`` (``generation.exact_logprobs``: the policy's
+    ``logprob_chunk_size``) every completion's logprobs are computed again as the policy
+    computes them (:func:`posttrain_hf.exact.rescore`). ``sleep``/``wake_up`` move the model to the CPU and back when it lives on a GPU
     (colocated mode); on CPU they do nothing.
     """
 
-    def __init__(self, *, model_path: str, dtype: str, max_batch_size: int, attn_implementation: str):
+    def __init__(
+        self, *, model_path: str, dtype: str, max_batch_size: int, attn_implementation: str,
+        exact_chunk_size: int | None = None,
+    ):
         super().__init__()
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device("cuda" if uses_cuda() else "cpu")  # CUDA only when the actor was given a GPU
         kernel = SHARED_KV_SDPA if attn_implementation == "sdpa" else attn_implementation
+        experts = {"experts_implementation": EXPERTS_IMPLEMENTATION} if exact_chunk_size is not None else {}
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, dtype), attn_implementation=kernel
+            model_path, dtype=getattr(torch, dtype), attn_implementation=kernel, **experts
         ).to(self.device)
         self.model.eval()
         self.model_path = model_path
         self.pad_token_id = model_tokens(model_path).pad_token_id  # fills the left padding
         self.max_batch_size = max_batch_size
+        self.exact_chunk_size = exact_chunk_size
         self._stop_matcher: StopStringMatcher | None = None
         self._targets = self.model.state_dict(keep_vars=True)  # HF name -> parameter (tied names share one)
         self._receiver: BroadcastReceiver | None = None
@@ -51,7 +60,11 @@ class HFEngineWorker(EngineWorker):
         completions: list[Completion] = []
         for start in range(0, len(request), self.max_batch_size):
             chunk = request.rows(start, start + self.max_batch_size)
-            completions += decode(self.model, chunk, pad_token_id=self.pad_token_id, stop_matcher=matcher)
+            decoded = decode(self.model, chunk, pad_token_id=self.pad_token_id, stop_matcher=matcher)
+            if self.exact_chunk_size is not None:
+                decoded = rescore(self.model, chunk.prompts, decoded, temperature=request.temperature,
+                                  chunk_size=self.exact_chunk_size, max_batch_size=self.max_batch_size)
+            completions += decoded
         return completions
 
     def stop_matcher(self) -> StopStringMatcher:

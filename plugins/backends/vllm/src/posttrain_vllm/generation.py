@@ -10,7 +10,7 @@ from posttrain.backend.generation_group import WorkerGroupGeneration, check_samp
 from posttrain.config.schema import RunConfig
 from posttrain.distributed import VirtualCluster
 from posttrain.log import library_env, library_log_level
-from posttrain_vllm.config import SECTION, VllmGenerationConfig
+from posttrain_vllm.config import BATCH_INVARIANT_VAR, SECTION, VllmGenerationConfig
 from posttrain_vllm.worker import VllmEngineWorker
 
 
@@ -26,6 +26,8 @@ def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> Worker
     ``VLLM_LOGGING_LEVEL`` (``ERROR``; ``INFO`` at
     ``logger.level: debug``) and the quiet-library variables of :func:`posttrain.log.library_env`
     unless ``generation.resources.env_vars`` sets them; below debug vLLM draws no loading bar.
+    With ``generation.exact_logprobs`` (GPUs) it gets ``VLLM_BATCH_INVARIANT=1``, which vLLM
+    reads when the engine starts and passes on to the engine's tensor-parallel workers.
     With ``policy.lora.refit: adapter`` the engines start with LoRA on and load the adapters
     each refit sends (:class:`~posttrain_vllm.worker.VllmEngineWorker`).
     """
@@ -40,6 +42,7 @@ def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> Worker
         **library_env(config.logger.level),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_LOGGING_LEVEL": logging.getLevelName(engine_log_level),
+        **({BATCH_INVARIANT_VAR: "1"} if gen.exact_logprobs else {}),
     }
     return WorkerGroupGeneration(
         config,
