@@ -7,6 +7,7 @@ holds only what is specific to FSDP2 / tensor parallel training.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
 import attrs
@@ -49,7 +50,9 @@ class DTensorConfig:
 
 def validate_policy_config(config: RunConfig) -> None:
     """The dtensor backend's own checks, before any worker starts (core checks the parallel
-    and batch arithmetic, and ``policy.lora``'s values): with LoRA, that
+    and batch arithmetic, and ``policy.lora``'s values): that the model's config is one the
+    backend computes right and, with tensor parallel, whose plan it serves
+    (:func:`~posttrain_dtensor.parallel.check_model_fits`); with LoRA, that
     ``policy.lora.target_modules`` adapts linear layers of the model."""
     p = config.policy
     if p.sequence_packing.enabled and p.dynamic_batching.enabled:
@@ -66,7 +69,20 @@ def validate_policy_config(config: RunConfig) -> None:
             f"policy.sequence_packing needs {SECTION}.attn_implementation in {', '.join(PACKING_ATTENTION)} "
             f"(kernels that keep packed samples apart), got '{options.attn_implementation}'"
         )
+    check_model(config)
     if p.lora.enabled:
         from posttrain_dtensor.lora import check_targets
 
         check_targets(config)
+
+
+def check_model(config: RunConfig) -> None:
+    """:func:`~posttrain_dtensor.parallel.check_model_fits` on ``policy.model``'s config. A
+    folder without ``config.json`` is left to the model-folder checks, which name what is missing."""
+    if not (Path(config.policy.model) / "config.json").is_file():
+        return
+    from transformers import AutoConfig
+
+    from posttrain_dtensor.parallel import check_model_fits
+
+    check_model_fits(AutoConfig.from_pretrained(config.policy.model), config.policy.tensor_parallel_size)
