@@ -14,6 +14,7 @@ What a row's logprobs and seeds mean is defined once in :mod:`posttrain.backend.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,6 +32,9 @@ from posttrain.distributed import VirtualCluster, WorkerGroup
 from posttrain.errors import ConfigError, DataError
 from posttrain.interfaces.generation import Generation
 from posttrain.interfaces.policy import Policy
+
+#: Seconds :meth:`WorkerGroupGeneration.shutdown` waits for the engines to close.
+CLOSE_TIMEOUT_S = 10.0
 
 
 @attrs.frozen
@@ -300,4 +304,10 @@ class WorkerGroupGeneration(Generation):
             self._group.run_all(EngineWorker.sleep)
 
     def shutdown(self) -> None:
+        """Let each engine release what it keeps outside its process
+        (:meth:`~posttrain.backend.engine.EngineWorker.close`; an engine busy or dead for
+        :data:`CLOSE_TIMEOUT_S` is skipped), then stop the engines."""
+        if isinstance(self._group, WorkerGroup) and not self._group.closed:
+            with contextlib.suppress(Exception):
+                self._group.get(self._group.run_all_async(EngineWorker.close), timeout_s=CLOSE_TIMEOUT_S)
         self._group.shutdown()
