@@ -49,7 +49,7 @@ _ALTERNATING = ["sliding_attention", "full_attention"]
 def _llama(**kw: Any):
     from transformers import LlamaConfig
 
-    return LlamaConfig(**_COMMON, **kw)
+    return LlamaConfig(**{**_COMMON, **kw})
 
 
 def _llama3(**kw: Any):
