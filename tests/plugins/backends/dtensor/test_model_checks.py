@@ -48,3 +48,19 @@ def test_logit_scaling_is_refused(tmp_path):
     model = str(build_zoo_model(tmp_path / "scaled", "llama", logit_scale=0.25))
     assert refusal(tmp_path, model).startswith("policy.model: the model config sets 'logit_scale', which the dtensor "
                                                "backend's chunked logprob head does not apply")
+
+
+def test_a_model_without_decoder_layers_to_shard_is_refused(tmp_path):
+    """GPT-2 keeps its blocks at ``transformer.h``: FSDP over two ranks cannot wrap them."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from posttrain.models.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=1, n_head=2)).save_pretrained(tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    assert refusal(tmp_path, str(tmp_path / "gpt2"), "policy.num_workers=2") == (
+        "policy.model: cannot find the decoder layers of model type 'gpt2' (expected a ModuleList at "
+        "base_model.layers, as Llama, Qwen, Mistral, Gemma, Phi-3 and OLMo 2 have), which FSDP shards one by one; "
+        "train it on one rank in float32 (policy.num_workers=1, policy.dtype=float32)"
+    )

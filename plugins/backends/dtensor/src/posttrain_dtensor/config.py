@@ -77,12 +77,20 @@ def validate_policy_config(config: RunConfig) -> None:
 
 
 def check_model(config: RunConfig) -> None:
-    """:func:`~posttrain_dtensor.parallel.check_model_fits` on ``policy.model``'s config. A
-    folder without ``config.json`` is left to the model-folder checks, which name what is missing."""
-    if not (Path(config.policy.model) / "config.json").is_file():
+    """:func:`~posttrain_dtensor.parallel.check_model_fits` on ``policy.model``'s config; where
+    FSDP will shard the model (several ranks, or a compute dtype other than float32), that a
+    weightless copy of it has the decoder layers FSDP wraps. A folder without ``config.json``
+    is left to the model-folder checks, which name what is missing."""
+    p = config.policy
+    if not (Path(p.model) / "config.json").is_file():
         return
-    from transformers import AutoConfig
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from posttrain_dtensor.parallel import check_model_fits
+    from posttrain_dtensor.parallel import check_model_fits, decoder_layers
 
-    check_model_fits(AutoConfig.from_pretrained(config.policy.model), config.policy.tensor_parallel_size)
+    model_config = AutoConfig.from_pretrained(p.model)
+    check_model_fits(model_config, p.tensor_parallel_size)
+    if p.head == "lm" and (p.num_workers > 1 or p.dtype != "float32"):
+        with torch.device("meta"):
+            decoder_layers(AutoModelForCausalLM.from_config(model_config))

@@ -170,8 +170,9 @@ def decoder_layers(lm: nn.Module) -> nn.ModuleList:
     layers = getattr(lm.base_model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ConfigError(
-            f"policy.model: cannot find the decoder layers of model type '{lm.config.model_type}' "
-            "(expected a ModuleList at base_model.layers)"
+            f"policy.model: cannot find the decoder layers of model type '{lm.config.model_type}' (expected a "
+            "ModuleList at base_model.layers, as Llama, Qwen, Mistral, Gemma, Phi-3 and OLMo 2 have), which FSDP "
+            "shards one by one; train it on one rank in float32 (policy.num_workers=1, policy.dtype=float32)"
         )
     return layers
 
