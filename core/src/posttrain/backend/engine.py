@@ -99,6 +99,10 @@ class EngineWorker(Worker, abc.ABC):
         policy's workers. The tensors belong to the caller: copy, keep no reference."""
         raise NotImplementedError(f"{type(self).__name__} cannot run in the policy's workers")
 
+    def close(self) -> None:
+        """Release what the engine keeps outside its process (files), before its actor is
+        stopped, which runs no finalizer; default: nothing."""
+
     def sleep(self) -> None:
         """Release device memory between generations (colocated mode); default: nothing."""
 

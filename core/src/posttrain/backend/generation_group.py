@@ -34,6 +34,9 @@ from posttrain.errors import ConfigError, DataError
 from posttrain.interfaces.generation import Generation
 from posttrain.interfaces.policy import Policy
 
+#: Seconds :meth:`WorkerGroupGeneration.shutdown` waits for the engines to close.
+CLOSE_TIMEOUT_S = 10.0
+
 
 @attrs.frozen
 class ModelTokens:
@@ -329,4 +332,10 @@ class WorkerGroupGeneration(Generation):
             self._group.run_all(EngineWorker.sleep)
 
     def shutdown(self) -> None:
+        """Let each engine release what it keeps outside its process
+        (:meth:`~posttrain.backend.engine.EngineWorker.close`; an engine busy or dead for
+        :data:`CLOSE_TIMEOUT_S` is skipped), then stop the engines."""
+        if isinstance(self._group, WorkerGroup) and not self._group.closed:
+            with contextlib.suppress(Exception):
+                self._group.get(self._group.run_all_async(EngineWorker.close), timeout_s=CLOSE_TIMEOUT_S)
         self._group.shutdown()

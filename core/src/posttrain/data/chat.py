@@ -14,6 +14,12 @@ Two ways to find those tokens:
   that does not (e.g. one that drops earlier reasoning) fails with a :class:`ConfigError`
   asking for a ``{% generation %}`` template.
 
+A template that cannot render a conversation (its own ``raise_exception``, e.g. Gemma 2's
+refusal of system turns) or that drops a role's messages from what it writes (e.g. Phi-3's
+and OLMo 2's templates skip roles they do not know: checked on the first message of each
+role) makes the row a :class:`RowError` naming the template (:attr:`ChatEncoder.source`); the
+dataset adds the row.
+
 Truncation keeps the first ``max_length`` tokens (the end is cut). The mask is cut with the
 tokens, so the loss covers only the assistant tokens that remain; an example left with no
 loss tokens is kept but marked, and the dataset gives it ``sample_mask`` 0.
@@ -69,9 +75,11 @@ def read_chat_template(value: str) -> str:
 
 
 class ChatEncoder:
-    """Encode conversations with one tokenizer and chat template."""
+    """Encode conversations with one tokenizer and chat template. ``source`` says where
+    ``chat_template`` came from, for messages (e.g. ``data.chat_template``); without a
+    template, the tokenizer's own is used and named by the tokenizer's folder."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None = None):
+    def __init__(self, tokenizer: Any, chat_template: str | None = None, *, source: str | None = None):
         template = chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
             raise ConfigError(
@@ -79,6 +87,11 @@ class ChatEncoder:
             )
         self.tokenizer = tokenizer
         self.template = template
+        #: Where the template comes from, as messages name it.
+        self.source = (source or "the given chat template") if chat_template else (
+            f"the chat template of the tokenizer '{getattr(tokenizer, 'name_or_path', '') or '?'}'"
+        )
+        self._rendered_roles: set[str] = set()  # roles whose first message was found in a rendering
         self.marks_generation = bool(_GENERATION_TAG.search(template))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
@@ -94,6 +107,7 @@ class ChatEncoder:
 
         ``loss_from`` > 0 leaves earlier assistant turns (part of a preference prompt) unmasked.
         """
+        self._check_roles(messages, tools)
         if self.marks_generation:
             ids, mask = self._render(messages, assistant_mask=True, tools=tools)
         else:
@@ -107,6 +121,7 @@ class ChatEncoder:
 
     def encode_prompt(self, messages: Sequence[Message], *, max_length: int | None = None) -> Encoded:
         """Tokenise a prompt followed by the generation prompt (the assistant turn header); no loss tokens."""
+        self._check_roles(messages)
         ids = self._render(messages, add_generation_prompt=True)[0]
         return _truncate(ids, [0] * len(ids), max_length)
 
@@ -132,26 +147,55 @@ class ChatEncoder:
             mask[start: len(through)] = [1] * (len(through) - start)
         return mask
 
+    def _check_roles(self, messages: Sequence[Message], tools: Sequence[Any] | None = None) -> None:
+        """On the first message of each role with text: that the template writes its text
+        (stripped), else a :class:`RowError` naming the role and the template."""
+        new = [m for m in messages if m["role"] not in self._rendered_roles and str(m.get("content") or "").strip()]
+        if not new:
+            return
+        text = self._apply(messages, tokenize=False, tools=tools)
+        for message in new:
+            if message["content"].strip() not in text:
+                roles = ", ".join(dict.fromkeys(m["role"] for m in messages))
+                raise RowError(
+                    f"{self.source} does not render the '{message['role']}' message of this conversation (roles: "
+                    f"{roles}): its text is missing from what the template writes. Set data.chat_template to a "
+                    f"template that renders role '{message['role']}', or leave such messages out of the data"
+                )
+            self._rendered_roles.add(message["role"])
+
     def _render(
         self, messages: Sequence[Message], *, add_generation_prompt: bool = False, assistant_mask: bool = False,
         tools: Sequence[Any] | None = None,
     ) -> tuple[list[int], list[int]]:
+        out = self._apply(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                          assistant_mask=assistant_mask, tools=tools)
+        ids = [int(t) for t in out["input_ids"]]
+        return ids, [int(m) for m in out["assistant_masks"]] if assistant_mask else []
+
+    def _apply(
+        self, messages: Sequence[Message], *, tokenize: bool, add_generation_prompt: bool = False,
+        assistant_mask: bool = False, tools: Sequence[Any] | None = None,
+    ) -> Any:
+        """``apply_chat_template`` with this encoder's template; a template error is a :class:`RowError`."""
         from jinja2 import TemplateError
 
         try:
-            out = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 list(messages),
                 chat_template=self.template,
-                tokenize=True,
-                return_dict=True,
+                tokenize=tokenize,
+                return_dict=tokenize,
                 add_generation_prompt=add_generation_prompt,
                 return_assistant_tokens_mask=assistant_mask,
                 tools=list(tools) if tools else None,
             )
         except TemplateError as exc:  # a syntax error, or the template's own raise_exception()
-            raise RowError(f"the chat template failed on this conversation: {type(exc).__name__}: {exc}") from None
-        ids = [int(t) for t in out["input_ids"]]
-        return ids, [int(m) for m in out["assistant_masks"]] if assistant_mask else []
+            roles = ", ".join(dict.fromkeys(m["role"] for m in messages))
+            raise RowError(
+                f"{self.source} cannot render this conversation (roles: {roles}): {type(exc).__name__}: {exc}. "
+                "Set data.chat_template to a template that renders these roles, or change the rows"
+            ) from None
 
 
 def _truncate(ids: list[int], mask: list[int], max_length: int | None) -> Encoded:

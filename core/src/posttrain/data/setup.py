@@ -14,8 +14,10 @@ from posttrain.errors import ConfigError
 def encoder_from_config(config: RunConfig) -> ChatEncoder:
     """The chat encoder of the policy's tokenizer, with ``data.chat_template`` when set."""
     tokenizer = load_tokenizer(config.policy.tokenizer or config.policy.model)
-    template = read_chat_template(config.data.chat_template) if config.data.chat_template else None
-    return ChatEncoder(tokenizer, template)
+    value = config.data.chat_template
+    template = read_chat_template(value) if value else None
+    source = f"data.chat_template ('{value}')" if value and "{" not in value else "data.chat_template"
+    return ChatEncoder(tokenizer, template, source=source)
 
 
 def dataset_from_config(

@@ -85,10 +85,12 @@ def contract_batch(lengths: tuple[int, ...] = LENGTHS, *, seed: int = 0, dropped
 
 
 def reference_model(model_path: str | Path, dtype: torch.dtype = torch.float64) -> Any:
-    """The Hugging Face model at ``model_path`` in ``dtype`` with eager attention."""
+    """The Hugging Face model at ``model_path`` in ``dtype`` with eager attention (and, in a
+    mixture of experts, transformers' loop over the experts: its grouped kernel has no float64)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="eager")
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="eager",
+                                                experts_implementation="eager")
 
 
 def reference_logprobs(model: Any, batch: Batch, temperature: float = 1.0) -> torch.Tensor:

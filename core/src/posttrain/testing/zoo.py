@@ -11,7 +11,12 @@ of :data:`INIT_STD` (transformers' default of 0.02 leaves a tiny model's logits 
 a soft-cap of 30 moves its loss by less than 1e-6). A test that ignores a feature then gets
 numbers that differ from transformers'.
 
-The tokenizer is the character-level one of :mod:`posttrain.models.tiny`.
+Each architecture comes with its family's tokenizer (:data:`CHAT_FORMATS`): a byte-level BPE
+learned locally with the family's special tokens and chat template
+(:mod:`posttrain.testing.chat_formats`), the embedding rounded up to a multiple of
+:data:`VOCAB_MULTIPLE` rows as released checkpoints do (Qwen's 151,936 rows hold 151,665
+tokens). ``tokenizer="character"`` gives the character-level tokenizer of
+:mod:`posttrain.models.tiny` instead.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import torch
 WINDOW = 8
 #: Standard deviation of the random weights (``initializer_range``).
 INIT_STD = 0.2
+#: The embedding's rows are the tokenizer's size rounded up to a multiple of this.
+VOCAB_MULTIPLE = 64
 
 _COMMON: dict[str, Any] = dict(
     hidden_size=64,
@@ -42,7 +49,7 @@ _ALTERNATING = ["sliding_attention", "full_attention"]
 def _llama(**kw: Any):
     from transformers import LlamaConfig
 
-    return LlamaConfig(**_COMMON, **kw)
+    return LlamaConfig(**{**_COMMON, **kw})
 
 
 def _llama3(**kw: Any):
@@ -155,34 +162,71 @@ ARCHITECTURES: dict[str, Callable[..., Any]] = {
 }
 
 
-def zoo_config(name: str, **overrides: Any):
-    """The config of architecture ``name`` with the character tokenizer's vocabulary and
-    special tokens; ``overrides`` replace single fields."""
-    from posttrain.models.tiny import BOS, END, PAD, build_tokenizer
+#: Architecture name -> the chat format (:data:`posttrain.testing.chat_formats.FORMATS`) of its family.
+CHAT_FORMATS: dict[str, str] = {
+    "llama": "llama3",
+    "llama3": "llama3",
+    "llama_tied": "llama3",  # Llama 3.2 1B and 3B tie their embeddings
+    "qwen2": "chatml",
+    "qwen3": "chatml_generation",
+    "mistral": "mistral",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+    "phi3": "phi3",
+    "olmo2": "olmo2",
+    "qwen3_moe": "chatml_generation",
+    "mixtral": "mistral",
+}
+#: ``tokenizer`` values of :func:`zoo_tokenizer`.
+TOKENIZERS = ("chat", "character")
+
+
+def zoo_tokenizer(name: str, tokenizer: str = "chat") -> Any:
+    """Architecture ``name``'s tokenizer: its family's BPE and chat format (``chat``) or the
+    character-level tokenizer (``character``)."""
+    from posttrain.models.tiny import build_tokenizer
+    from posttrain.testing.chat_formats import build_chat_tokenizer
 
     if name not in ARCHITECTURES:
         raise KeyError(f"unknown zoo architecture {name!r}; known: {', '.join(ARCHITECTURES)}")
-    tokenizer = build_tokenizer()
+    if tokenizer not in TOKENIZERS:
+        raise KeyError(f"unknown zoo tokenizer {tokenizer!r}; known: {', '.join(TOKENIZERS)}")
+    return build_chat_tokenizer(CHAT_FORMATS[name]) if tokenizer == "chat" else build_tokenizer()
+
+
+def _stop_ids(name: str, tokenizer: str, tok: Any) -> list[int]:
+    """The ids generation stops at: the family's end-of-turn and end-of-text tokens."""
+    from posttrain.testing.chat_formats import FORMATS
+
+    stops = FORMATS[CHAT_FORMATS[name]].stops if tokenizer == "chat" else (tok.eos_token,)
+    return [tok.convert_tokens_to_ids(t) for t in stops]
+
+
+def zoo_config(name: str, *, tokenizer: str = "chat", **overrides: Any):
+    """The config of architecture ``name`` sized for its ``tokenizer`` (see :func:`zoo_tokenizer`),
+    with its special tokens; ``overrides`` replace single fields."""
+    tok = zoo_tokenizer(name, tokenizer)
     ids = dict(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
-        bos_token_id=tokenizer.convert_tokens_to_ids(BOS),
-        eos_token_id=tokenizer.convert_tokens_to_ids(END),
+        vocab_size=-(-len(tok) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
     )
     config = ARCHITECTURES[name](**{**ids, **overrides})
     config.dtype = torch.float32
     return config
 
 
-def build_zoo_model(path: str | Path, name: str, *, seed: int = 0, **overrides: Any) -> Path:
-    """Write a seeded random model of architecture ``name`` and the character tokenizer to
-    ``path`` as a Hugging Face folder; return it. The same arguments give the same weights."""
+def build_zoo_model(path: str | Path, name: str, *, seed: int = 0, tokenizer: str = "chat", **overrides: Any) -> Path:
+    """Write a seeded random model of architecture ``name`` and its ``tokenizer`` (see
+    :func:`zoo_tokenizer`) to ``path`` as a Hugging Face folder; return it. Its generation
+    config stops at the family's end-of-turn and end-of-text tokens. The same arguments give
+    the same weights."""
     from transformers import AutoModelForCausalLM
 
-    from posttrain.models.tiny import build_tokenizer
-
     path = Path(path)
-    config = zoo_config(name, **overrides)
+    tok = zoo_tokenizer(name, tokenizer)
+    config = zoo_config(name, tokenizer=tokenizer, **overrides)
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
@@ -190,7 +234,9 @@ def build_zoo_model(path: str | Path, name: str, *, seed: int = 0, **overrides: 
     finally:
         torch.random.set_rng_state(state)
     model.generation_config.pad_token_id = config.pad_token_id
+    model.generation_config.bos_token_id = config.bos_token_id
+    model.generation_config.eos_token_id = _stop_ids(name, tokenizer, tok)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
-    build_tokenizer().save_pretrained(path)
+    tok.save_pretrained(path)
     return path

@@ -98,3 +98,27 @@ def test_posttrain_plugins_lists_the_backends_with_lora():
     assert not lines[megatron + 2].startswith("  features"), lines[megatron : megatron + 3]
     vllm = lines.index("  generation backend: vllm")
     assert lines[vllm + 2] == "  features: LoRA adapters sent by refit (policy.lora.refit: adapter)"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_all_linear_on_a_mixture_of_experts_adapts_its_linear_layers(tmp_path, zoo_model, arch):
+    """The experts are packed 3-D parameters, not linear layers: all-linear leaves them (and the
+    router, which is not a linear layer either) frozen; naming them is refused listing the
+    model's own linear layers, not peft's (``base_layer``, ``default``)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from posttrain.config.schema import LoraConfig, PolicyConfig, RunConfig
+    from posttrain_dtensor.lora import attach_adapters
+
+    load_config(config_file(tmp_path, zoo_model(arch), "target_modules: all-linear"))
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(zoo_model(arch)))
+    config = RunConfig(policy=PolicyConfig(model=zoo_model(arch), lora=LoraConfig(enabled=True)))
+    adapted = attach_adapters(lm, config)
+    assert sorted({path.rsplit(".", 1)[1] for path in adapted}) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert len(adapted) == 8  # four projections in each of two layers
+    message = refusal(tmp_path, zoo_model(arch), "target_modules: [experts]")
+    assert message.startswith(f"policy.lora.target_modules: ['experts'] matches 'model.layers.0.mlp.experts', a "
+                              f"{type(lm.model.layers[0].mlp.experts).__name__}; the dtensor backend adapts linear "
+                              "layers only: k_proj, o_proj, q_proj, v_proj. Where set:"), message

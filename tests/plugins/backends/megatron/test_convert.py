@@ -42,9 +42,10 @@ def _hf_model(path: str):
     return model.config, state
 
 
-@pytest.fixture(params=["llama", "qwen2"])
-def hf_model(request, llama_path, qwen2_path):
-    return _hf_model(llama_path if request.param == "llama" else qwen2_path)
+@pytest.fixture(params=["llama", "qwen2", "qwen3"])
+def hf_model(request, llama_path, qwen2_path, zoo_model):
+    """Llama; Qwen2 (q/k/v biases, tied); Qwen3 (q/k norms, tied)."""
+    return _hf_model({"llama": llama_path, "qwen2": qwen2_path, "qwen3": zoo_model("qwen3")}[request.param])
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -107,7 +108,7 @@ def test_architecture_maps_the_hf_config(llama_path, qwen2_path):
 def test_unsupported_architectures_are_refused_with_the_field(llama_path):
     from transformers import GPT2Config, LlamaConfig
 
-    with pytest.raises(ConfigError, match="converts model types llama, qwen2, mistral; this model's config.json has "
+    with pytest.raises(ConfigError, match="converts model types llama, qwen2, qwen3, mistral; this model's config.json has "
                                           "model_type 'gpt2'. Use policy.backend=dtensor for it"):
         Architecture.from_hf_config(GPT2Config())
     with pytest.raises(ConfigError, match="sets hidden_act='gelu'"):
@@ -149,7 +150,7 @@ def test_gemma_models_are_refused_before_any_worker_starts(zoo_model, mg, arch, 
     the model's config.json and refuses it with the backend to use instead."""
     from posttrain.config.validate import validate_config
 
-    message = (f"policy.model: the megatron backend converts model types llama, qwen2, mistral; this model's "
+    message = (f"policy.model: the megatron backend converts model types llama, qwen2, qwen3, mistral; this model's "
                f"config.json has model_type '{model_type}'{caps}. Use policy.backend=dtensor for it")
     with pytest.raises(ConfigError) as refused:
         validate_config(mg.policy_config(zoo_model(arch)))

@@ -1,6 +1,7 @@
 """Two megatron ranks in each parallel layout, against dtensor on the same weights and the
 float64 reference: tensor parallel, tensor + sequence parallel on Qwen2 (q/k/v biases, tied
-embeddings), pipeline parallel (megatron-core's 1F1B schedule over gloo), and data parallel
+embeddings), tensor parallel on Qwen3 (per-head q/k norms, whose gradients megatron-core
+sums over the ranks), pipeline parallel (megatron-core's 1F1B schedule over gloo), and data parallel
 with the distributed optimizer (AdamW, against a float64 transformers + torch AdamW run).
 
 SGD layouts use lr=1, so a step's weight change is the gradient; every layout trains with
@@ -27,6 +28,7 @@ LAYOUTS = {
     "tp2": ("llama", dict(num_workers=2, tensor_parallel_size=2), (1, 2, 1)),
     "qwen2_tp2_sp": ("qwen2", dict(num_workers=2, tensor_parallel_size=2,
                                    megatron=MegatronConfig(sequence_parallel=True)), (1, 2, 1)),
+    "qwen3_tp2": ("qwen3", dict(num_workers=2, tensor_parallel_size=2), (1, 2, 1)),
     "pp2": ("llama", dict(num_workers=2, megatron=MegatronConfig(pipeline_parallel_size=2)), (1, 1, 2)),
     "dp2_distopt": ("llama", dict(num_workers=2, optimizer=ADAMW,
                                   megatron=MegatronConfig(distributed_optimizer=True)), (2, 1, 1)),
@@ -35,15 +37,20 @@ LAYOUTS = {
 
 #: Pipeline parallel and the distributed optimizer start their own worker groups too; with
 #: them the module takes more than two minutes on two cores.
-SLOW_LAYOUTS = ("pp2", "dp2_distopt")
+SLOW_LAYOUTS = ("pp2", "dp2_distopt", "qwen3_tp2")
 
 
 @pytest.fixture(scope="module", params=[
     pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name for name in LAYOUTS
 ])
-def setup(request, llama_path, qwen2_path, virtual_cluster, mg):
+def setup(request, llama_path, qwen2_path, virtual_cluster, mg, tmp_path_factory):
     model, overrides, _ = LAYOUTS[request.param]
-    path = llama_path if model == "llama" else qwen2_path
+    if model == "qwen3":
+        from posttrain.testing.zoo import build_zoo_model
+
+        path = str(build_zoo_model(tmp_path_factory.mktemp("qwen3_kv2"), "qwen3", num_key_value_heads=2))
+    else:
+        path = llama_path if model == "llama" else qwen2_path
     policy = MegatronPolicy(mg.policy_config(path, train_micro_batch_size=2, **overrides), virtual_cluster,
                             name=f"megatron-{request.param}")
     yield dict(policy=policy, layout=request.param, model_path=path, batch=mg.make_batch(),

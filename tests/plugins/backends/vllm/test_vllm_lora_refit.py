@@ -9,6 +9,8 @@ backend's merged refit: ``tests/plugins/backends/hf/test_hf_dtensor_refit.py``."
 from __future__ import annotations
 
 import importlib.util
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,17 +49,27 @@ def lora_config(model: str, backend: str, mode: str) -> RunConfig:
     )
 
 
+def adapter_folders() -> set[Path]:
+    """The folders engines receive adapters into (``posttrain-adapter-*`` in the temporary folder)."""
+    return set(Path(tempfile.gettempdir()).glob("posttrain-adapter-*"))
+
+
 @pytest.mark.parametrize("mode", ["merged", "adapter"])
 def test_lora_refit_gives_the_policys_logprobs(ray_cluster, vllm_model_path, mode):
+    """...and an adapter refit's folder is gone once the engines are shut down."""
     config = lora_config(vllm_model_path, "vllm", mode)
     cluster = VirtualCluster(config.cluster)
+    before = adapter_folders()
     policy = plugin_host().policy_backends["dtensor"](config, cluster)
     generation = plugin_host().generation_backends["vllm"](config, cluster)
     try:
         stats = check_trained_policy_refit(policy, generation, PROMPTS, bucket_bytes=20_000, steps=2, max_difference=1e-5)
+        used = adapter_folders() - before
     finally:
         generation.shutdown()
         policy.shutdown()
+    assert len(used) == (mode == "adapter")
+    assert not used & adapter_folders(), f"left behind: {sorted(used & adapter_folders())}"
     model = sum(p.numel() for p in _base(vllm_model_path).parameters())
     assert stats.bytes_moved == 4 * (model if mode == "merged" else policy_adapter_numel(vllm_model_path, rank=8))
 

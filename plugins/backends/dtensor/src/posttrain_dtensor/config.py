@@ -7,6 +7,7 @@ holds only what is specific to FSDP2 / tensor parallel training.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
 import attrs
@@ -52,7 +53,9 @@ class DTensorConfig:
 
 def validate_policy_config(config: RunConfig) -> None:
     """The dtensor backend's own checks, before any worker starts (core checks the parallel
-    and batch arithmetic, and ``policy.lora``'s values): with LoRA, that
+    and batch arithmetic, and ``policy.lora``'s values): that the model's config is one the
+    backend computes right and, with tensor parallel, whose plan it serves
+    (:func:`~posttrain_dtensor.parallel.check_model_fits`); with LoRA, that
     ``policy.lora.target_modules`` adapts linear layers of the model."""
     p = config.policy
     if p.sequence_packing.enabled and p.dynamic_batching.enabled:
@@ -71,6 +74,7 @@ def validate_policy_config(config: RunConfig) -> None:
         )
     if config.generation.exact_logprobs:
         check_exact_logprobs(config, options)
+    check_model(config)
     if p.lora.enabled:
         from posttrain_dtensor.lora import check_targets
 
@@ -100,3 +104,23 @@ def check_exact_logprobs(config: RunConfig, options: DTensorConfig) -> None:
     if problems:
         message, where = problems[0]
         raise ConfigError(f"{key} is true, but {message}.{where_set(config, key, where)}")
+
+
+def check_model(config: RunConfig) -> None:
+    """:func:`~posttrain_dtensor.parallel.check_model_fits` on ``policy.model``'s config; where
+    FSDP will shard the model (several ranks, or a compute dtype other than float32), that a
+    weightless copy of it has the decoder layers FSDP wraps. A folder without ``config.json``
+    is left to the model-folder checks, which name what is missing."""
+    p = config.policy
+    if not (Path(p.model) / "config.json").is_file():
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from posttrain_dtensor.parallel import check_model_fits, decoder_layers
+
+    model_config = AutoConfig.from_pretrained(p.model)
+    check_model_fits(model_config, p.tensor_parallel_size)
+    if p.head == "lm" and (p.num_workers > 1 or p.dtype != "float32"):
+        with torch.device("meta"):
+            decoder_layers(AutoModelForCausalLM.from_config(model_config))

@@ -10,7 +10,9 @@ the adapted model computes exactly the base model until the first step.
 Tensor parallel (:func:`tensor_parallel_plan`): the base layer takes its planned style and
 the adapter matrix on the same side of the split follows it (column-wise: ``B``, split by
 output rows like the base weight; row-wise: ``A``, split by input columns); the other
-matrix (``rank`` wide) stays whole on every tensor-parallel rank.
+matrix (``rank`` wide) stays whole on every tensor-parallel rank. Under the styles whose
+layer gathers its output or splits its input itself (``colwise_gather_output``,
+``rowwise_split_input``) the adapter sees and gives whole activations: both matrices stay whole.
 
 The reference policy is the base model: :func:`adapters_disabled` turns the adapters off
 for a pass, so no second copy of the weights is kept.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import re
 import types
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -40,17 +43,18 @@ if TYPE_CHECKING:
 
 #: peft's name of the one adapter the policy trains.
 ADAPTER = "default"
-#: Which adapter matrix is split like the base weight under each tensor-parallel style.
+#: Which adapter matrix is split like the base weight under each tensor-parallel style; under
+#: the others (whose layers take or give whole activations) both stay whole.
 SHARDED_MATRIX = {"colwise": "lora_B", "rowwise": "lora_A"}
 
 
-def peft_config(options: LoraConfig) -> peft.LoraConfig:
-    """``policy.lora`` as peft's ``LoraConfig`` (no bias, B initialised to zero). peft is
-    imported only where LoRA is used, so full fine-tuning ranks never load it."""
+def peft_config(options: LoraConfig, targets: list[str] | str) -> peft.LoraConfig:
+    """``policy.lora`` as peft's ``LoraConfig`` adapting ``targets`` (no bias, B initialised
+    to zero). peft is imported only where LoRA is used, so full fine-tuning ranks never load it."""
     import peft
 
     return peft.LoraConfig(
-        r=options.rank, lora_alpha=options.alpha, lora_dropout=options.dropout, target_modules=options.target_modules,
+        r=options.rank, lora_alpha=options.alpha, lora_dropout=options.dropout, target_modules=targets,
         bias="none", task_type="CAUSAL_LM",
     )
 
@@ -64,37 +68,49 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 def attach_adapters(lm: nn.Module, config: RunConfig) -> dict[str, nn.Module]:
     """Inject ``policy.lora``'s adapters into the causal LM ``lm`` in place and freeze every
-    other parameter; return the adapted layers by module path. Raises :class:`ConfigError`
-    when ``target_modules`` matches nothing, the output head, or a layer that is not linear."""
+    other parameter; return the adapted layers by module path. ``all-linear`` adapts the
+    linear layers but the output head, by name (:func:`linear_names`): the packed experts of a
+    mixture of experts are parameters, not linear layers, and stay frozen (peft's own
+    ``all-linear`` would wrap them). Raises :class:`ConfigError` when ``target_modules``
+    matches nothing, the output head, or a module that is not linear."""
     import peft
 
     options = config.policy.lora
     key = "policy.lora.target_modules"
-    head = lm.get_output_embeddings()  # before peft wraps it
-    try:
-        peft.inject_adapter_in_model(peft_config(options), lm, adapter_name=ADAPTER)
-    except peft.utils.error.NoMatchingPeftModuleError:
+    head = lm.get_output_embeddings()
+    names = linear_names(lm)
+    targets = names if options.target_modules == "all-linear" else options.target_modules
+    matched = {path: module for path, module in lm.named_modules() if path and _targeted(targets, path)}
+    if not matched:
         raise ConfigError(
             f"{key}: {options.target_modules!r} matches no module of the model '{config.policy.model}'. Its linear "
-            f"layers (the output head aside) are named {', '.join(linear_names(lm))} (a list entry matches a name "
+            f"layers (the output head aside) are named {', '.join(names)} (a list entry matches a name "
             f"or a path ending in '.name'; a string is a regular expression over full paths such as "
             f"'{next(_linear_paths(lm), 'model.layers.0.mlp.up_proj')}'; all-linear takes every linear layer but "
             f"the output head).{where_set(config, key)}"
-        ) from None
-    layers = lora_layers(lm)
-    for name, layer in layers.items():
-        if layer.get_base_layer() is head:
+        )
+    for path, module in matched.items():
+        if module is head:
             raise ConfigError(
-                f"{key}: {options.target_modules!r} puts an adapter on the output head '{name}', which the dtensor "
+                f"{key}: {options.target_modules!r} puts an adapter on the output head '{path}', which the dtensor "
                 f"backend applies in vocabulary chunks from its weight alone; leave it out (all-linear does)."
                 f"{where_set(config, key)}"
             )
-        if not isinstance(layer.get_base_layer(), nn.Linear):
+        if not isinstance(module, nn.Linear):
             raise ConfigError(
-                f"{key}: {options.target_modules!r} matches '{name}', a {type(layer.get_base_layer()).__name__}; "
-                f"the dtensor backend adapts linear layers only: {', '.join(linear_names(lm))}.{where_set(config, key)}"
+                f"{key}: {options.target_modules!r} matches '{path}', a {type(module).__name__}; the dtensor backend "
+                f"adapts linear layers only: {', '.join(names)}.{where_set(config, key)}"
             )
-    return layers
+    peft.inject_adapter_in_model(peft_config(options, targets), lm, adapter_name=ADAPTER)
+    return lora_layers(lm)
+
+
+def _targeted(targets: list[str] | str, path: str) -> bool:
+    """Whether peft adapts the module at ``path`` for ``target_modules=targets``: a string is
+    a regular expression over the whole path, a list entry a name or the end of the path."""
+    if isinstance(targets, str):
+        return re.fullmatch(targets, path) is not None
+    return any(path == name or path.endswith(f".{name}") for name in targets)
 
 
 def _linear_paths(lm: nn.Module) -> Iterator[str]:
@@ -119,7 +135,7 @@ def check_targets(config: RunConfig) -> None:
     attach_adapters(lm, config)
 
 
-def _matches(pattern: str, path: str) -> bool:
+def plan_key_matches(pattern: str, path: str) -> bool:
     """Whether a tensor-parallel plan key (``layers.*.mlp.up_proj``) names module ``path``."""
     atoms, parts = pattern.split("."), path.split(".")
     return len(atoms) == len(parts) and all(fnmatch.fnmatchcase(p, a) for a, p in zip(atoms, parts, strict=True))
@@ -132,16 +148,17 @@ def tensor_parallel_plan(base_model: nn.Module, plan: dict[str, str]) -> dict[st
     adapted = lora_layers(base_model)
     out: dict[str, str] = {}
     for pattern, style in plan.items():
-        hits = [path for path in adapted if _matches(pattern, path)]
+        hits = [path for path in adapted if plan_key_matches(pattern, path)]
         if not hits:
             out[pattern] = style
             continue
         for path, _ in base_model.named_modules():
-            if not _matches(pattern, path):
+            if not plan_key_matches(pattern, path):
                 continue
             if path in adapted:
                 out[f"{path}.base_layer"] = style
-                out[f"{path}.{SHARDED_MATRIX[style]}.{ADAPTER}"] = style
+                if style in SHARDED_MATRIX:
+                    out[f"{path}.{SHARDED_MATRIX[style]}.{ADAPTER}"] = style
             else:
                 out[path] = style
     return out

@@ -2,9 +2,11 @@
 
 The mesh has axes ``("dp", "tp")``. Tensor parallel follows the model's own
 ``base_model_tp_plan`` (transformers ships one per architecture: column-wise q/k/v/gate/up,
-row-wise o/down), applied with ``parallelize_module`` over the ``tp`` axis. The language-
-model head and embeddings stay whole across ``tp`` (the head is applied in vocabulary
-chunks, see :mod:`posttrain.backend.logprobs`). FSDP2 ``fully_shard`` then shards every
+row-wise o/down), applied with ``parallelize_module`` over the ``tp`` axis; the styles it
+serves are :data:`TP_STYLES` and :data:`WHOLE_STYLES` (:func:`check_tensor_parallel` refuses
+a plan with others when the config is validated). The language-model head and embeddings
+stay whole across ``tp`` (the head is applied in vocabulary chunks, see
+:mod:`posttrain.backend.logprobs`), tied or not. FSDP2 ``fully_shard`` then shards every
 decoder layer and the root over the ``dp`` axis.
 
 The root FSDP unit is :class:`CausalLMHead`, a thin module around the Hugging Face model
@@ -18,16 +20,32 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from posttrain.errors import ConfigError
-from posttrain_dtensor.lora import tensor_parallel_plan
+from posttrain_dtensor.lora import plan_key_matches, tensor_parallel_plan
 
-#: Hugging Face tensor-parallel styles this backend applies, by their names in ``base_model_tp_plan``.
-TP_STYLES: dict[str, Callable[[], object]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+#: Hugging Face tensor-parallel styles this backend applies with ``parallelize_module``, by
+#: their names in ``base_model_tp_plan``: a column-wise layer gives its shard of the output
+#: features (``colwise``) or, gathered, all of them (``colwise_gather_output``: Phi-3's fused
+#: projections, OLMo 2's q/k/v, whose norms span every head); a row-wise one takes its shard of
+#: the input features (``rowwise``) or splits whole ones itself (``rowwise_split_input``).
+TP_STYLES: dict[str, Callable[[], object]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+}
+#: Styles served by keeping the module whole on every tensor-parallel rank:
+#: ``embedding_rowwise`` (the embedding, whole like the head that reads it, tied or not) and
+#: ``replicated_with_grad_allreduce`` (Qwen 3's and Gemma 3's q/k norms, which see each rank's
+#: own heads: their gradients are summed over the ranks, :func:`sum_gradients`).
+WHOLE_STYLES = ("embedding_rowwise", "replicated_with_grad_allreduce")
 
 Head = Callable[[torch.Tensor, torch.Tensor], object]
 
@@ -82,7 +100,8 @@ def output_softcap(lm: nn.Module) -> float | None:
 
 
 def check_model_fits(config: object, tp_size: int) -> None:
-    """Refuse models this backend would get wrong, before any weight moves."""
+    """Refuse, from the model's config alone, a model this backend would get wrong or a
+    tensor-parallel layout it cannot serve (:func:`check_tensor_parallel`)."""
     if getattr(config, "logit_scale", None):
         raise ConfigError(
             "policy.model: the model config sets 'logit_scale', which the dtensor backend's chunked logprob "
@@ -96,36 +115,64 @@ def check_model_fits(config: object, tp_size: int) -> None:
                     f"policy.tensor_parallel_size={tp_size} does not divide the model's {key}={heads}; "
                     "choose a tensor-parallel size that divides both attention head counts"
                 )
+        check_tensor_parallel(config)
 
 
-def apply_tensor_parallel(lm: nn.Module, tp_mesh: DeviceMesh, *, adapters: bool = False) -> None:
-    """Shard ``lm``'s decoder over ``tp_mesh`` following its ``base_model_tp_plan`` (with
-    ``adapters``, as :func:`posttrain_dtensor.lora.tensor_parallel_plan` extends it to the
-    LoRA layers)."""
-    plan = dict(getattr(lm.config, "base_model_tp_plan", None) or {})
+def check_tensor_parallel(config: object) -> None:
+    """Refuse a model whose ``base_model_tp_plan`` is missing or uses a style this backend
+    does not serve, naming the entries and the styles it does."""
+    model_type = getattr(config, "model_type", "?")
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not plan:
         raise ConfigError(
-            f"policy.tensor_parallel_size > 1, but the model type '{lm.config.model_type}' has no "
-            "base_model_tp_plan in transformers; set policy.tensor_parallel_size=1"
+            f"policy.tensor_parallel_size > 1, but the model type '{model_type}' has no base_model_tp_plan in "
+            "transformers; set policy.tensor_parallel_size=1 (FSDP over policy.num_workers shards it)"
         )
-    unsupported = {name: style for name, style in plan.items() if style not in TP_STYLES}
+    unsupported = {name: style for name, style in plan.items() if style not in (*TP_STYLES, *WHOLE_STYLES)}
     if unsupported:
+        experts = any(style in ("packed_colwise", "moe_tp_experts") for style in unsupported.values())
+        what = " (the packed experts of a mixture of experts, which it does not split)" if experts else ""
         raise ConfigError(
-            f"policy.tensor_parallel_size > 1: the model's tensor-parallel plan uses styles the dtensor "
-            f"backend does not implement: {unsupported}; supported: {sorted(TP_STYLES)}. "
-            "Set policy.tensor_parallel_size=1 for this model"
+            f"policy.tensor_parallel_size > 1: the tensor-parallel plan of model type '{model_type}' uses styles "
+            f"the dtensor backend does not implement{what}: {unsupported}; it implements "
+            f"{', '.join(sorted((*TP_STYLES, *WHOLE_STYLES)))}. Set policy.tensor_parallel_size=1 for this model "
+            "(FSDP over policy.num_workers shards it)"
         )
+
+
+def apply_tensor_parallel(lm: nn.Module, tp_mesh: DeviceMesh, *, adapters: bool = False) -> list[nn.Module]:
+    """Shard ``lm``'s decoder over ``tp_mesh`` following its ``base_model_tp_plan`` (with
+    ``adapters``, as :func:`posttrain_dtensor.lora.tensor_parallel_plan` extends it to the
+    LoRA layers; the plan was checked by :func:`check_tensor_parallel`). Returns the modules
+    whose parameters' gradients :func:`sum_gradients` must sum over the ranks."""
+    plan = dict(lm.config.base_model_tp_plan)
+    summed = [name for name, style in plan.items() if style == "replicated_with_grad_allreduce"]
+    plan = {name: style for name, style in plan.items() if style in TP_STYLES}
     if adapters:
         plan = tensor_parallel_plan(lm.base_model, plan)
     parallelize_module(lm.base_model, tp_mesh, {name: TP_STYLES[style]() for name, style in plan.items()})
+    return [module for path, module in lm.base_model.named_modules()
+            if any(plan_key_matches(pattern, path) for pattern in summed)]
+
+
+def sum_gradients(modules: list[nn.Module], group: dist.ProcessGroup) -> None:
+    """Sum the gradients of ``modules``' own parameters over ``group`` in place (each rank
+    holds the share of its tensor-parallel shard's heads). Under FSDP a gradient is the
+    rank's data-parallel shard, which every tensor-parallel rank holds alike."""
+    for module in modules:
+        for param in module.parameters(recurse=False):
+            if param.grad is not None:
+                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                dist.all_reduce(grad, group=group)
 
 
 def decoder_layers(lm: nn.Module) -> nn.ModuleList:
     layers = getattr(lm.base_model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ConfigError(
-            f"policy.model: cannot find the decoder layers of model type '{lm.config.model_type}' "
-            "(expected a ModuleList at base_model.layers)"
+            f"policy.model: cannot find the decoder layers of model type '{lm.config.model_type}' (expected a "
+            "ModuleList at base_model.layers, as Llama, Qwen, Mistral, Gemma, Phi-3 and OLMo 2 have), which FSDP "
+            "shards one by one; train it on one rank in float32 (policy.num_workers=1, policy.dtype=float32)"
         )
     return layers
 

@@ -69,9 +69,9 @@ from posttrain_dtensor.parallel import (
     apply_fsdp,
     apply_tensor_parallel,
     build_mesh,
-    check_model_fits,
     output_softcap,
     reshard_all,
+    sum_gradients,
 )
 from posttrain_dtensor.rows import ModelRows, exact_rows, microbatch_rows
 from posttrain_dtensor.segment_attention import EXACT_SEGMENT_SDPA, SEGMENT_SDPA
@@ -122,6 +122,8 @@ class DTensorPolicyWorker(PolicyWorker):
         self.exact = config.generation.exact_logprobs
         #: With LoRA: the adapted layers' module paths (in the Hugging Face model) and scales.
         self.adapter_scales: dict[str, float] = {}
+        #: Modules whose gradients are summed over the tensor-parallel ranks after backward.
+        self.tp_summed: list[torch.nn.Module] = []
         self.model = self._build_model(config, options)
         #: The soft-cap of the model's logits (Gemma 2's final_logit_softcapping), applied by the chunked head.
         self.logit_softcap = output_softcap(self.model.lm)
@@ -167,7 +169,6 @@ class DTensorPolicyWorker(PolicyWorker):
             lm.config.architectures = [type(lm).__name__]  # what the exported folder loads as
         else:
             lm = AutoModelForCausalLM.from_pretrained(policy.model, **load)
-        check_model_fits(lm.config, policy.tensor_parallel_size)
         if policy.lora.enabled:
             torch.manual_seed(config.seed)  # the same adapters on every rank, whatever loading drew
             layers = attach_adapters(lm, config)
@@ -177,7 +178,7 @@ class DTensorPolicyWorker(PolicyWorker):
         if options.activation_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if policy.tensor_parallel_size > 1:
-            apply_tensor_parallel(lm, self.mesh["tp"], adapters=bool(self.adapter_scales))
+            self.tp_summed = apply_tensor_parallel(lm, self.mesh["tp"], adapters=bool(self.adapter_scales))
         if self.world_size == 1 and self.compute_dtype == torch.float32:
             # Nothing to shard or cast: FSDP would only copy every weight in and out of its
             # gather buffers twice per step and every gradient through its reduce buffers.
@@ -361,6 +362,7 @@ class DTensorPolicyWorker(PolicyWorker):
         return result
 
     def _optimizer_step(self) -> float:
+        sum_gradients(self.tp_summed, self.mesh["tp"].get_group())
         norm = total_grad_norm(self.trained)
         max_norm = self.config.policy.max_grad_norm
         if max_norm is not None:

@@ -37,7 +37,7 @@ import torch
 from posttrain.errors import ConfigError
 
 #: Hugging Face ``model_type`` values this backend converts.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 #: Soft-cap fields of Hugging Face configs (Gemma 2): megatron-core 0.16 caps neither scores nor logits.
 SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
@@ -59,6 +59,7 @@ class Architecture:
     vocab_size: int
     qkv_bias: bool
     tie_word_embeddings: bool
+    qk_norm: bool  # Qwen 3: an RMS norm over each query and key head (megatron-core's qk_layernorm)
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
@@ -68,7 +69,7 @@ class Architecture:
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> Architecture:
-        """Read a ``LlamaConfig``, ``Qwen2Config`` or ``MistralConfig``; raise
+        """Read a ``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config`` or ``MistralConfig``; raise
         :class:`ConfigError` naming the config field for anything megatron-core's ``GPTModel``
         would compute differently."""
         model_type = getattr(cfg, "model_type", None)
@@ -91,7 +92,7 @@ class Architecture:
             raise refuse("hidden_act", act, "'silu'")
         if getattr(cfg, "mlp_bias", False):
             raise refuse("mlp_bias", True, "false")
-        if model_type == "llama" and getattr(cfg, "attention_bias", False):
+        if model_type in ("llama", "qwen3") and getattr(cfg, "attention_bias", False):
             raise refuse("attention_bias", True, "false: megatron-core has no bias on o_proj alone")
         for field in ("attention_dropout", "hidden_dropout"):
             if getattr(cfg, field, 0.0):
@@ -110,6 +111,7 @@ class Architecture:
             vocab_size=cfg.vocab_size,
             qkv_bias=model_type == "qwen2",
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qk_norm=model_type == "qwen3",
             rms_norm_eps=cfg.rms_norm_eps,
             rope_theta=rope_theta,
             max_position_embeddings=cfg.max_position_embeddings,
@@ -138,6 +140,7 @@ class Architecture:
             activation_func=torch.nn.functional.silu,
             add_bias_linear=False,
             add_qkv_bias=self.qkv_bias,
+            qk_layernorm=self.qk_norm,
             hidden_dropout=0.0,
             attention_dropout=0.0,
             **self._window_kwargs(),
@@ -215,6 +218,14 @@ def layer_names(fused_norms: bool) -> dict[str, str]:
     }
 
 
+#: Megatron name (inside ``decoder.layers.<i>.``) of each per-layer Hugging Face tensor of
+#: Qwen 3's query and key norms.
+QK_NORM_NAMES = {
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+}
+
+
 def hf_names(arch: Architecture) -> list[str]:
     """Every Hugging Face tensor name of the model, in the order of its state dict."""
     names = ["model.embed_tokens.weight"]
@@ -224,6 +235,8 @@ def hf_names(arch: Architecture) -> list[str]:
         if arch.qkv_bias:
             attn = [n for x in "qkv" for n in (f"{p}self_attn.{x}_proj.weight", f"{p}self_attn.{x}_proj.bias")]
         names += attn + [f"{p}self_attn.o_proj.weight"]
+        if arch.qk_norm:
+            names += [p + name for name in QK_NORM_NAMES]
         names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
         names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
     names.append("model.norm.weight")
@@ -264,6 +277,8 @@ def megatron_names(arch: Architecture, *, fused_norms: bool = False) -> list[str
     per_layer = [*layer_names(fused_norms).values(), "self_attention.linear_qkv.weight", "mlp.linear_fc1.weight"]
     if arch.qkv_bias:
         per_layer.append("self_attention.linear_qkv.bias")
+    if arch.qk_norm:
+        per_layer += QK_NORM_NAMES.values()
     names = ["embedding.word_embeddings.weight"]
     names += [f"decoder.layers.{i}.{n}" for i in range(arch.num_layers) for n in per_layer]
     return [*names, "decoder.final_layernorm.weight", "output_layer.weight"]
@@ -286,7 +301,7 @@ def hf_sources(arch: Architecture, name: str, *, fused_norms: bool = False) -> l
         return [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"]
     if rest == "mlp.linear_fc1.weight":
         return [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
-    for hf_name, mg_name in layer_names(fused_norms).items():
+    for hf_name, mg_name in {**layer_names(fused_norms), **(QK_NORM_NAMES if arch.qk_norm else {})}.items():
         if rest == mg_name:
             return [p + hf_name]
     raise KeyError(f"'{name}' is not a tensor of a converted GPTModel")
@@ -337,6 +352,7 @@ def hf_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
         "self_attn.o_proj.weight": (h, q),
         "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
         "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
     }
     fixed = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
     return {n: fixed[n] if n in fixed else per_layer[n.split(".", 3)[3]] for n in hf_names(arch)}

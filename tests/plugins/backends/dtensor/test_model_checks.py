@@ -1,0 +1,66 @@
+"""Models and layouts the dtensor backend cannot serve are refused when the config is loaded,
+before Ray or any worker starts, from the model's config.json: a tensor-parallel plan with
+styles it does not implement (the packed experts of a mixture of experts), head counts the
+tensor-parallel size does not divide, logit scaling. The plans it does serve (tied
+embeddings, Qwen 3's and Gemma 3's q/k norms, Phi-3's and OLMo 2's gathered projections)
+are checked against transformers by the model matrix (tests/e2e/test_model_matrix.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from posttrain.config import load_config
+from posttrain.errors import ConfigError
+from posttrain.testing.zoo import build_zoo_model
+
+IMPLEMENTED = ("colwise, colwise_gather_output, embedding_rowwise, replicated_with_grad_allreduce, rowwise, "
+               "rowwise_split_input")
+
+
+def refusal(tmp_path, model: str, *overrides: str) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(f"policy:\n  backend: dtensor\n  model: {model}\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(str(path), list(overrides))
+    return str(error.value)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_tensor_parallel_experts_are_refused_naming_the_styles(tmp_path, arch):
+    model = str(build_zoo_model(tmp_path / arch, arch, num_key_value_heads=2))
+    message = refusal(tmp_path, model, "policy.num_workers=2", "policy.tensor_parallel_size=2")
+    assert message == (
+        f"policy.tensor_parallel_size > 1: the tensor-parallel plan of model type '{arch}' uses styles the dtensor "
+        "backend does not implement (the packed experts of a mixture of experts, which it does not split): "
+        "{'layers.*.mlp.experts.gate_up_proj': 'packed_colwise', 'layers.*.mlp.experts': 'moe_tp_experts'}; it "
+        f"implements {IMPLEMENTED}. Set policy.tensor_parallel_size=1 for this model (FSDP over policy.num_workers "
+        "shards it)"
+    )
+
+
+def test_head_counts_tensor_parallel_does_not_divide_are_refused(tmp_path, zoo_model):
+    message = refusal(tmp_path, zoo_model("qwen3"), "policy.num_workers=2", "policy.tensor_parallel_size=2")
+    assert message == ("policy.tensor_parallel_size=2 does not divide the model's num_key_value_heads=1; choose a "
+                       "tensor-parallel size that divides both attention head counts")
+
+
+def test_logit_scaling_is_refused(tmp_path):
+    model = str(build_zoo_model(tmp_path / "scaled", "llama", logit_scale=0.25))
+    assert refusal(tmp_path, model).startswith("policy.model: the model config sets 'logit_scale', which the dtensor "
+                                               "backend's chunked logprob head does not apply")
+
+
+def test_a_model_without_decoder_layers_to_shard_is_refused(tmp_path):
+    """GPT-2 keeps its blocks at ``transformer.h``: FSDP over two ranks cannot wrap them."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from posttrain.models.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=1, n_head=2)).save_pretrained(tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    assert refusal(tmp_path, str(tmp_path / "gpt2"), "policy.num_workers=2") == (
+        "policy.model: cannot find the decoder layers of model type 'gpt2' (expected a ModuleList at "
+        "base_model.layers, as Llama, Qwen, Mistral, Gemma, Phi-3 and OLMo 2 have), which FSDP shards one by one; "
+        "train it on one rank in float32 (policy.num_workers=1, policy.dtype=float32)"
+    )
