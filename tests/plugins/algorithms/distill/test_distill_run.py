@@ -75,4 +75,4 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_anything_starts(tiny
         "the teacher only. On-policy distillation compares the teacher's and the student's next-token "
         "distributions token id by token id, so the teacher must use the student's tokenizer"
     )
-    assert read_metrics(tmp_path / "run" / "metrics.jsonl") == []  # nothing ran
+    assert not (tmp_path / "run").exists()  # nothing ran: the run folder it created is removed
