@@ -8,9 +8,10 @@ import importlib.util
 import subprocess
 import sys
 
+import attrs
 import pytest
 
-from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig, WorkerResources
+from posttrain.config.schema import ClusterConfig, GenerationConfig, PolicyConfig, RunConfig, WorkerResources
 from posttrain.config.validate import validate_config
 from posttrain.errors import ConfigError
 from posttrain_vllm.config import CPU_HEAD_SIZES
@@ -34,7 +35,9 @@ def test_unsupported_head_size_is_refused_before_ray_with_the_fix(tmp_path):
         "vLLM's CPU attention computes head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512 only; use "
         "generation.backend: hf, or a model with a supported head size"
     )
-    with_gpus = RunConfig(policy=config.policy, generation=GenerationConfig(backend="vllm", resources=WorkerResources(gpus=1)))
+    on_gpus = WorkerResources(gpus=1)
+    with_gpus = RunConfig(cluster=ClusterConfig(use_gpus=True), policy=attrs.evolve(config.policy, resources=on_gpus),
+                          generation=GenerationConfig(backend="vllm", colocated=False, resources=on_gpus))
     validate_config(with_gpus)  # engines on a GPU: the CUDA build's kernels decide
 
 
