@@ -44,3 +44,10 @@ def section_declares(host: PluginHost, section: str, feature: str) -> bool:
     """Whether the registered config section ``section`` declares ``feature`` (an attribute
     of :data:`FEATURES`)."""
     return section in host.config_sections and getattr(host.config_sections[section], feature, False) is True
+
+
+def backends_declaring(host: PluginHost, kind: str, feature: str) -> str:
+    """The registered ``kind`` backends (``policy`` or ``generation``) whose section declares
+    ``feature``, comma-separated, or ``none installed``: the list a refusal offers."""
+    registry = host.policy_backends if kind == "policy" else host.generation_backends
+    return ", ".join(name for name in registry if section_declares(host, f"{kind}.{name}", feature)) or "none installed"

@@ -30,7 +30,7 @@ import attrs
 
 from posttrain.config.environments import read_environment_options
 from posttrain.config.exact import BATCH_INVARIANT_FEATURE, EXACT_FEATURE, EXACT_KEY
-from posttrain.config.features import section_declares
+from posttrain.config.features import backends_declaring, section_declares
 from posttrain.config.requirements import section_requirements
 from posttrain.config.schema import RunConfig
 from posttrain.errors import ConfigError, PluginError
@@ -180,21 +180,21 @@ def check_lora(config: RunConfig, host: PluginHost) -> None:
             raise ConfigError(f"{key}: expected {expected}, found {value!r}.{where_set(config, key)}")
     backend = config.policy.backend
     if backend in host.policy_backends and not section_declares(host, f"policy.{backend}", "supports_lora"):
-        able = [name for name in host.policy_backends if section_declares(host, f"policy.{name}", "supports_lora")]
+        able = backends_declaring(host, "policy", "supports_lora")
         raise ConfigError(
             f"policy.lora.enabled is true, but the policy backend '{backend}' "
             f"({host.policy_backends.distribution_of(backend)}) does not implement LoRA; policy backends that do: "
-            f"{', '.join(able) or 'none installed'}. Set policy.backend to one of them, or policy.lora.enabled: false."
+            f"{able}. Set policy.backend to one of them, or policy.lora.enabled: false."
             f"{where_set(config, 'policy.lora.enabled', 'policy.backend')}"
         )
     engines = host.generation_backends
     generator = config.generation.backend
     adapters = "supports_lora_adapters"
     if lora.refit == "adapter" and generator in engines and not section_declares(host, f"generation.{generator}", adapters):
-        able = [name for name in engines if section_declares(host, f"generation.{name}", adapters)]
+        able = backends_declaring(host, "generation", adapters)
         raise ConfigError(
             f"policy.lora.refit is adapter, but the generation backend '{generator}' ({engines.distribution_of(generator)}) "
-            f"does not load LoRA adapters; generation backends that do: {', '.join(able) or 'none installed'}. Set "
+            f"does not load LoRA adapters; generation backends that do: {able}. Set "
             f"generation.backend to one of them, or policy.lora.refit: merged (every backend loads merged weights)."
             f"{where_set(config, 'policy.lora.refit', 'generation.backend')}"
         )
@@ -214,11 +214,11 @@ def check_generation_placement(config: RunConfig, host: PluginHost) -> None:
     where = where_set(config, "generation.in_policy_workers", "generation.backend")
     engines = host.generation_backends
     if gen.backend in engines and not section_declares(host, f"generation.{gen.backend}", "runs_in_policy_workers"):
-        able = [name for name in engines if section_declares(host, f"generation.{name}", "runs_in_policy_workers")]
+        able = backends_declaring(host, "generation", "runs_in_policy_workers")
         raise ConfigError(
             f"generation.in_policy_workers is true, but the generation backend '{gen.backend}' "
             f"({engines.distribution_of(gen.backend)}) runs its engines in processes of their own; backends that run "
-            f"in the policy's workers: {', '.join(able) or 'none installed'}. Set generation.backend to one of them, "
+            f"in the policy's workers: {able}. Set generation.backend to one of them, "
             f"or generation.in_policy_workers: false.{where}"
         )
     if not gen.colocated:
@@ -243,19 +243,19 @@ def check_exact_logprobs(config: RunConfig, host: PluginHost) -> None:
     gen, policy = config.generation, config.policy
     policies, engines = host.policy_backends, host.generation_backends
     if policy.backend in policies and not section_declares(host, f"policy.{policy.backend}", EXACT_FEATURE):
-        able = [name for name in policies if section_declares(host, f"policy.{name}", EXACT_FEATURE)]
+        able = backends_declaring(host, "policy", EXACT_FEATURE)
         raise ConfigError(
             f"{EXACT_KEY} is true, but the policy backend '{policy.backend}' ({policies.distribution_of(policy.backend)}) "
-            f"cannot score tokens as the engines do; backends that can: {', '.join(able) or 'none installed'}. Set "
+            f"cannot score tokens as the engines do; backends that can: {able}. Set "
             f"policy.backend to one of them, or {EXACT_KEY}: false.{where_set(config, EXACT_KEY, 'policy.backend')}"
         )
     exact = section_declares(host, f"generation.{gen.backend}", EXACT_FEATURE)
     if gen.backend in engines and not exact and not section_declares(host, f"generation.{gen.backend}", BATCH_INVARIANT_FEATURE):
-        able = [name for name in engines if section_declares(host, f"generation.{name}", EXACT_FEATURE)]
+        able = backends_declaring(host, "generation", EXACT_FEATURE)
         raise ConfigError(
             f"{EXACT_KEY} is true, but the generation backend '{gen.backend}' ({engines.distribution_of(gen.backend)}) "
             f"computes logprobs with kernels of its own; backends that report the trainer's: "
-            f"{', '.join(able) or 'none installed'}. Set generation.backend to one of them, or {EXACT_KEY}: false."
+            f"{able}. Set generation.backend to one of them, or {EXACT_KEY}: false."
             f"{where_set(config, EXACT_KEY, 'generation.backend')}"
         )
     problems = []
