@@ -25,6 +25,8 @@ the caller sums it over the group (megatron-core's tensor-parallel region functi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import attrs
 import torch
 import torch.distributed as dist
@@ -74,10 +76,12 @@ def _local_logsumexp(
 ) -> torch.Tensor:
     """``logsumexp(logits / temperature)`` per row over this rank's rows of ``weight``, one
     chunk at a time (-inf for a rank without rows); ``h`` already in the compute dtype."""
-    parts = [
-        torch.logsumexp(_logits(h, weight[v0:v0 + chunk_size], softcap) / temperature, dim=-1)
-        for v0 in _chunks(weight.shape[0], chunk_size)
-    ]
+    return _combined([torch.logsumexp(logits, dim=-1) for _, logits in _scaled_chunks(h, weight, chunk_size, temperature, softcap)], h)
+
+
+def _combined(parts: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp over chunks of their per-row log-sum-exps ``parts`` (-inf per row of
+    ``h`` when there are none)."""
     return torch.logsumexp(torch.stack(parts), dim=0) if parts else h.new_full(h.shape[:1], float("-inf"))
 
 
@@ -104,7 +108,12 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
     """``log_softmax(logits / temperature)[i, targets[i]]`` for every row ``i`` (``targets``
     [N]), or ``[i, targets[i, j]]`` for every row and column (``targets`` [N, K]); ``logits =
     hidden @ weight.T``, soft-capped with ``softcap``. The cap's derivative, ``1 -
-    tanh(z / softcap) ** 2`` at raw logit ``z``, scales each logit's gradient."""
+    tanh(z / softcap) ** 2`` at raw logit ``z``, scales each logit's gradient.
+
+    Both passes walk the vocabulary one chunk at a time: a target's logit is read from its
+    chunk's logits, and the backward writes each chunk's rows of the weight's gradient in the
+    weight's dtype, so no temporary exceeds ``[N, chunk]`` (``[N, K]`` for the targets) and
+    none is ``[N, K, hidden]`` or ``[vocabulary, hidden]`` in float32."""
 
     @staticmethod
     def forward(
@@ -119,75 +128,68 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
     ) -> torch.Tensor:
         dtype = _compute_dtype(hidden, weight)
         h = hidden.to(dtype)
-        lse = _local_logsumexp(h, weight, chunk_size, temperature, softcap)
         one = targets.dim() == 1  # one target per row: [N], else [N, K]
-        targets = targets[:, None] if one else targets
-        if shard is None:
-            local, inside = targets, None
-        else:
-            lse = _group_logsumexp(lse, shard.group)
-            local = targets - shard.start
-            inside = (local >= 0) & (local < weight.shape[0])
-            local = torch.where(inside, local, 0)
-        raw = (h[:, None, :] * weight[local].to(dtype)).sum(-1) if weight.shape[0] else h.new_zeros(targets.shape)
-        capped = raw if softcap is None else torch.tanh(raw / softcap) * softcap
-        target_logits = capped / temperature
+        local = (targets[:, None] if one else targets) - (shard.start if shard is not None else 0)
+        parts = []
+        target_logits = h.new_zeros(local.shape)  # stays 0 for targets on other ranks' rows
+        for v0, logits in _scaled_chunks(h, weight, chunk_size, temperature, softcap):
+            parts.append(torch.logsumexp(logits, dim=-1))
+            inside, column = _in_chunk(local, v0, logits.shape[1])
+            target_logits = torch.where(inside, logits.gather(1, column), target_logits)
+        lse = _combined(parts, h)
         if shard is not None:
-            target_logits = torch.where(inside, target_logits, 0.0)
+            lse = _group_logsumexp(lse, shard.group)
             dist.all_reduce(target_logits, group=shard.group)
-        # d(capped)/d(raw) at the targets: 1 - tanh^2, from the capped logits
-        slope = None if softcap is None else 1 - (capped / softcap) ** 2
-        ctx.save_for_backward(hidden, weight, local, lse, inside, slope)
-        ctx.chunk_size = chunk_size
-        ctx.temperature = temperature
-        ctx.softcap = softcap
-        ctx.one = one
+        ctx.save_for_backward(hidden, weight, local, lse)
+        ctx.chunk_size, ctx.temperature, ctx.softcap, ctx.one = chunk_size, temperature, softcap, one
         out = target_logits - lse[:, None]
         return out[:, 0] if one else out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        hidden, weight, local, lse, inside, slope = ctx.saved_tensors
+        hidden, weight, local, lse = ctx.saved_tensors
         chunk_size, temperature, softcap = ctx.chunk_size, ctx.temperature, ctx.softcap
         dtype = lse.dtype
         h = hidden.to(dtype)
-        # d(logprob)/d(logits) = (onehot - softmax) / temperature: fold 1/T into g; the
-        # soft-cap's slope then carries each logit's share back to the raw logit.
-        g = grad_out.to(dtype) / temperature
+        # d(logprob)/d(logits / T) = onehot - softmax; 1/T then carries it to the logits, and
+        # the soft-cap's slope to the raw logits.
+        g = grad_out.to(dtype)
         g = g[:, None] if ctx.one else g  # [N, K]: one column per target
-        # the onehot part: only for targets among this rank's rows
-        g_target = g if inside is None else torch.where(inside, g, 0.0)
-        if slope is not None:
-            g_target = g_target * slope
+        g_total = g.sum(-1)  # every target's softmax term has the same shape
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(h) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
-        if weight.shape[0]:
-            if need_h:
-                grad_h = (g_target[..., None] * weight[local].to(dtype)).sum(1)
-            if need_w:
-                grad_w.index_add_(0, local.reshape(-1), (g_target[..., None] * h[:, None, :]).reshape(-1, h.shape[1]))
-        g_total = g.sum(-1)  # every target's softmax term has the same shape
-        for v0 in _chunks(weight.shape[0], chunk_size):
+        grad_w = torch.empty_like(weight) if need_w else None
+        for v0, logits in _scaled_chunks(h, weight, chunk_size, temperature, softcap):
+            slope = None if softcap is None else 1 - (logits * (temperature / softcap)) ** 2
+            inside, column = _in_chunk(local, v0, logits.shape[1])
+            # in place, one [N, chunk] buffer: the logits become their gradient
+            grad_logits = logits.sub_(lse[:, None]).exp_().mul_(-g_total[:, None])
+            grad_logits.scatter_add_(1, column, torch.where(inside, g, 0.0)).div_(temperature)
+            if slope is not None:
+                grad_logits.mul_(slope)
             w = weight[v0:v0 + chunk_size].to(dtype)
-            logits = _logits(h, w, softcap)
-            # the softmax part of the gradient; the onehot part is added above.
-            grad_logits = -g_total[:, None] * torch.exp(logits / temperature - lse[:, None])
-            if softcap is not None:
-                grad_logits = grad_logits * (1 - (logits / softcap) ** 2)
             if need_h:
-                grad_h += grad_logits @ w
+                grad_h.addmm_(grad_logits, w)
             if need_w:
-                grad_w[v0:v0 + chunk_size] += grad_logits.T @ h
-        return (
-            grad_h.to(hidden.dtype) if need_h else None,
-            grad_w.to(weight.dtype) if need_w else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+                grad_w[v0:v0 + chunk_size] = grad_logits.T @ h
+        return grad_h.to(hidden.dtype) if need_h else None, grad_w, None, None, None, None, None
+
+
+def _scaled_chunks(
+    h: torch.Tensor, weight: torch.Tensor, chunk_size: int, temperature: float, softcap: float | None
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(v0, logits / temperature)`` of each chunk of ``weight``'s rows, ``[N, chunk]`` in
+    ``h``'s dtype (soft-capped with ``softcap`` before the division)."""
+    for v0 in _chunks(weight.shape[0], chunk_size):
+        yield v0, _logits(h, weight[v0:v0 + chunk_size], softcap).div_(temperature)
+
+
+def _in_chunk(local: torch.Tensor, v0: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of the row ids ``local`` [N, K] fall in the chunk of ``width`` rows from ``v0``,
+    and their columns in it (0 for the others, which the caller masks)."""
+    column = local - v0
+    inside = (column >= 0) & (column < width)
+    return inside, torch.where(inside, column, 0)
 
 
 def target_logprobs(

@@ -4,16 +4,23 @@ float32 ``[tokens, vocabulary]`` tensor: the model's forward and backward throug
 and log-normalisers, watched by a dispatch mode that records every tensor with a vocabulary-
 sized dimension. The largest is the output embedding itself ([vocabulary, hidden]) or its
 gradient; a ``[tokens, vocabulary]`` tensor, with more tokens than hidden units, is larger.
-Without chunks (one chunk of the whole vocabulary) the same watch sees the full logits."""
+Without chunks (one chunk of the whole vocabulary) the same watch sees the full logits.
+
+The head's own peak memory, counted tensor by tensor (torch's ``MemTracker``), beyond its
+inputs and their gradients: the same at 151,936 rows as at 8,192, and within a few ``[chunk,
+hidden]`` float32 blocks, for float32 and bfloat16 weights and for one or 64 targets per row (a
+teacher's top-k). A float32 gradient buffer of the whole vocabulary (bfloat16 weights: 149 MiB
+here) or a ``[tokens, k, hidden]`` gather (8 MiB) would exceed it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from posttrain.backend.logprobs import logsumexp_logits, sequence_logprobs, topk_logits
+from posttrain.backend.logprobs import logsumexp_logits, sequence_logprobs, target_logprobs, topk_logits
 from posttrain.testing.zoo import zoo_config
 from posttrain_dtensor.parallel import CausalLMHead
 
@@ -64,3 +71,29 @@ def test_no_tokens_by_vocabulary_tensor_beyond_the_chunk(root):
 
 def test_the_watch_sees_full_logits(root):
     assert largest_in_a_step(root, chunk=VOCAB) >= ROWS * (TOKENS - 1) * VOCAB
+
+
+def head_extra_bytes(vocab: int, dtype: torch.dtype, k: int | None, tokens=128, hidden=256, chunk=1024) -> int:
+    """Peak bytes of one forward and backward of :func:`target_logprobs` beyond the weight,
+    the hidden states and their gradients."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter((torch.randn(vocab, hidden, generator=gen) * 0.02).to(dtype))
+    hidden_states = torch.randn(tokens, hidden, generator=gen).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,) if k is None else (tokens, k), generator=gen)
+    tracker = MemTracker()
+    tracker.track_external(weight, hidden_states)
+    with tracker:
+        target_logprobs(hidden_states, weight, targets, chunk).sum().backward()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    assert weight.grad.dtype == dtype and hidden_states.grad.dtype == dtype
+    inputs = weight.numel() * weight.element_size() + hidden_states.numel() * hidden_states.element_size()
+    return peak - 2 * inputs
+
+
+@pytest.mark.parametrize("k", [None, 64], ids=["one_target", "top64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_head_peak_memory_is_bounded_by_the_chunk_not_the_vocabulary(dtype, k):
+    chunk, hidden = 1024, 256
+    extra = head_extra_bytes(VOCAB, dtype, k, hidden=hidden, chunk=chunk)
+    assert extra == head_extra_bytes(8 * chunk, dtype, k, hidden=hidden, chunk=chunk)
+    assert extra <= 4 * chunk * hidden * 4, f"{extra / 2**20:.1f} MiB beyond the inputs and gradients"
