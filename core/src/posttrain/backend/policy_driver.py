@@ -21,11 +21,19 @@ this: they read ``work.batch`` as always. :meth:`ShardedPolicy.map_into` likewis
 replica's writing rank the keys of a contiguous shard (:meth:`PolicyWorker.map_shard`), and
 only the map's sums come back. Without a handle (the in-memory plane) the driver
 materialises the batch and runs the ordinary pass.
+
+Placement: after :meth:`ShardedPolicy.offload` (colocated generation holds the devices) the
+weights are off the training device until :meth:`ShardedPolicy.prepare_for_training`. A
+forward or training pass meanwhile is refused (an algorithm calls ``prepare_for_training``
+first). An export or a weight sync, whose gathers are collectives that must run where the
+process group's tensors live (NCCL: the GPU), brings the state back for its duration and
+offloads it again; checkpoints are written from wherever the state is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
@@ -85,6 +93,7 @@ class ShardedPolicy(Policy):
         self.dp_size = len(self.result_ranks)
         self.reference = reference
         self._weight_endpoint: tuple[WeightEndpoint, int] | None = None  # what the ranks are connected to
+        self.offloaded = False  # offload() ran and prepare_for_training() has not since
 
     # ------------------------------------------------------------------ passes
 
@@ -98,6 +107,11 @@ class ShardedPolicy(Policy):
         """Run the worker ``method`` on every worker with its replica's work; return the
         results of :attr:`result_ranks` (in data-parallel order) and all results. Work that
         refers to a plane runs through :meth:`RankWork.run` in the worker."""
+        if self.offloaded:
+            raise PluginError(
+                f"{method.__name__} pass of the worker group '{self.group.name}' while its weights are offloaded "
+                "(offload() ran, as before colocated generation); call prepare_for_training() first"
+            )
         if any(isinstance(w.data, ShardRef) for w in work):
             results = self.group.run_sharded(PolicyWorker.run_work, work, method, *args, shard_of_rank=self._dp_rank)
         else:
@@ -245,16 +259,35 @@ class ShardedPolicy(Policy):
     def load_checkpoint(self, path: str) -> None:
         self.group.run_all(PolicyWorker.load_checkpoint, path)
 
+    @contextmanager
+    def _on_device(self) -> Iterator[None]:
+        """The weights on the training device for the block (for gathers, which are
+        collectives), offloaded again after it if they were before."""
+        if not self.offloaded:
+            yield
+            return
+        self.prepare_for_training()
+        try:
+            yield
+        finally:
+            self.offload()
+
     def export_hf(self, path: str) -> None:
-        self.group.run_all(PolicyWorker.export_hf, path, HF_SHARD_BYTES)
+        with self._on_device():
+            self.group.run_all(PolicyWorker.export_hf, path, HF_SHARD_BYTES)
 
     def export_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-        for names in bucket_names(self.group.run_rank0(PolicyWorker.weight_sizes), bucket_bytes):
-            bucket = self.group.run_all(PolicyWorker.gather_weights, names)[0]
-            assert bucket is not None, "rank 0 gathers the full weights"
-            yield bucket
+        with self._on_device():
+            for names in bucket_names(self.group.run_rank0(PolicyWorker.weight_sizes), bucket_bytes):
+                bucket = self.group.run_all(PolicyWorker.gather_weights, names)[0]
+                assert bucket is not None, "rank 0 gathers the full weights"
+                yield bucket
 
     def send_weights(self, endpoint: WeightEndpoint, bucket_bytes: int, version: int) -> RefitStats:
+        with self._on_device():
+            return self._send_weights(endpoint, bucket_bytes, version)
+
+    def _send_weights(self, endpoint: WeightEndpoint, bucket_bytes: int, version: int) -> RefitStats:
         if self._weight_endpoint != (endpoint, bucket_bytes):
             self.group.run_all(PolicyWorker.connect_weights, endpoint, bucket_bytes)
             self._weight_endpoint = (endpoint, bucket_bytes)
@@ -271,9 +304,11 @@ class ShardedPolicy(Policy):
 
     def prepare_for_training(self) -> None:
         self.group.run_all(PolicyWorker.prepare_for_training)
+        self.offloaded = False
 
     def offload(self) -> None:
         self.group.run_all(PolicyWorker.offload)
+        self.offloaded = True
 
     def info(self) -> dict[str, Any]:
         return self.group.run_rank0(PolicyWorker.info)

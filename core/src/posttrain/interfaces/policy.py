@@ -178,7 +178,10 @@ class Policy(abc.ABC):
         """Bring weights and optimizer state back onto the training device (colocated mode)."""
 
     def offload(self) -> None:
-        """Move weights and optimizer state off the training device (colocated mode)."""
+        """Move weights and optimizer state off the training device (colocated mode). Until
+        :meth:`prepare_for_training`, forward and training passes raise; :meth:`export_hf`,
+        :meth:`export_weights` and :meth:`send_weights` bring the state back for their
+        duration and leave it offloaded; checkpoints are written from where it is."""
 
     def info(self) -> dict[str, Any]:
         """Static facts for logs: parameter count, world size, parallel layout."""

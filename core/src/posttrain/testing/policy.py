@@ -393,3 +393,26 @@ class PolicyContract:
         policy.offload()
         policy.prepare_for_training()
         assert torch.equal(policy.get_logprobs(batch)["logprobs"], before)
+
+    def test_an_offloaded_policy_refuses_passes_and_exports_from_its_device(self, subject: ContractSubject) -> None:
+        """While offloaded: a forward or training pass raises naming ``prepare_for_training``;
+        exports and a weight sync give the weights of before and leave the policy offloaded."""
+        policy = subject.restore()
+        batch = contract_batch()
+        policy.train(batch, NegativeLogLikelihood())
+        before, weights = policy.get_logprobs(batch)["logprobs"], exported_weights(policy)
+        policy.offload()
+        for attempt in (lambda: policy.get_logprobs(batch), lambda: policy.train(batch, NegativeLogLikelihood())):
+            with pytest.raises(Exception, match="prepare_for_training"):
+                attempt()
+        assert max_difference(exported_weights(policy), weights) == 0.0
+        received, _, _ = synced_weights(policy, 64 * 1024, version=1)
+        assert max_difference(received, weights) == 0.0
+        folder = subject.scratch / "export_offloaded"
+        policy.export_hf(str(folder))
+        exported = {name: p.detach() for name, p in reference_model(folder, torch.float32).named_parameters()}
+        assert max_difference(exported, weights) == 0.0
+        with pytest.raises(Exception, match="prepare_for_training"):
+            policy.get_logprobs(batch)
+        policy.prepare_for_training()
+        assert torch.equal(policy.get_logprobs(batch)["logprobs"], before)

@@ -204,9 +204,7 @@ class DTensorPolicyWorker(PolicyWorker):
         return rows.to(self.device)
 
     def _forward(self, rows: ModelRows, head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
-        if self.offloaded:
-            raise RuntimeError(f"dtensor policy rank {self.rank}: a forward pass while the weights are offloaded to CPU "
-                               "memory (offload() was called, as colocated generation does); call prepare_for_training() first")
+        self._require_on_device("a forward pass")
         return self.model(rows.input_ids, rows.attention_mask, rows.position_ids, head, rows.segment_bounds)
 
     def _microbatch_logprobs(self, mb: Batch, batching: Batching) -> torch.Tensor:
@@ -397,11 +395,11 @@ class DTensorPolicyWorker(PolicyWorker):
         return self._gather(self.synced, names)
 
     def gather_sync_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
-        """:meth:`gather_weights` where the weights are: on the training device, or on CPU
-        once offloaded."""
-        return self._gather(self.synced, names, "cpu" if self.offloaded else self.device)
+        """:meth:`gather_weights` left on the training device."""
+        return self._gather(self.synced, names, self.device)
 
     def _gather(self, view: WeightView, names: list[str], device: torch.device | str = "cpu") -> dict[str, torch.Tensor] | None:
+        self._require_on_device("a gather of the weights")  # a collective, on the process group's device
         reshard_all(self.model)
         full = view.gather(names, self.compute_dtype, device)
         return full if self.rank == 0 else None
@@ -438,10 +436,17 @@ class DTensorPolicyWorker(PolicyWorker):
 
     # ------------------------------------------------------------------ placement
 
+    def _require_on_device(self, what: str) -> None:
+        """Raise when the state is offloaded: ``what`` needs it on the training device (the
+        driver brings it back first; the check holds on CPU too, where nothing moves)."""
+        if self.offloaded:
+            raise RuntimeError(f"dtensor policy rank {self.rank}: {what} while the weights are offloaded to CPU memory "
+                               "(offload() was called, as colocated generation does); call prepare_for_training() first")
+
     def offload(self) -> None:
         """Move weights and optimizer state to CPU memory (nothing moves on CPU training, where
-        they are already there). Until :meth:`prepare_for_training`, forward passes and
-        training raise, on every device alike; the weight sync and checkpoints still work."""
+        they are already there). Until :meth:`prepare_for_training`, forward passes, training,
+        gathers and exports raise, on every device alike; checkpoints still work."""
         self.offloaded = True
         self._move_to(torch.device("cpu"))
 
