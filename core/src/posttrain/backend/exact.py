@@ -5,6 +5,9 @@ What fixes the bits of a token's logprob on a CPU (float32, torch 2.13, measured
 
 - a matrix product gives a row the same bits whatever the other rows, once it has at least
   12 rows (products of fewer rows take other kernels, decoding's one-row steps among them);
+- so does a reduction along a contiguous last dimension; one across rows (along dim 0 of a
+  ``[k, rows]`` tensor) changes its order with the row count, so the logprob head combines its
+  vocabulary chunks along the last dimension;
 - causal SDPA gives a position bits that depend on the length of the sequence it runs over
   (the kernel blocks by length) but not on the other sequences of the batch;
 - the rest of a decoder works token by token (norms, rotary embeddings, activations), except

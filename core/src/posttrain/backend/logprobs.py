@@ -81,8 +81,10 @@ def _local_logsumexp(
 
 def _combined(parts: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
     """The log-sum-exp over chunks of their per-row log-sum-exps ``parts`` (-inf per row of
-    ``h`` when there are none)."""
-    return torch.logsumexp(torch.stack(parts), dim=0) if parts else h.new_full(h.shape[:1], float("-inf"))
+    ``h`` when there are none). Reduced along a contiguous last dimension, which gives a row
+    the same bits whatever the number of rows; reduced across rows' columns (``stack`` on
+    dim 0), CPU kernels change the order with the row count."""
+    return torch.logsumexp(torch.stack(parts, dim=-1), dim=-1) if parts else h.new_full(h.shape[:1], float("-inf"))
 
 
 @torch.no_grad()

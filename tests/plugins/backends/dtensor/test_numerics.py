@@ -152,6 +152,19 @@ def test_softcapped_logprobs_topk_and_grads_match_float64_of_capped_logits(tempe
     assert torch.autograd.gradcheck(lambda h, w: target_logprobs(h, w, several[:4], 8, temperature, softcap=cap), inputs)
 
 
+def test_a_rows_logprob_has_the_same_bits_whatever_the_rows_beside_it():
+    """Exact logprobs rest on this: 576 vocabulary rows in chunks of 40 (15 chunks, the zoo's
+    BPE vocabularies in the exact-logprob tests), every row count from 64 to 299, each row's
+    logprob equal to its value among 300 rows. Combining the chunks' log-sum-exps across the
+    rows (a reduction along dim 0) changed the order of the sum with the row count."""
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(300, 64, generator=g), torch.randn(576, 64, generator=g) * 0.05
+    targets = torch.randint(0, 576, (300,), generator=g)
+    every = target_logprobs(hidden, weight, targets, 40)
+    differ = [n for n in range(64, 300) if not torch.equal(target_logprobs(hidden[:n], weight, targets[:n], 40), every[:n])]
+    assert differ == []
+
+
 def test_logprob_temperature_must_be_positive():
     hidden, weight, targets = _head_inputs()
     with pytest.raises(ValueError, match="logprob temperature must be > 0, got 0.0"):
