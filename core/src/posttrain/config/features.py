@@ -2,6 +2,8 @@
 
 - ``supports_lora`` on a policy backend's section (``policy.<backend>``): it implements
   ``policy.lora``;
+- ``supports_muon`` on a policy backend's section: it implements ``policy.optimizer.name:
+  muon``;
 - ``supports_lora_adapters`` on a generation backend's section (``generation.<backend>``): its
   engines load the adapters a refit with ``policy.lora.refit: adapter`` sends;
 - ``runs_in_policy_workers`` on a generation backend's section: its engines can run inside the
@@ -15,7 +17,7 @@
   do not depend on the batch, but are not the trainer's bit for bit).
 
 Core's config check refuses a feature the chosen backend does not declare
-(:func:`posttrain.config.validate.check_lora`,
+(:func:`posttrain.config.validate.check_lora`, :func:`~posttrain.config.validate.check_muon`,
 :func:`~posttrain.config.validate.check_generation_placement`, :func:`~posttrain.config.validate.check_exact_logprobs`);
 ``posttrain plugins`` lists what each plugin
 declares. Imports nothing heavy.
@@ -28,6 +30,7 @@ from posttrain.plugins import PluginHost
 #: Attribute -> what ``posttrain plugins`` says of a section that declares it.
 FEATURES = {
     "supports_lora": "LoRA (policy.lora)",
+    "supports_muon": "the Muon optimizer (policy.optimizer.name: muon)",
     "supports_lora_adapters": "LoRA adapters sent by refit (policy.lora.refit: adapter)",
     "runs_in_policy_workers": "engines inside the policy's workers (generation.in_policy_workers)",
     "supports_exact_logprobs": "exact logprobs, the trainer's bit for bit (generation.exact_logprobs)",

@@ -34,16 +34,35 @@ class ClusterConfig:
 
 
 @attrs.define
+class MuonConfig:
+    """Muon (``policy.optimizer.name: muon``): each 2-D hidden weight steps by its
+    orthogonalised momentum (Newton-Schulz iterations, as ``torch.optim.Muon``); the other
+    trained parameters (embeddings, output head, norms, biases) step by AdamW with
+    ``policy.optimizer``'s lr, weight_decay, betas and eps."""
+
+    lr: float | None = None  # the 2-D weights' learning rate (>= 0); None: policy.optimizer.lr
+    weight_decay: float | None = None  # the 2-D weights' decoupled decay (>= 0); None: policy.optimizer.weight_decay
+    momentum: float = 0.95  # in [0, 1)
+    nesterov: bool = True  # Nesterov momentum
+    ns_steps: int = 5  # Newton-Schulz iterations (>= 1)
+    # the update's scale per weight shape [A, B]: match_rms_adamw (0.2 * sqrt(max(A, B)), so AdamW's learning
+    # rate and decay carry over) | original (sqrt(max(1, A / B)))
+    adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+
+
+@attrs.define
 class OptimizerConfig:
     """The policy's optimizer, built by the policy backend. Values are checked when the
     config is loaded (:func:`posttrain.config.validate.check_optimizer`)."""
 
-    name: Literal["adamw", "adam", "sgd"] = "adamw"  # adamw | adam | sgd (no momentum)
+    # adamw | adam | sgd (no momentum) | muon (2-D hidden weights; AdamW for the rest: backends that declare it)
+    name: Literal["adamw", "adam", "sgd", "muon"] = "adamw"
     lr: float = 1e-5  # base learning rate (>= 0), scaled per optimizer step by policy.scheduler
     # >= 0; adamw: decoupled decay; adam and sgd: an L2 term added to the gradient; 0: none
     weight_decay: float = 0.0
     betas: list[float] = attrs.field(factory=lambda: [0.9, 0.999])  # Adam's [beta1, beta2], each in [0, 1); unused by sgd
     eps: float = 1e-8  # added to Adam's denominator (>= 0); unused by sgd
+    muon: MuonConfig = attrs.field(factory=MuonConfig)  # with name muon
 
 
 @attrs.define

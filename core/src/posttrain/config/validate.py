@@ -76,6 +76,7 @@ def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
             raise ConfigError(f"{key} must be at least 1, found {value}.{where_set(config, key)}")
     check_requirements(config, host)
     check_optimizer(config)
+    check_muon(config, host)
     check_lora(config, host)
     check_generation_placement(config, host)
     check_exact_logprobs(config, host)
@@ -149,6 +150,40 @@ def check_optimizer(config: RunConfig) -> None:
             f"policy.scheduler.warmup_steps={warmup} is past policy.scheduler.total_steps={total}, where the "
             f"{scheduler.name} decay ends; lower warmup_steps to at most {total}, or raise total_steps."
             f"{where_set(config, 'policy.scheduler.warmup_steps', 'policy.scheduler.total_steps')}"
+        )
+
+
+def check_muon(config: RunConfig, host: PluginHost) -> None:
+    """With ``policy.optimizer.name: muon``: ``policy.optimizer.muon``'s values, a policy
+    backend whose section declares ``supports_muon``, and no LoRA (Muon is for full weights)."""
+    if config.policy.optimizer.name != "muon":
+        return
+    muon = config.policy.optimizer.muon
+    checks: list[tuple[str, Any, bool, str]] = [
+        ("policy.optimizer.muon.lr", muon.lr, muon.lr is None or (_finite(muon.lr) and muon.lr >= 0),
+         "a learning rate >= 0, or null for policy.optimizer.lr"),
+        ("policy.optimizer.muon.weight_decay", muon.weight_decay,
+         muon.weight_decay is None or (_finite(muon.weight_decay) and muon.weight_decay >= 0),
+         "a number >= 0, or null for policy.optimizer.weight_decay"),
+        ("policy.optimizer.muon.momentum", muon.momentum, 0 <= muon.momentum < 1, "a number in [0, 1), e.g. 0.95"),
+        ("policy.optimizer.muon.ns_steps", muon.ns_steps, muon.ns_steps >= 1, "an integer >= 1, e.g. 5"),
+    ]
+    for key, value, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{key}: expected {expected}, found {value!r}.{where_set(config, key)}")
+    backend = config.policy.backend
+    if backend in host.policy_backends and not section_declares(host, f"policy.{backend}", "supports_muon"):
+        raise ConfigError(
+            f"policy.optimizer.name is muon, but the policy backend '{backend}' "
+            f"({host.policy_backends.distribution_of(backend)}) does not implement Muon; policy backends that do: "
+            f"{backends_declaring(host, 'policy', 'supports_muon')}. Set policy.backend to one of them, or "
+            f"policy.optimizer.name: adamw.{where_set(config, 'policy.optimizer.name', 'policy.backend')}"
+        )
+    if config.policy.lora.enabled:
+        raise ConfigError(
+            "policy.optimizer.name is muon with policy.lora.enabled: Muon steps full 2-D weights, not low-rank "
+            "adapters; set policy.optimizer.name: adamw for LoRA, or policy.lora.enabled: false."
+            f"{where_set(config, 'policy.optimizer.name', 'policy.lora.enabled')}"
         )
 
 

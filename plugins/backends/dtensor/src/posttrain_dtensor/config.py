@@ -43,6 +43,7 @@ class DTensorConfig:
     """
 
     supports_lora: ClassVar[bool] = True
+    supports_muon: ClassVar[bool] = True
     supports_exact_logprobs: ClassVar[bool] = True
 
     attn_implementation: str = "sdpa"
