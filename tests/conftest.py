@@ -51,6 +51,15 @@ def ray_cluster():
     ray.shutdown()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files holding a slow test first, then the end-to-end files, each file's tests in their
+    own order. ``nox -s tests`` hands whole files to its pytest processes in this order
+    (pytest-xdist ``--dist loadfile --no-loadscope-reorder``), so the longest start early and
+    the short ones fill in at the end, rather than a long file starting last and running alone."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (item.path not in slow, "e2e" not in item.path.parts))
+
+
 # ----------------------------------------------------------------------------- nox -s gpu
 
 
