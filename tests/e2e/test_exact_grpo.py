@@ -4,8 +4,9 @@ exactly 1 and ``mismatch_kl`` exactly 0 at every step, and in every turn and pos
 
 - multi-turn (three-turn guess_number games), two data-parallel ranks of two microbatches
   each; the same run without exact logprobs shows the cached decoding's gap (the control);
-- single-turn with LoRA, no previous-logprob pass (a synchronous exact run takes the engine's
-  logprobs as the previous policy's), stopped after step 2 and resumed: step 3 is exact too;
+- single-turn with LoRA and two optimizer updates per step, no previous-logprob pass (a
+  synchronous exact run takes the engine's logprobs as the previous policy's), stopped after
+  step 2 and resumed: step 3 is exact too;
 - asynchronous (k = 1): the tokens sampled by the weights being trained are exact at every
   step (``mismatch/staleness_0``); older tokens carry the drift of the optimizer steps since,
   which the top-level metrics include by their definition (see docs/algorithms/grpo.md).
@@ -76,15 +77,18 @@ def test_multi_turn_rollouts_have_no_mismatch_only_with_exact_logprobs(ray_clust
 
 @pytest.mark.slow
 def test_single_turn_lora_stays_exact_through_a_checkpoint_and_resume(ray_cluster, tiny_model_path, tmp_path):
-    """LoRA (its layers compute with the merged weight the engine receives), no previous-logprob
-    pass although one is asked for (the engine's logprobs are the previous policy's), a
-    checkpoint at step 2, and a resumed run that trains step 3."""
+    """LoRA (its layers compute with the merged weight the engine receives), two optimizer
+    updates per step, no previous-logprob pass although one is asked for (the engine's
+    logprobs are the previous policy's), a checkpoint at step 2, and a resumed run that trains
+    step 3. The mismatch metrics are those of each step's first update: the second trains
+    logprobs its predecessor already moved."""
     train = write_rows(tmp_path / "train.jsonl", seven_rows(24))
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=2,
                       skip_prev_logprobs_when_on_policy=False)
     lora = LoraConfig(enabled=True, rank=4, alpha=8.0, dropout=0.0)
     config = exact_config(make_config(tiny_model_path, tmp_path / "run", train, grpo,
-                                      checkpointing=CheckpointConfig(save_period=2)), lora=lora)
+                                      checkpointing=CheckpointConfig(save_period=2)), lora=lora,
+                          train_global_batch_size=4)
     config = attrs.evolve(config, policy=attrs.evolve(config.policy, optimizer=attrs.evolve(config.policy.optimizer, lr=0.05)))
     run_algorithm(config)
     run_algorithm(attrs.evolve(config, sections={"grpo": attrs.evolve(grpo, max_num_steps=3)}))

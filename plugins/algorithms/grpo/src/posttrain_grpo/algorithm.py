@@ -81,7 +81,7 @@ from posttrain_grpo.agents import AgentRollout, load_agent
 from posttrain_grpo.config import GRPOConfig
 from posttrain_grpo.dynamic_sampling import DynamicSampler
 from posttrain_grpo.endpoint import ChatEndpoint
-from posttrain_grpo.mismatch import check_mismatch
+from posttrain_grpo.mismatch import check_mismatch, first_update_mismatch
 from posttrain_grpo.mismatch_buckets import mismatch_means
 from posttrain_grpo.prompts import PromptStream
 from posttrain_grpo.rounds import RoundProducer, SharedPlane
@@ -200,6 +200,7 @@ class GRPORun(LoopSteps):
             ctx.log.info("exact logprobs: the rollouts' logprobs are the previous policy's, so the loss takes them "
                          "(grpo.loss.rollout_correction=bypass) and no previous-logprob pass runs")
         self.loss_fn = ctx.build_loss("clipped_pg", loss)
+        self.bypass = loss.rollout_correction == "bypass"  # the ratio against the engine's logprobs
         self.needs_reference = self.grpo.loss.kl_penalty > 0 or not self.grpo.skip_reference_logprobs_when_kl_off
         # On policy or not, the one optimizer step of a step starts from the weights the step's
         # logprobs would be computed with: prev_logprobs are the training pass's own. In bypass
@@ -476,6 +477,8 @@ class GRPORun(LoopSteps):
             if bad is not None:
                 raise self.diverged(step, bad, metrics[bad], chunk.get())
             parts.append(metrics)
+        if self.bypass:
+            parts = first_update_mismatch(parts)
         metrics = combine_train_passes(parts, self.loss_fn.metric_reductions)
         for warning in check_mismatch(step, metrics, self.grpo.mismatch_guard):
             self.ctx.log.warning("the generation engine's logprobs are far from the trainer's", step=step, detail=warning)

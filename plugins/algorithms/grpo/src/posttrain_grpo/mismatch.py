@@ -17,6 +17,20 @@ from posttrain_grpo.config import MismatchGuardConfig
 #: The guarded training metrics.
 GUARDED = ("token_mult_prob_error", "mismatch_kl")
 
+
+def is_mismatch_metric(name: str) -> bool:
+    """Whether training metric ``name`` compares the engine's logprobs with the trainer's
+    (:func:`posttrain_grpo.importance.mismatch_metrics` and its buckets)."""
+    return name == "token_mult_prob_error" or name.startswith("mismatch")
+
+
+def first_update_mismatch(parts: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The training passes of one step (one per optimizer update) with the mismatch metrics
+    kept in the first only. In bypass mode (``rollout_correction: bypass``) the trainer's side
+    of them is the logprobs being trained: after the step's first update those are another
+    policy's, and the gap measures the update, not the engine."""
+    return [parts[0], *({k: v for k, v in part.items() if not is_mismatch_metric(k)} for part in parts[1:])]
+
 LIKELY_CAUSES = (
     "an attention or output feature of the model that the engine or the trainer does not honour "
     "(sliding windows, soft-capping), a refit whose weights did not all land in the engine "
