@@ -12,11 +12,15 @@ except the variant's overrides:
   correction (TIS to [0, 2]);
 - ``async-no-is``: the same with the correction off;
 - ``ppo``: the ``ppo`` algorithm (a critic on the SFT model with a new value head, GAE)
-  in place of GRPO's group baseline.
+  in place of GRPO's group baseline;
+- ``hf``: synchronous GRPO with the hf engine (``generation.backend: hf``);
+- ``exact``: the same with ``generation.exact_logprobs: true`` (the engine's logprobs are the
+  trainer's, bit for bit; no previous-logprob pass).
 
 Prints the greedy validation accuracy (256 held-out problems) after SFT and after each RL
-stage, each stage's wall seconds (first to last step), and the mean and max staleness of the
-asynchronous runs; writes ``results.json`` and ``results.md``. A stage whose ``result.json``
+stage, each stage's wall seconds (first to last step), the mean and max staleness of the
+asynchronous runs, and each stage's largest ``token_mult_prob_error`` and ``mismatch_kl``
+(engine against trainer) over its steps; writes ``results.json`` and ``results.md``. A stage whose ``result.json``
 is already in ``--out`` is not run again, so a stopped run goes on where it stopped and new
 variants reuse the seeds' SFT models.
 """
@@ -39,11 +43,14 @@ VARIANTS: dict[str, Callable[[int], tuple[str, list[str]]]] = {
     "ppo": lambda k: ("ppo", ["cluster.num_cpus=5", "ppo.critic.train_global_batch_size=64",
                               "ppo.critic.train_micro_batch_size=32", "ppo.critic.logprob_micro_batch_size=64",
                               "ppo.critic.max_total_sequence_length=48", "ppo.critic.optimizer.lr=5e-4"]),
+    "hf": lambda k: ("grpo", ["generation.backend=hf"]),
+    "exact": lambda k: ("grpo", ["generation.backend=hf", "generation.exact_logprobs=true"]),
 }
 
 
 def stage_result(run_dir: Path, accuracy: float) -> dict[str, Any]:
-    """The RL stage's accuracy, wall seconds (first to last step) and staleness, from its metrics."""
+    """The RL stage's accuracy, wall seconds (first to last step), staleness and largest
+    engine-trainer mismatch, from its metrics."""
     from posttrain.run.metrics import read_metrics
 
     train = read_metrics(run_dir / "grpo" / "metrics.jsonl", "train")
@@ -52,6 +59,8 @@ def stage_result(run_dir: Path, accuracy: float) -> dict[str, Any]:
         "seconds": train[-1]["time"] - train[0]["time"],
         "staleness_mean": statistics.mean(r.get("async/staleness_mean", 0.0) for r in train),
         "staleness_max": max(r.get("async/staleness_max", 0.0) for r in train),
+        "token_mult_prob_error_max": max(r.get("token_mult_prob_error", float("nan")) for r in train),
+        "mismatch_kl_max": max(r.get("mismatch_kl", float("nan")) for r in train),
     }
 
 
@@ -90,21 +99,31 @@ def run_seed(out: Path, seed: int, variants: Mapping[str, tuple[str, list[str]]]
     return row
 
 
+def _mismatch(stage: dict[str, Any]) -> str:
+    """A stage's largest token_mult_prob_error and mismatch_kl (results written before these
+    were recorded have neither)."""
+    if "token_mult_prob_error_max" not in stage:
+        return "n/a"
+    return f"{stage['token_mult_prob_error_max']:.7f} / {stage['mismatch_kl_max']:.2g}"
+
+
 def table(rows: list[dict[str, Any]], variants: list[str], staleness: int) -> str:
     names = ["sync", *variants]
     asynchronous = [n for n in variants if n.startswith("async")]
     lines = [f"| seed | after SFT | {' | '.join(f'after RL, {n}' for n in names)} | "
              f"{' | '.join(f'RL s, {n}' for n in names)} |"
-             + "".join(f" staleness mean / max, {n} |" for n in asynchronous),
-             "|---:|---:|" + "---:|" * (2 * len(names) + len(asynchronous))]
+             + "".join(f" staleness mean / max, {n} |" for n in asynchronous)
+             + "".join(f" max token_mult_prob_error / mismatch_kl, {n} |" for n in names),
+             "|---:|---:|" + "---:|" * (3 * len(names) + len(asynchronous))]
     for row in rows:
         lines.append(f"| {row['seed']} | {row['after SFT']:.3f} | "
                      + " | ".join(f"{row[n]['accuracy']:.3f}" for n in names) + " | "
                      + " | ".join(f"{row[n]['seconds']:.0f}" for n in names) + " |"
-                     + "".join(f" {row[n]['staleness_mean']:.2f} / {row[n]['staleness_max']:.0f} |" for n in asynchronous))
+                     + "".join(f" {row[n]['staleness_mean']:.2f} / {row[n]['staleness_max']:.0f} |" for n in asynchronous)
+                     + "".join(f" {_mismatch(row[n])} |" for n in names))
     means = " | ".join(f"{statistics.mean(r[n]['accuracy'] for r in rows):.3f}" for n in names)
     lines.append(f"| mean | {statistics.mean(r['after SFT'] for r in rows):.3f} | {means} |"
-                 + " |" * (len(names) + len(asynchronous)))
+                 + " |" * (2 * len(names) + len(asynchronous)))
     return (f"The quickstart task's RL stage: sync = the quickstart's synchronous GRPO (colocated engine); "
             f"{', '.join(variants)} from the same SFT model (asynchronous: max_staleness_steps={staleness}, engine on its "
             f"own worker). Greedy accuracy on 256 held-out problems.\n\n" + "\n".join(lines) + "\n")
