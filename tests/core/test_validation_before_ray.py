@@ -124,7 +124,7 @@ def grpo_yaml(in_tmp: Path, model: str, train: str) -> Path:
         (
             "policy:\n  optimizer:\n    name: adamww\n",
             "config key 'policy.optimizer.name' (at exp.yaml:3): expected one of 'adamw', 'adam', 'sgd', "
-            "found str 'adamww'. Did you mean 'adamw'?",
+            "'muon', found str 'adamww'. Did you mean 'adamw'?",
         ),
         (
             "policy:\n  scheduler:\n    name: cosin\n",

@@ -447,7 +447,7 @@ def test_clipping_scales_gradients_to_the_max_norm_only_when_above():
 
 
 def test_unknown_optimizer_names_the_key():
-    with pytest.raises(ConfigError, match="policy.optimizer.name: expected one of adamw, adam, sgd, got 'lion'"):
+    with pytest.raises(ConfigError, match="policy.optimizer.name: expected one of adamw, adam, sgd, muon, got 'lion'"):
         build_optimizer([torch.nn.Parameter(torch.zeros(1))], OptimizerConfig(name="lion"))
 
 

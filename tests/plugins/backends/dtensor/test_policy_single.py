@@ -215,16 +215,22 @@ def test_loading_a_missing_checkpoint_names_the_folder(policy, tmp_path):
 
 
 def test_info_and_offload_on_cpu(policy, setup):
-    """Offloaded, a forward pass is refused on the CPU as on a GPU (where it would otherwise
-    fail on tensors of two devices, as the first CUDA run showed); prepared again, it runs."""
-    from posttrain.errors import WorkerError
+    """Offloaded, a forward pass is refused by the driver, and a worker asked directly for a
+    forward or a gather refuses too, on the CPU as on a GPU (where they would run on tensors
+    of two devices, or NCCL gathers on CPU shards); prepared again, it runs."""
+    from posttrain.backend.policy_worker import PolicyWorker
+    from posttrain.errors import PluginError, WorkerError
 
     info = policy.info()
     assert info["parameters"] == sum(t.numel() for t in setup["initial_weights"].values())
     assert (info["data_parallel_size"], info["tensor_parallel_size"], info["device"]) == (1, 1, "cpu")
     policy.offload()
-    with pytest.raises(WorkerError, match=r"logprobs\(\) raised RuntimeError: dtensor policy rank 0: a forward pass while "
-                                          r"the weights are offloaded .*call prepare_for_training\(\) first"):
+    with pytest.raises(PluginError, match=r"logprobs pass of the worker group 'policy-single' while its weights are "
+                                          r"offloaded .*call prepare_for_training\(\) first"):
         policy.get_logprobs(setup["batch"])
+    name = next(iter(setup["initial_weights"]))
+    with pytest.raises(WorkerError, match=r"gather_weights\(\) raised RuntimeError: dtensor policy rank 0: a gather of "
+                                          r"the weights while the weights are offloaded"):
+        policy.group.run_all(PolicyWorker.gather_weights, [name])
     policy.prepare_for_training()
     assert policy.get_logprobs(setup["batch"])["logprobs"].abs().sum() > 0
