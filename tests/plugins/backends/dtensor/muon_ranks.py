@@ -61,6 +61,7 @@ def rank_main(rank: int, path: str, layout: str, out: str, init_file: str) -> No
         weights = stepped(model)
         if rank == 0:
             torch.save({name.removeprefix("lm."): w for name, w in weights.items()}, out)
+        dist.barrier()  # both ranks done with every collective before gloo's threads stop
     finally:
         dist.destroy_process_group()
 
