@@ -141,9 +141,7 @@ def check_optimizer(config: RunConfig) -> None:
         ("policy.scheduler.min_lr_ratio", scheduler.min_lr_ratio, 0 <= scheduler.min_lr_ratio <= 1,
          "a factor in [0, 1]"),
     ]
-    for key, value, ok, expected in checks:
-        if not ok:
-            raise ConfigError(f"{key}: expected {expected}, found {value!r}.{where_set(config, key)}")
+    refuse_failed(config, checks)
     total, warmup = scheduler.total_steps, scheduler.warmup_steps
     if scheduler.name != "constant" and total is not None and warmup > total:
         raise ConfigError(
@@ -168,9 +166,7 @@ def check_muon(config: RunConfig, host: PluginHost) -> None:
         ("policy.optimizer.muon.momentum", muon.momentum, 0 <= muon.momentum < 1, "a number in [0, 1), e.g. 0.95"),
         ("policy.optimizer.muon.ns_steps", muon.ns_steps, muon.ns_steps >= 1, "an integer >= 1, e.g. 5"),
     ]
-    for key, value, ok, expected in checks:
-        if not ok:
-            raise ConfigError(f"{key}: expected {expected}, found {value!r}.{where_set(config, key)}")
+    refuse_failed(config, checks)
     backend = config.policy.backend
     if backend in host.policy_backends and not section_declares(host, f"policy.{backend}", "supports_muon"):
         raise ConfigError(
@@ -185,6 +181,14 @@ def check_muon(config: RunConfig, host: PluginHost) -> None:
             "adapters; set policy.optimizer.name: adamw for LoRA, or policy.lora.enabled: false."
             f"{where_set(config, 'policy.optimizer.name', 'policy.lora.enabled')}"
         )
+
+
+def refuse_failed(config: RunConfig, checks: list[tuple[str, Any, bool, str]]) -> None:
+    """Raise :class:`ConfigError` for the first ``(key, value, ok, expected)`` that is not
+    ``ok``, naming the key, what was expected, what was found and where it was set."""
+    for key, value, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{key}: expected {expected}, found {value!r}.{where_set(config, key)}")
 
 
 def _finite(value: float) -> bool:
@@ -210,9 +214,7 @@ def check_lora(config: RunConfig, host: PluginHost) -> None:
         ("policy.lora.target_modules", lora.target_modules, bool(lora.target_modules),
          "module names (e.g. [q_proj, v_proj]), a regular expression, or all-linear"),
     ]
-    for key, value, ok, expected in checks:
-        if not ok:
-            raise ConfigError(f"{key}: expected {expected}, found {value!r}.{where_set(config, key)}")
+    refuse_failed(config, checks)
     backend = config.policy.backend
     if backend in host.policy_backends and not section_declares(host, f"policy.{backend}", "supports_lora"):
         able = backends_declaring(host, "policy", "supports_lora")

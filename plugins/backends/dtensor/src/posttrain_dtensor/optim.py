@@ -24,16 +24,18 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "muon")
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig, matrices: Iterable[torch.nn.Parameter] = ()
+    params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig, lm: torch.nn.Module | None = None
 ) -> torch.optim.Optimizer:
     """The optimizer named by ``policy.optimizer.name``. Adam and AdamW use PyTorch's fused
     kernel (one pass over each parameter's state, on CPU and GPU; DTensor shards included):
     the for-each version spent about a sixth of a small model's CPU training step in
-    separate element-wise passes. For Muon, ``matrices`` are the parameters among ``params``
-    it steps (:func:`hidden_matrices`); AdamW steps the others."""
+    separate element-wise passes. Muon needs ``lm``, the model whose :func:`hidden_matrices`
+    among ``params`` it steps; AdamW steps the others."""
     params = list(params)
     if cfg.name == "muon":
-        return MuonAdamW(params, cfg, matrices)
+        if lm is None:
+            raise ValueError("build_optimizer: Muon needs the model (lm) to tell its hidden matrices from its embeddings")
+        return MuonAdamW(params, cfg, hidden_matrices(lm, params))
     if cfg.name in ("adamw", "adam"):
         adam = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
         return adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True)

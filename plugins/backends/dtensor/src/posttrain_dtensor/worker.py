@@ -63,7 +63,7 @@ from posttrain.models.folder import read_model_config
 from posttrain_dtensor import checkpoint
 from posttrain_dtensor.config import DTensorConfig
 from posttrain_dtensor.lora import ADAPTER, adapters_disabled, attach_adapters, compute_merged
-from posttrain_dtensor.optim import build_optimizer, clip_grads_, hidden_matrices, total_grad_norm
+from posttrain_dtensor.optim import build_optimizer, clip_grads_, total_grad_norm
 from posttrain_dtensor.parallel import (
     CausalLMHead,
     apply_fsdp,
@@ -129,7 +129,7 @@ class DTensorPolicyWorker(PolicyWorker):
         self.logit_softcap = output_softcap(self.model.lm)
         #: What the optimizer steps: every parameter, or the adapters alone under LoRA.
         self.trained = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.trained, policy.optimizer, hidden_matrices(self.model.lm, self.trained))
+        self.optimizer = build_optimizer(self.trained, policy.optimizer, self.model.lm)
         self.scheduler = build_scheduler(self.optimizer, policy.scheduler)
         self.step = 0
         self.offloaded = False  # offload() moved the state to CPU memory; prepare_for_training() brings it back
