@@ -225,17 +225,21 @@ def test_where_the_engine_runs_does_not_change_the_metrics(ray_cluster, tiny_mod
     """``generation.colocated: false``: the engine keeps its own CPU worker (no offload or
     sleep between stages) and gets every step's weights by the same worker-to-worker sync;
     ``generation.in_policy_workers``: the engine runs inside the policy's worker and the
-    refit loads the weights in memory. Both runs' metrics equal the colocated run's, step by
-    step."""
+    refit loads the weights in memory; left null, it is chosen there (hf on CPUs). Every run's
+    metrics equal those of the colocated run with an engine process of its own, step by step."""
     train = write_rows(tmp_path / "train.jsonl", seven_rows(40))
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=8, max_num_steps=3)
-    placements = {"colocated": {}, "apart": {"colocated": False}, "in_policy": {"in_policy_workers": True}}
+    placements = {"colocated": {"in_policy_workers": False}, "apart": {"colocated": False},
+                  "in_policy": {"in_policy_workers": True}, "default": {}}
     runs = {}
     for name, settings in placements.items():
         config = make_config(tiny_model_path, tmp_path / name, train, grpo)
         run_algorithm(attrs.evolve(config, generation=attrs.evolve(config.generation, **settings)))
         runs[name] = read_metrics(tmp_path / name / "metrics.jsonl", "train")
-    for name in ("apart", "in_policy"):
+    chosen = {name: "generation engines inside the policy's workers" in (tmp_path / name / "events.jsonl").read_text()
+              for name in placements}
+    assert chosen == {"colocated": False, "apart": False, "in_policy": False, "default": True}, chosen
+    for name in ("apart", "in_policy", "default"):
         assert [r["step"] for r in runs[name]] == [1, 2, 3], name
         for together, other in zip(runs["colocated"], runs[name], strict=True):
             assert comparable(other) == comparable(together), f"{name}, step {together['step']}"

@@ -193,8 +193,9 @@ class GenerationConfig:
     ignore_eos: bool = False  # True: the model's EOS ids do not end a completion (only stop_token_ids do)
     colocated: bool = True  # share devices with the policy and take turns
     # run the engines inside the policy's worker processes, one per rank (backends that declare it: hf):
-    # no engine processes, weights loaded in memory at refit; needs colocated (generation and training take turns)
-    in_policy_workers: bool = False
+    # no engine processes, weights loaded in memory at refit; needs colocated (generation and training take turns).
+    # null: decided when the run starts, true where it can be and no group asks for GPUs (docs/backends/hf.md)
+    in_policy_workers: bool | None = None
     refit_bucket_bytes: int = 256 * 1024 * 1024  # most bytes per bucket when the policy's weights go to the engines
     # seconds each step of a weight sync may wait for a peer (engines joining the group, a bucket's broadcast, the
     # engines loading it) before the refit fails

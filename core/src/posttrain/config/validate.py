@@ -272,6 +272,24 @@ def check_generation_placement(config: RunConfig, host: PluginHost) -> None:
         )
 
 
+def in_policy_workers_by_default(config: RunConfig, host: PluginHost) -> bool:
+    """What ``generation.in_policy_workers: null`` (the default) becomes for a run with a
+    policy that can host engines: true when the generation backend's section declares
+    ``runs_in_policy_workers``, the engines are colocated, one per policy worker, of the
+    policy's own model, and neither group asks for GPUs. On CPUs this saves the engines'
+    processes and the weight copy through a sync group, and gives the same samples and
+    metrics (generation and training take turns either way)."""
+    gen, policy = config.generation, config.policy
+    return (
+        section_declares(host, f"generation.{gen.backend}", "runs_in_policy_workers")
+        and gen.colocated
+        and gen.num_workers == policy.num_workers
+        and gen.model in (None, policy.model)
+        and gen.resources.gpus == 0
+        and policy.resources.gpus == 0
+    )
+
+
 def check_exact_logprobs(config: RunConfig, host: PluginHost) -> None:
     """Refuse ``generation.exact_logprobs`` with a backend or a setting that breaks it, naming
     the key, what it is, and what to set instead."""

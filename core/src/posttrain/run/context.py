@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig
-from posttrain.config.validate import where_set
+from posttrain.config.validate import in_policy_workers_by_default, where_set
 from posttrain.errors import ConfigError, RunStopped, WorkerError
 from posttrain.log import configure_logging, get_logger
 from posttrain.models.folder import check_model_folders
@@ -41,6 +41,21 @@ if TYPE_CHECKING:
 #: Seconds :meth:`RunContext.close` waits, in all, for threads still starting parts of a run
 #: that ended during its start-up (their actors were just removed, so they end quickly).
 STARTUP_SETTLE_S = 1.0
+
+
+def _with_in_policy_workers(config: RunConfig, chosen: bool) -> RunConfig:
+    """``config`` with ``generation.in_policy_workers`` set to ``chosen``."""
+    if config.generation.in_policy_workers is chosen:
+        return config
+    return attrs.evolve(config, generation=attrs.evolve(config.generation, in_policy_workers=chosen))
+
+
+def _hosts_engines(policy: Policy) -> bool:
+    """Whether ``policy`` implements :meth:`~posttrain.interfaces.Policy.host_engines` (the
+    interface's own refuses)."""
+    from posttrain.interfaces import Policy
+
+    return type(policy).host_engines is not Policy.host_engines
 
 
 class RunContext:
@@ -165,12 +180,17 @@ class RunContext:
         ``generation`` replaces the run's ``generation`` section for it (:attr:`config` stays as
         loaded). ``host`` is the run's policy (or the part starting it): with
         ``generation.in_policy_workers`` the engines are built inside its workers once it is up
-        (the factory is called with ``host=policy``); a run without one refuses that setting."""
+        (the factory is called with ``host=policy``); a run without one refuses that setting.
+        Left null, the setting is decided here (:func:`~posttrain.config.validate.in_policy_workers_by_default`,
+        and a policy that can host engines) and the factory gets the config with the decision."""
         self.stop.check_startup()
         config = self.config if generation is None else attrs.evolve(self.config, generation=generation)
         factory: GenerationBackendFactory = self.host.generation_backends[config.generation.backend]
-        if not config.generation.in_policy_workers:
-            return factory(config, self.cluster)
+        chosen = config.generation.in_policy_workers
+        if chosen is None:
+            chosen = host is not None and in_policy_workers_by_default(config, self.host)
+        if not chosen:
+            return factory(_with_in_policy_workers(config, False), self.cluster)
         if host is None:
             raise ConfigError(
                 "generation.in_policy_workers is true, but this run's generation engines have no policy to run in "
@@ -178,7 +198,12 @@ class RunContext:
                 f"{where_set(config, 'generation.in_policy_workers')}"
             )
         policy = host.wait_value(self.stop.check_startup) if isinstance(host, Started) else host
-        return factory(config, self.cluster, host=policy)
+        if config.generation.in_policy_workers is None:
+            if not _hosts_engines(policy):
+                return factory(_with_in_policy_workers(config, False), self.cluster)
+            self.log.info("generation engines inside the policy's workers", backend=config.generation.backend,
+                          setting="generation.in_policy_workers: null")
+        return factory(_with_in_policy_workers(config, True), self.cluster, host=policy)
 
     def build_data_plane(self) -> DataPlane:
         """The ``data_plane.backend`` data plane."""

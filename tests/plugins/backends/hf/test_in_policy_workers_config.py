@@ -71,3 +71,31 @@ def test_a_run_without_a_policy_refuses_it(tmp_path, tiny_model_path):
 
 def test_the_hf_section_declares_the_feature():
     assert "engines inside the policy's workers (generation.in_policy_workers)" in declared_features(HFGenerationConfig)
+
+
+DEFAULTS = {  # settings over the tiny model's config -> whether the engines go inside the policy's workers
+    "hf, colocated, on CPUs": ({}, True),
+    "vllm": ({"generation": {"backend": "vllm"}}, False),
+    "engines beside the policy": ({"generation": {"colocated": False}}, False),
+    "engines asking for GPUs": ({"generation": {"resources": {"gpus": 1}}, "cluster": {"use_gpus": True}}, False),
+    "a policy asking for GPUs": ({"policy": {"resources": {"gpus": 1}}, "cluster": {"use_gpus": True}}, False),
+    "fewer engines than policy workers": ({"policy": {"num_workers": 2}}, False),
+    "as many engines as policy workers": ({"policy": {"num_workers": 2}, "generation": {"num_workers": 2}}, True),
+    "another model for the engines": ({"generation": {"model": "elsewhere"}}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(DEFAULTS))
+def test_left_null_the_engines_go_inside_the_policys_workers_only_where_they_can(tiny_model_path, case):
+    from posttrain.config import config_from_dict
+    from posttrain.config.validate import in_policy_workers_by_default
+    from posttrain.plugins import plugin_host
+
+    settings, expected = DEFAULTS[case]
+    tree = {"policy": {"model": tiny_model_path, "train_global_batch_size": 4, "train_micro_batch_size": 2},
+            "generation": {}}
+    for section, values in settings.items():
+        tree.setdefault(section, {}).update(values)
+    config = config_from_dict(tree)
+    assert config.generation.in_policy_workers is None
+    assert in_policy_workers_by_default(config, plugin_host()) is expected
