@@ -1,4 +1,4 @@
-"""Environment containment (plain) and environments hosted in Ray actors."""
+"""Environment containment (plain), and environments hosted in the driver or in Ray actors."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from posttrain.run.environments import (
     EnvironmentActor,
     EnvironmentFailed,
     EnvironmentTimeout,
+    LocalEnvironment,
     RemoteEnvironment,
     check_failures,
     check_return,
@@ -172,6 +173,62 @@ def test_the_call_deadline_option_is_checked_before_an_actor_starts():
     assert str(info.value) == "config key 'environments.flaky.call_timeout_s': expected a number > 0, found -1.0"
 
 
+# ----------------------------------------------------------------------------- in the driver
+
+
+def test_in_the_driver_calls_are_contained_as_in_an_actor(tmp_path):
+    """The same containment as an actor's: an exception fails its sample alone, a call past
+    its deadline fails its samples as timeouts, and the next call builds the environment
+    afresh (the hung call is left running on its own thread)."""
+    built = tmp_path / "built"
+    env = LocalEnvironment("flaky", {"reward": 1.0, "call_timeout_s": 2, "built_marker": str(built)}, plugins=PLUGINS)
+    try:
+        raised = step_contained("flaky", env, logs("a", "raise"), [{}, {}])
+        assert (raised.errors, raised.result.rewards.tolist()) == (1, [1.0, 0.0])
+        assert raised.result.errors[1] == "RuntimeError: asked to raise"
+        built.unlink()
+        start = time.monotonic()
+        step = step_contained("flaky", env, logs("sleep", "b"), [{}, {}])
+        assert time.monotonic() - start < 30  # not the 120 s the environment sleeps
+        assert (step.errors, step.timeouts, step.result.rewards.tolist()) == (0, 2, [0.0, 0.0])
+        assert step.result.errors[0] == (
+            "EnvironmentTimeout: environment 'flaky' did not answer step() within 2 s "
+            "(environments.flaky.call_timeout_s); the call was left running in the driver and the next call starts "
+            "a fresh one"
+        )
+        assert not built.exists()
+        after = step_contained("flaky", env, logs("a", "b"), [{"k": 1}, {}])
+        assert (after.errors, after.timeouts, after.result.rewards.tolist()) == (0, 0, [1.0, 1.0])
+        assert built.exists() and after.result.metadata[0] == {"k": 1, "seen": "a"}
+        assert env.metrics(after.result.rewards, after.result.metadata) == {"total": 2.0}
+    finally:
+        env.shutdown()
+        env.shutdown()
+
+
+def test_light_environments_run_in_the_driver_unless_told_otherwise():
+    """``math`` and ``guess_number`` declare themselves light: left null, ``in_driver`` puts
+    them in this process; ``in_driver: true`` puts any environment there. (``false``, an
+    actor of its own, is the test below.)"""
+    envs = start_environments(["math", "flaky"], {"math": {"num_workers": 1, "timeout_s": 5}, "flaky": {"in_driver": True}},
+                              plugins=PLUGINS)
+    try:
+        assert {name: type(env).__name__ for name, env in envs.items()} == {"math": "LocalEnvironment",
+                                                                            "flaky": "LocalEnvironment"}
+        result = envs["math"].step(logs("\\boxed{4}", "5"), [{"answer": "4"}, {"answer": "4"}])
+        assert result.rewards.tolist() == [1.0, 0.0]
+    finally:
+        for env in envs.values():
+            env.shutdown()
+
+
+def test_a_build_error_in_the_driver_is_itself_or_names_the_environment():
+    with pytest.raises(ConfigError, match=r"^environments.broken.mode: expected 'on', found 'off'$"):
+        LocalEnvironment("broken", plugins=PLUGINS)
+    with pytest.raises(PluginError, match=r"^environment 'flaky' failed to start: TypeError: .*'colour'"):
+        LocalEnvironment("flaky", {"colour": "red"}, plugins=PLUGINS)
+
+
 # ----------------------------------------------------------------------------- Ray actors
 
 
@@ -184,8 +241,9 @@ def flaky(ray_cluster):
 
 @pytest.mark.ray
 def test_remote_math_environment_from_the_entry_points(ray_cluster):
-    envs = start_environments(["math"], {"math": {"num_workers": 1, "timeout_s": 5}})
+    envs = start_environments(["math"], {"math": {"num_workers": 1, "timeout_s": 5, "in_driver": False}})
     try:
+        assert isinstance(envs["math"], RemoteEnvironment)
         result = envs["math"].step(logs("\\boxed{4}", "5"), [{"answer": "4"}, {"answer": "4"}])
         assert result.rewards.tolist() == [1.0, 0.0]
         assert envs["math"].metrics(result.rewards, result.metadata) == {"accuracy": 0.5, "answer_rate": 1.0, "verify_timeouts": 0.0}

@@ -67,7 +67,7 @@ def seven_rows(count: int) -> list[dict]:
 
 
 def make_config(model: str, run_dir: Path, train: str, grpo: GRPOConfig, **overrides) -> RunConfig:
-    """A CPU GRPO run: one policy worker, one generation engine, math verified in-actor."""
+    """A CPU GRPO run: one policy worker, one generation engine, math verified (in the driver, by default)."""
     samples = grpo.samples_per_step
     fields = dict(
         seed=3,
@@ -225,20 +225,27 @@ def test_where_the_engine_runs_does_not_change_the_metrics(ray_cluster, tiny_mod
     """``generation.colocated: false``: the engine keeps its own CPU worker (no offload or
     sleep between stages) and gets every step's weights by the same worker-to-worker sync;
     ``generation.in_policy_workers``: the engine runs inside the policy's worker and the
-    refit loads the weights in memory; left null, it is chosen there (hf on CPUs). Every run's
-    metrics equal those of the colocated run with an engine process of its own, step by step."""
+    refit loads the weights in memory; left null, it is chosen there (hf on CPUs), and the
+    math environment runs in the driver's process (``environments.math.in_driver`` left null)
+    instead of an actor of its own. Every run's metrics equal those of the colocated run with
+    an engine process and an environment actor of its own, step by step."""
     train = write_rows(tmp_path / "train.jsonl", seven_rows(40))
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=8, max_num_steps=3)
-    placements = {"colocated": {"in_policy_workers": False}, "apart": {"colocated": False},
-                  "in_policy": {"in_policy_workers": True}, "default": {}}
+    in_actors = {"math": {"num_workers": 1, "in_driver": False}}
+    placements = {"colocated": ({"in_policy_workers": False}, in_actors), "apart": ({"colocated": False}, in_actors),
+                  "in_policy": ({"in_policy_workers": True}, in_actors), "default": ({}, None)}
     runs = {}
-    for name, settings in placements.items():
+    for name, (settings, environments) in placements.items():
         config = make_config(tiny_model_path, tmp_path / name, train, grpo)
-        run_algorithm(attrs.evolve(config, generation=attrs.evolve(config.generation, **settings)))
+        config = attrs.evolve(config, generation=attrs.evolve(config.generation, **settings),
+                              environments=environments or config.environments)
+        run_algorithm(config)
         runs[name] = read_metrics(tmp_path / name / "metrics.jsonl", "train")
-    chosen = {name: "generation engines inside the policy's workers" in (tmp_path / name / "events.jsonl").read_text()
-              for name in placements}
-    assert chosen == {"colocated": False, "apart": False, "in_policy": False, "default": True}, chosen
+    events = {name: (tmp_path / name / "events.jsonl").read_text() for name in placements}
+    chosen = {name: ("generation engines inside the policy's workers" in text, "environment in the driver's process" in text)
+              for name, text in events.items()}
+    assert chosen == {"colocated": (False, False), "apart": (False, False), "in_policy": (False, False),
+                      "default": (True, True)}, chosen
     for name in ("apart", "in_policy", "default"):
         assert [r["step"] for r in runs[name]] == [1, 2, 3], name
         for together, other in zip(runs["colocated"], runs[name], strict=True):

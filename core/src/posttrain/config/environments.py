@@ -3,7 +3,7 @@
 Two kinds of key live there:
 
 - core's own (:class:`CoreEnvironmentOptions`: ``call_timeout_s``, ``call_retries``,
-  ``max_failed_fraction``): accepted under every environment, read by core and never passed
+  ``max_failed_fraction``, ``in_driver``): accepted under every environment, read by core and never passed
   to the environment;
 - the environment's own, declared once, on its factory, as an attrs class:
   ``@environment_options(MathOptions)``. They are read the way the loader reads a plugin
@@ -80,6 +80,9 @@ class CoreEnvironmentOptions:
     # the largest share of a rollout's samples of this environment that may be left unscored (0 to 1); more stops
     # the run, naming the environment, the first failed row and the error
     max_failed_fraction: float = attrs.field(default=0.5, validator=fraction)
+    # run the environment in the driver's process instead of a Ray actor of its own; null: where its factory
+    # declares it light (runs_in_driver: its work is small, or isolated in processes of its own)
+    in_driver: bool | None = None
 
 
 CORE_KEYS = tuple(field.name for field in attrs.fields(CoreEnvironmentOptions))
@@ -137,6 +140,21 @@ def requires_metadata(**keys: str) -> Callable[[Callable[..., Any]], Callable[..
         return factory
 
     return declare
+
+
+def runs_in_driver(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare an environment light enough to run in the run's driver process by default
+    (``environments.<name>.in_driver`` left null): its calls do little work of their own, or
+    send it to processes of their own (the ``math`` verifier's deadline pool). The driver
+    then calls it on a thread of its own, one call at a time, and a call past
+    ``call_timeout_s`` is left behind and the environment built afresh, as an actor would be."""
+    factory.runs_in_driver = True  # type: ignore[attr-defined]
+    return factory
+
+
+def declares_runs_in_driver(factory: Any) -> bool:
+    """Whether a factory was declared with :func:`runs_in_driver`."""
+    return getattr(factory, "runs_in_driver", False) is True
 
 
 def required_metadata(factory: Any) -> dict[str, str]:

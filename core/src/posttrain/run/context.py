@@ -218,7 +218,9 @@ class RunContext:
 
     def build_environments(self, names: Iterable[str], *, plugins: Sequence[str] = ()) -> Mapping[str, Environment]:
         """One environment per name in ``names``, each in its own Ray actor
-        (:class:`~posttrain.run.environments.RemoteEnvironment`) built from the options under
+        (:class:`~posttrain.run.environments.RemoteEnvironment`) or, where
+        ``environments.<name>.in_driver`` says so, in this process
+        (:class:`~posttrain.run.environments.LocalEnvironment`), built from the options under
         ``environments.<name>``. Ray starts with the run's cluster settings if it is not
         running yet. Every name in ``names`` and under ``environments`` must be registered:
         an unknown one fails before any actor starts. ``plugins`` are extra plugin modules

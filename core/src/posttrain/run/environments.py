@@ -1,11 +1,16 @@
-"""Environments hosted in Ray actors, and containment of environments that misbehave.
+"""Environments hosted in Ray actors or in the driver, and containment of environments that
+misbehave.
 
 Each environment named by a run's tasks runs in its own Ray actor
-(:class:`RemoteEnvironment`), built there by name from that process's plugin host with the
-options under ``environments.<name>``, read as :mod:`posttrain.config.environments` says:
-core's own keys (``call_timeout_s``, ``call_retries``, ``max_failed_fraction``) are read here
-and not passed on; the rest go to the environment's factory, checked against the options
-class it declares.
+(:class:`RemoteEnvironment`), or in the driver's process (:class:`LocalEnvironment`) where
+``environments.<name>.in_driver`` says so (left null: where its factory declares itself light,
+:func:`~posttrain.config.environments.runs_in_driver`). It is built by name from that
+process's plugin host with the options under ``environments.<name>``, read as
+:mod:`posttrain.config.environments` says: core's own keys (``call_timeout_s``,
+``call_retries``, ``max_failed_fraction``, ``in_driver``) are read here and not passed on; the
+rest go to the environment's factory, checked against the options class it declares. Either
+way a call passes its deadline the same way: the environment is dropped (its actor stopped,
+or its call left running in the driver) and the next call builds a fresh one.
 
 Containment (:func:`step_contained`, used by the rollout). A failed environment call never
 becomes a reward:
@@ -30,6 +35,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +44,7 @@ import torch
 
 from posttrain.config.environments import (
     CoreEnvironmentOptions,
+    declares_runs_in_driver,
     read_core_options,
     read_environment_options,
     required_metadata,
@@ -314,7 +321,92 @@ class EnvironmentActor:
             self.env.shutdown()
 
 
-class RemoteEnvironment(Environment):
+class _HostedEnvironment(Environment):
+    """An environment built by name from ``environments.<name>`` where a subclass runs it,
+    every call under a deadline (``call_timeout_s``); :meth:`_call` makes the calls."""
+
+    def __init__(self, name: str, options: Mapping[str, Any] | None, plugins: Sequence[str]):
+        core, self._options = read_core_options(name, options)
+        self.name = name
+        self.core_options = core
+        self.call_timeout_s = core.call_timeout_s
+        self._plugins = tuple(plugins)
+        self._tools: list[dict[str, Any]] | None = None
+
+    def step(self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Any]) -> EnvironmentReturn:
+        """The environment's step; raises :class:`EnvironmentTimeout` past ``call_timeout_s``."""
+        return self._call("step", list(message_logs), list(metadata))
+
+    def metrics(self, rewards: torch.Tensor, metadata: Sequence[Any]) -> dict[str, float]:
+        return self._call("metrics", rewards, list(metadata))
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The environment's tools, asked once (they do not change during a run)."""
+        if self._tools is None:
+            self._tools = self._call("tool_schemas")
+        return self._tools
+
+    def _call(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def _timed_out(self, method: str, where: str) -> EnvironmentTimeout:
+        return EnvironmentTimeout(
+            f"environment '{self.name}' did not answer {method}() within {self.call_timeout_s:g} s "
+            f"(environments.{self.name}.call_timeout_s); {where} and the next call starts a fresh one"
+        )
+
+
+class LocalEnvironment(_HostedEnvironment):
+    """An environment in this (the driver's) process (``environments.<name>.in_driver``),
+    built by the constructor. Each call runs on a daemon thread of its own, one at a time
+    (as an actor takes them); past ``call_timeout_s`` the call is left running, the
+    environment is dropped, and the next call builds a fresh one. ``plugins`` as for
+    :func:`host_with`."""
+
+    def __init__(self, name: str, options: Mapping[str, Any] | None = None, *, plugins: Sequence[str] = ()):
+        super().__init__(name, options, plugins)
+        self._lock = threading.Lock()
+        self._env: Environment | None = None
+        self._start()
+
+    def shutdown(self) -> None:
+        """Let the environment free its resources. Safe to call twice."""
+        env, self._env = self._env, None
+        if env is not None:
+            env.shutdown()
+
+    def _start(self) -> None:
+        try:
+            self._env = host_with(self._plugins).environments[self.name](dict(self._options))
+        except PosttrainError:
+            raise
+        except Exception as exc:  # what the actor's start says of the same failure
+            raise PluginError(f"environment '{self.name}' failed to start: {type(exc).__name__}: {exc}") from exc
+
+    def _call(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            if self._env is None:  # dropped after a deadline: build a fresh one
+                self._start()
+            outcome: dict[str, Any] = {}
+
+            def call() -> None:
+                try:
+                    outcome["value"] = getattr(self._env, method)(*args)
+                except BaseException as exc:  # raised below, in the caller's thread
+                    outcome["error"] = exc
+
+            thread = threading.Thread(target=call, name=f"posttrain-env-{self.name}", daemon=True)
+            thread.start()
+            thread.join(self.call_timeout_s)
+            if thread.is_alive():
+                self._env = None
+                raise self._timed_out(method, "the call was left running in the driver")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+
+class RemoteEnvironment(_HostedEnvironment):
     """An :class:`Environment` running in a Ray actor, with a deadline on every call.
 
     The actor is started (and its environment built) by the constructor, which raises the
@@ -333,30 +425,12 @@ class RemoteEnvironment(Environment):
         actor_options: Mapping[str, Any] | None = None,
         start_timeout_s: float = 300.0,
     ):
-        core, self._options = read_core_options(name, options)
-        self.name = name
-        self.core_options = core
+        super().__init__(name, options, plugins)
         self._node: str | None = None  # the Ray node of the actor, once started
-        self.call_timeout_s = core.call_timeout_s
-        self._plugins = tuple(plugins)
         self._actor_options = {"num_cpus": 0, **(actor_options or {})}
         self._start_timeout_s = start_timeout_s
         self._actor: Any = None
-        self._tools: list[dict[str, Any]] | None = None
         self._start()
-
-    def step(self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Any]) -> EnvironmentReturn:
-        """The environment's step; raises :class:`EnvironmentTimeout` past ``call_timeout_s``."""
-        return self._call("step", list(message_logs), list(metadata))
-
-    def metrics(self, rewards: torch.Tensor, metadata: Sequence[Any]) -> dict[str, float]:
-        return self._call("metrics", rewards, list(metadata))
-
-    def tool_schemas(self) -> list[dict[str, Any]]:
-        """The environment's tools, asked once (they do not change during a run)."""
-        if self._tools is None:
-            self._tools = self._call("tool_schemas")
-        return self._tools
 
     def shutdown(self) -> None:
         """Let the environment free its resources, then stop the actor. Safe to call twice."""
@@ -401,10 +475,7 @@ class RemoteEnvironment(Environment):
             return ray.get(getattr(self._actor, method).remote(*args), timeout=self.call_timeout_s)
         except ray.exceptions.GetTimeoutError:
             self._kill()
-            raise EnvironmentTimeout(
-                f"environment '{self.name}' did not answer {method}() within {self.call_timeout_s:g} s "
-                f"(environments.{self.name}.call_timeout_s); its actor was stopped and the next call starts a fresh one"
-            ) from None
+            raise self._timed_out(method, "its actor was stopped") from None
         except ray.exceptions.RayActorError as exc:
             self._actor = None
             from posttrain.distributed.nodes import node_dead, node_label
@@ -443,8 +514,11 @@ def start_environments(
     *,
     plugins: Sequence[str] = (),
     actor_options: Mapping[str, Any] | None = None,
-) -> dict[str, RemoteEnvironment]:
-    """One :class:`RemoteEnvironment` per name in ``names``, with ``options[name]``.
+) -> dict[str, Environment]:
+    """One environment per name in ``names``, with ``options[name]``: a
+    :class:`LocalEnvironment` in this process where ``environments.<name>.in_driver`` says so
+    (left null: where the factory declares :func:`~posttrain.config.environments.runs_in_driver`),
+    else a :class:`RemoteEnvironment` in an actor of its own.
 
     Every name in ``names`` and in ``options`` (``config.environments``) must be registered
     and its options valid: an unknown name raises the host's unknown-name
@@ -453,13 +527,24 @@ def start_environments(
     """
     names = list(dict.fromkeys(names))
     registry = host_with(plugins).environments
-    for name in dict.fromkeys([*names, *options]):
+    read = {
         # raises "unknown environment 'mth'; installed: ... Did you mean 'math'?"
-        read_environment_options(name, registry[name], options.get(name))
-    started: dict[str, RemoteEnvironment] = {}
+        name: read_environment_options(name, registry[name], options.get(name))
+        for name in dict.fromkeys([*names, *options])
+    }
+    started: dict[str, Environment] = {}
     try:
         for name in names:
-            started[name] = RemoteEnvironment(name, options.get(name, {}), plugins=plugins, actor_options=actor_options)
+            in_driver = read[name].core.in_driver
+            if in_driver is None and declares_runs_in_driver(registry[name]):
+                _log.info("environment in the driver's process", environment=name,
+                          setting=f"environments.{name}.in_driver: null")
+                in_driver = True
+            if in_driver:
+                started[name] = LocalEnvironment(name, options.get(name, {}), plugins=plugins)
+            else:
+                started[name] = RemoteEnvironment(name, options.get(name, {}), plugins=plugins,
+                                                  actor_options=actor_options)
     except BaseException:
         for env in started.values():
             env.shutdown()

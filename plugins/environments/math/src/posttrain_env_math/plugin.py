@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from posttrain import hookimpl
-from posttrain.config.environments import environment_options, requires_metadata
+from posttrain.config.environments import environment_options, requires_metadata, runs_in_driver
 from posttrain_env_math.options import GuessNumberOptions, MathOptions
 
 if TYPE_CHECKING:
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from posttrain_env_math.math_env import MathEnvironment
 
 
+@runs_in_driver  # scores in its deadline pool's processes
 @requires_metadata(answer="the ground truth the final answer is compared with")
 @environment_options(MathOptions)
 def math_environment(options: MathOptions) -> MathEnvironment:
@@ -29,6 +30,7 @@ def math_environment(options: MathOptions) -> MathEnvironment:
     return MathEnvironment(options)
 
 
+@runs_in_driver  # compares two integers
 @requires_metadata(target="the integer the model must guess")
 @environment_options(GuessNumberOptions)
 def guess_number_environment(options: GuessNumberOptions) -> GuessNumberEnvironment:
