@@ -1,13 +1,14 @@
 """Start-up: the seconds from ``posttrain run`` to the first training step, and where they go.
 
-    python benchmarks/startup.py [--repeats 3] [--algorithms grpo grpo-engine-process sft] [--out FILE] [--record NAME]
+    python benchmarks/startup.py [--repeats 3] [--algorithms grpo grpo-processes sft] [--out FILE] [--record NAME]
 
 Each repetition runs ``python -m posttrain.cli run ALGORITHM`` on the tiny model (built in
 a temporary folder, nothing downloaded) from the example config, in a fresh ``run_dir``
 with a Ray cluster of its own, for one step (GRPO: ``examples/configs/grpo_math_tiny.yaml``,
-no validation before the first step, its hf engine inside the policy's worker, as
-``generation.in_policy_workers`` left null decides on CPUs; ``grpo-engine-process``: the same
-with the engine in a process of its own, ``generation.in_policy_workers=false``; SFT: ``examples/configs/sft.yaml``, no
+no validation before the first step, with the defaults on CPUs: the hf engine inside the
+policy's worker and the math environment in the driver; ``grpo-processes``: the same with
+the engine and the environment in processes of their own, ``generation.in_policy_workers=false
+environments.math.in_driver=false``; SFT: ``examples/configs/sft.yaml``, no
 validation).
 The parts, from the run's ``events.jsonl`` and ``metrics.jsonl``:
 
@@ -49,8 +50,8 @@ GRPO_ONE_STEP = ("grpo.max_num_steps=1", "grpo.val_at_start=false")
 #: Each run: its algorithm, example config and the overrides making it one step long.
 RUNS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "grpo": ("grpo", "examples/configs/grpo_math_tiny.yaml", GRPO_ONE_STEP),
-    "grpo-engine-process": ("grpo", "examples/configs/grpo_math_tiny.yaml",
-                            (*GRPO_ONE_STEP, "generation.in_policy_workers=false")),
+    "grpo-processes": ("grpo", "examples/configs/grpo_math_tiny.yaml",
+                       (*GRPO_ONE_STEP, "generation.in_policy_workers=false", "environments.math.in_driver=false")),
     "sft": ("sft", "examples/configs/sft.yaml", ("sft.max_num_steps=1", "data.validation=null", "sft.val_at_end=false",
                                                  "sft.export_dir=null")),
 }

@@ -193,7 +193,7 @@ def test_the_registered_factory_reads_the_mapping_into_its_options():
         (
             {"zzz": 1},
             "unknown config key 'environments.code.zzz' (at <dict>). Valid keys here: call_retries, call_timeout_s, "
-            "disk_mb, max_concurrency, max_failed_fraction, max_output_bytes, max_processes, memory_mb, namespaces, "
+            "disk_mb, in_driver, max_concurrency, max_failed_fraction, max_output_bytes, max_processes, memory_mb, namespaces, "
             "reward, timeout_s.",
         ),
         ({"timeout_s": 0}, "config key 'environments.code.timeout_s' (at <dict>): expected a number >= 0.1, found 0.0"),

@@ -70,5 +70,5 @@ def test_options_are_checked_when_the_config_is_loaded():
         config_from_dict({"environments": {"guess_number": {"colour": "red"}}})
     assert str(info.value) == (
         "unknown config key 'environments.guess_number.colour' (at <dict>). Valid keys here: call_retries, "
-        "call_timeout_s, max_failed_fraction, max_guesses."
+        "call_timeout_s, in_driver, max_failed_fraction, max_guesses."
     )
