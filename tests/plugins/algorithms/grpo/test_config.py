@@ -478,3 +478,21 @@ def test_async_with_a_colocated_engine_names_where_both_keys_were_set(host, tmp_
         "or max_staleness_steps=0 for synchronous GRPO. Where set: grpo.asynchronous.max_staleness_steps at "
         f"{path}:7."
     )  # generation.colocated is left at its default (true): nothing to point at
+
+
+def test_async_with_engines_in_the_policys_workers_names_both_keys_and_the_advice_works(host, tmp_path):
+    """``generation.in_policy_workers: true`` needs a colocated engine: the fix names both keys,
+    and the run loads once both are changed as it says."""
+    path = tmp_path / "grpo.yaml"
+    path.write_text(
+        "algorithm: grpo\n"
+        "policy: {backend: grpo-test-policy, train_global_batch_size: 16}\n"
+        "generation: {backend: hf, in_policy_workers: true}\n"
+        "grpo: {num_prompts_per_step: 2, num_generations_per_prompt: 8, asynchronous: {max_staleness_steps: 1}}\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), host=host)
+    assert "Set generation.colocated=false and generation.in_policy_workers=false (the engines then" in str(info.value)
+    assert str(info.value).endswith(f"generation.in_policy_workers at {path}:3.")
+    config = load_config(str(path), ["generation.colocated=false", "generation.in_policy_workers=false"], host=host)
+    assert (config.generation.colocated, config.generation.in_policy_workers) == (False, False)

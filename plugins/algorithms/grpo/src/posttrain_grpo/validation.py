@@ -418,13 +418,17 @@ def _check_asynchronous(grpo: GRPOConfig, config: RunConfig) -> None:
             f"{key}.max_staleness_steps",
         )
     if k >= 1 and config.generation.colocated:
+        inside = config.generation.in_policy_workers is True  # which needs colocated: both must change
+        change = ("generation.colocated=false and generation.in_policy_workers=false" if inside
+                  else "generation.colocated=false")
         raise _error(
             config,
             f"{key}.max_staleness_steps={k} generates while the policy trains, which a colocated engine cannot do: it "
-            "shares the policy's devices and takes turns with it. Set generation.colocated=false (the engines then "
+            f"shares the policy's devices and takes turns with it. Set {change} (the engines then "
             "run on resources of their own, generation.resources), or max_staleness_steps=0 for synchronous GRPO.",
             f"{key}.max_staleness_steps",
             "generation.colocated",
+            *(["generation.in_policy_workers"] if inside else []),
         )
     ahead = run_ahead.max_groups_ahead
     if ahead is None:
