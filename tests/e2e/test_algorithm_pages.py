@@ -1,7 +1,8 @@
 """The PPO and distillation pages' configs and commands, as written, on the default local
-cluster of a 2-core machine (``cluster.num_cpus=2`` on any machine): ``posttrain run ppo --config ppo.yaml`` (policy, critic, engine,
-math) and ``posttrain run distill --config distill.yaml`` (student, teacher, engine, math) place
-every worker group and train, with only the model folder and the run's length changed. With
+cluster of a 2-core machine (``cluster.num_cpus=2`` on any machine): ``posttrain run ppo
+--config ppo.yaml`` (policy, critic, engine, math) and ``posttrain run distill --config
+distill.yaml`` (student, teacher, engine, math) place every worker group and train, with
+only the model folder and the run's length changed. With
 engines and environments in processes of their own, the groups asked for one CPU more than
 the two the machine has and the run waited 120 s to be refused."""
 

@@ -32,6 +32,7 @@ naming the node.
 
 from __future__ import annotations
 
+import abc
 import functools
 import importlib
 import json
@@ -346,8 +347,16 @@ class _HostedEnvironment(Environment):
             self._tools = self._call("tool_schemas")
         return self._tools
 
+    @abc.abstractmethod
     def _call(self, method: str, *args: Any) -> Any:
-        raise NotImplementedError
+        """The :class:`EnvironmentActor` method ``method`` called with ``args``, under the deadline."""
+
+    def _start_failure(self, cause: BaseException) -> PosttrainError:
+        """What building the environment raised, as the driver raises it: posttrain's own
+        errors as they are, anything else named as this environment's failure to start."""
+        if isinstance(cause, PosttrainError):
+            return cause
+        return PluginError(f"environment '{self.name}' failed to start: {type(cause).__name__}: {cause}")
 
     def _timed_out(self, method: str, where: str) -> EnvironmentTimeout:
         return EnvironmentTimeout(
@@ -358,40 +367,41 @@ class _HostedEnvironment(Environment):
 
 class LocalEnvironment(_HostedEnvironment):
     """An environment in this (the driver's) process (``environments.<name>.in_driver``),
-    built by the constructor. Each call runs on a daemon thread of its own, one at a time
-    (as an actor takes them); past ``call_timeout_s`` the call is left running, the
-    environment is dropped, and the next call builds a fresh one. ``plugins`` as for
-    :func:`host_with`."""
+    built by the constructor in the :class:`EnvironmentActor` object a Ray actor would hold.
+    Each call runs on a daemon thread of its own, one at a time (as an actor takes them);
+    past ``call_timeout_s`` the call is left running, the environment is dropped, and the
+    next call builds a fresh one. ``plugins`` as for :func:`host_with`."""
 
     def __init__(self, name: str, options: Mapping[str, Any] | None = None, *, plugins: Sequence[str] = ()):
         super().__init__(name, options, plugins)
         self._lock = threading.Lock()
-        self._env: Environment | None = None
+        self._actor: EnvironmentActor | None = None
         self._start()
 
     def shutdown(self) -> None:
         """Let the environment free its resources. Safe to call twice."""
-        env, self._env = self._env, None
-        if env is not None:
-            env.shutdown()
+        actor, self._actor = self._actor, None
+        if actor is not None:
+            actor.shutdown()
 
     def _start(self) -> None:
+        actor = EnvironmentActor(self.name, self._options, self._plugins)
         try:
-            self._env = host_with(self._plugins).environments[self.name](dict(self._options))
-        except PosttrainError:
-            raise
-        except Exception as exc:  # what the actor's start says of the same failure
-            raise PluginError(f"environment '{self.name}' failed to start: {type(exc).__name__}: {exc}") from exc
+            actor.ready()
+        except Exception as exc:
+            failure = self._start_failure(exc)
+            raise failure from (None if failure is exc else exc)
+        self._actor = actor
 
     def _call(self, method: str, *args: Any) -> Any:
         with self._lock:
-            if self._env is None:  # dropped after a deadline: build a fresh one
+            if self._actor is None:  # dropped after a deadline: build a fresh one
                 self._start()
-            outcome: dict[str, Any] = {}
+            actor, outcome = self._actor, {}
 
             def call() -> None:
                 try:
-                    outcome["value"] = getattr(self._env, method)(*args)
+                    outcome["value"] = getattr(actor, method)(*args)
                 except BaseException as exc:  # raised below, in the caller's thread
                     outcome["error"] = exc
 
@@ -399,7 +409,7 @@ class LocalEnvironment(_HostedEnvironment):
             thread.start()
             thread.join(self.call_timeout_s)
             if thread.is_alive():
-                self._env = None
+                self._actor = None
                 raise self._timed_out(method, "the call was left running in the driver")
         if "error" in outcome:
             raise outcome["error"]
@@ -455,10 +465,7 @@ class RemoteEnvironment(_HostedEnvironment):
             self._node = ray.get(self._actor.node_id.remote(), timeout=self._start_timeout_s)
         except ray.exceptions.RayTaskError as exc:  # building the environment raised
             self._kill()
-            cause = exc.cause
-            if isinstance(cause, PosttrainError):
-                raise cause from None
-            raise PluginError(f"environment '{self.name}' failed to start: {type(cause).__name__}: {cause}") from None
+            raise self._start_failure(exc.cause) from None
         except ray.exceptions.GetTimeoutError:
             self._kill()
             raise EnvironmentTimeout(f"environment '{self.name}' did not start within {self._start_timeout_s:g} s") from None
