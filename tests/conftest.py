@@ -101,3 +101,16 @@ def pytest_runtest_makereport(item, call):
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     if not GPU_COUNT_SKIP.search(reason):
         report.outcome, report.longrepr = "failed", f"skipped under POSTTRAIN_REQUIRE_GPU=1: {reason}"
+
+
+@pytest.fixture
+def yaml_file(tmp_path, monkeypatch):
+    """``yaml_file(text)``: ``text`` written to ``exp.yaml`` in a fresh working directory; returns
+    the relative path, so a config error's "where set" reads ``exp.yaml:LINE``."""
+    monkeypatch.chdir(tmp_path)
+
+    def write(text: str) -> str:
+        (tmp_path / "exp.yaml").write_text(text)
+        return "exp.yaml"
+
+    return write

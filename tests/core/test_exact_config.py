@@ -14,17 +14,6 @@ from posttrain.plugins import plugin_host
 EXACT = "generation:\n  exact_logprobs: true\n"
 
 
-@pytest.fixture
-def yaml_file(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-
-    def write(text: str) -> str:
-        (tmp_path / "exp.yaml").write_text(text)
-        return "exp.yaml"
-
-    return write
-
-
 @pytest.mark.parametrize(
     ("yaml", "message"),
     [

@@ -240,8 +240,8 @@ class VersionedGeneration(TransformersGeneration):
         return out
 
 
-def test_each_generated_token_keeps_the_version_of_the_weights_that_generated_it(tiny_model_path, tokenizer, math_env):
-    generation = VersionedGeneration(tiny_model_path, max_new_tokens=6, seed=1)
+def game_and_sum(generation: Generation, tokenizer, math_env) -> Batch:
+    """A rollout of a three-turn number-guessing game and a one-turn sum."""
     samples = Batch(
         messages=[guess_number_prompt(1, 100), [{"role": "user", "content": "1+1?"}]],
         task=["guess_number", "math"],
@@ -249,8 +249,12 @@ def test_each_generated_token_keeps_the_version_of_the_weights_that_generated_it
     )
     envs = {"guess_number": GuessNumberEnvironment(GuessNumberOptions(max_guesses=8)), "math": math_env}
     batch, _ = run_rollout(samples, generation, envs, tokenizer, max_total_length=1024, max_turns=3)
-
     assert batch["turns"].tolist() == [3, 1]
+    return batch
+
+
+def test_each_generated_token_keeps_the_version_of_the_weights_that_generated_it(tiny_model_path, tokenizer, math_env):
+    batch = game_and_sum(VersionedGeneration(tiny_model_path, max_new_tokens=6, seed=1), tokenizer, math_env)
     for i in range(2):
         n = int(batch["input_lengths"][i])
         mask, versions = batch["token_mask"][i, :n].bool(), batch["generation_versions"][i, :n]
@@ -510,3 +514,29 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer):
     log = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     with pytest.raises(ConfigError, match="renders a conversation differently once a message is added"):
         chat.bridge_ids(log, [5], [{"role": "user", "content": "more"}])
+
+
+class RoutedGeneration(TransformersGeneration):
+    """Reports ``routed_experts`` as an engine that records routes does: every token it ran
+    (all but the last generated), here ``(call number, token id % 7)`` for its two layers."""
+
+    def generate(self, batch: Batch, *, greedy: bool = False) -> Batch:
+        out = super().generate(batch, greedy=greedy)
+        ids = out["output_ids"]
+        routes = torch.stack([torch.full_like(ids, len(self.calls)), ids % 7], -1)[:, :, None, :].expand(-1, -1, 2, -1)
+        ran = torch.arange(ids.shape[1])[None, :] < out["unpadded_sequence_lengths"][:, None] - 1
+        out["routed_experts"] = torch.where(ran[..., None, None], routes, -1).to(torch.int16)
+        return out
+
+
+def test_each_token_keeps_the_experts_of_the_last_engine_forward_over_it(tiny_model_path, tokenizer, math_env):
+    batch = game_and_sum(RoutedGeneration(tiny_model_path, max_new_tokens=6, seed=1), tokenizer, math_env)
+    routes = batch["routed_experts"]
+    assert routes.dtype == torch.int16 and routes.shape == (*batch["input_ids"].shape, 2, 2)
+    for i, last_call in ((0, 3), (1, 1)):
+        n = int(batch["input_lengths"][i])
+        ids = batch["input_ids"][i, :n - 1]
+        expected = torch.stack([torch.full_like(ids, last_call), ids % 7], -1)[:, None, :].expand(-1, 2, -1)
+        assert torch.equal(routes[i, :n - 1].long(), expected)
+        assert routes[i, n - 1:].eq(-1).all()  # the last generated token and the padding: never run
+    assert "routed_experts" not in game_and_sum(TransformersGeneration(tiny_model_path, max_new_tokens=2), tokenizer, math_env)

@@ -50,11 +50,15 @@ class GenerationRequest:
 @attrs.frozen
 class Completion:
     """The generated tokens of one row (stop token or stop string included), the logprob
-    of each under the distribution it was sampled from, and whether it ran out of budget."""
+    of each under the distribution it was sampled from, and whether it ran out of budget.
+    An engine asked to record routes (``policy.moe``) adds ``routed_experts``: int16 [n,
+    layers, k], the experts of the row's first n tokens, prompt then completion, as the engine
+    ran them (:mod:`posttrain.backend.routing`)."""
 
     token_ids: list[int]
     logprobs: list[float]
     truncated: bool
+    routed_experts: torch.Tensor | None = None
 
 
 class EngineWorker(Worker, abc.ABC):

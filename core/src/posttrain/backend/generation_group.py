@@ -25,13 +25,14 @@ import torch
 
 from posttrain.backend.engine import Completion, EngineWorker, GenerationRequest
 from posttrain.backend.hosted import HostedEndpoint, HostedGroup
+from posttrain.backend.routing import padded_routes
 from posttrain.backend.sampling import sample_seeds
 from posttrain.backend.weight_sync import BroadcastEndpoint
 from posttrain.batch import Batch, padded_tensor
 from posttrain.config.schema import GenerationConfig, RunConfig, WorkerResources
 from posttrain.distributed import VirtualCluster, WorkerGroup
 from posttrain.errors import ConfigError, DataError
-from posttrain.interfaces.generation import Generation
+from posttrain.interfaces.generation import ROUTES_FIELD, Generation
 from posttrain.interfaces.policy import Policy
 
 #: Seconds :meth:`WorkerGroupGeneration.shutdown` waits for the engines to close.
@@ -91,13 +92,16 @@ def assemble_output(prompts: list[list[int]], completions: list[Completion], pad
     """The output batch of :mod:`posttrain.interfaces.generation` from prompts and completions."""
     pairs = list(zip(prompts, completions, strict=True))
     lengths = [len(p) + len(c.token_ids) for p, c in pairs]
-    return Batch(
+    output = Batch(
         output_ids=padded_tensor([[*p, *c.token_ids] for p, c in pairs], pad_token_id, torch.long),
         logprobs=padded_tensor([[*[0.0] * len(p), *c.logprobs] for p, c in pairs], 0.0, torch.float32),
         generation_lengths=torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long),
         unpadded_sequence_lengths=torch.tensor(lengths, dtype=torch.long),
         truncated=torch.tensor([c.truncated for c in completions], dtype=torch.bool),
     )
+    if completions and all(c.routed_experts is not None for c in completions):
+        output[ROUTES_FIELD] = padded_routes([c.routed_experts for c in completions], max(lengths))
+    return output
 
 
 def split_bounds(num_rows: int, num_parts: int) -> list[int]:

@@ -42,6 +42,7 @@ import torch
 from posttrain.backend.hf_export import bucket_names
 from posttrain.backend.hosted import HostedGroup
 from posttrain.backend.policy_worker import PolicyWorker, RankTrainResult
+from posttrain.backend.routing import agreement_metrics
 from posttrain.backend.work import Batching, PassPlan, RankWork, ResultSink, ShardRef, padded_order, plan_pass
 from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
@@ -242,7 +243,7 @@ class ShardedPolicy(Policy):
                               f"backend does not compute; it computes {', '.join(self.group.worker_cls.loss_inputs)}")
         results: list[RankTrainResult]
         results, everyone = self._run_pass(PolicyWorker.train, work, loss_fn, eval_mode)
-        metrics = combine_metrics([r["metrics"] for r in results], loss_fn.metric_reductions)
+        metrics = agreement_metrics(combine_metrics([r["metrics"] for r in results], loss_fn.metric_reductions))
         metrics.update(
             loss=sum(r["loss"] for r in results),
             lr=results[0]["lr"],

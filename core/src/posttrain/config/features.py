@@ -12,13 +12,17 @@
 - ``supports_exact_logprobs`` on a policy backend's section: with ``generation.exact_logprobs``
   it scores tokens as :mod:`posttrain.backend.exact` lays out; on a generation backend's
   section: its engines then report those logprobs, bit for bit;
+- ``records_routed_experts`` on a generation backend's section: its engines report the experts
+  each token of a mixture of experts went through (``policy.moe``); ``replays_routed_experts``
+  on a policy backend's section: its routers can be made to use them;
 - ``batch_invariant_logprobs`` on a generation backend's section: with
   ``generation.exact_logprobs`` its engines run batch-invariant kernels instead (their logprobs
   do not depend on the batch, but are not the trainer's bit for bit).
 
 Core's config check refuses a feature the chosen backend does not declare
 (:func:`posttrain.config.validate.check_lora`, :func:`~posttrain.config.validate.check_muon`,
-:func:`~posttrain.config.validate.check_generation_placement`, :func:`~posttrain.config.validate.check_exact_logprobs`);
+:func:`~posttrain.config.validate.check_generation_placement`, :func:`~posttrain.config.validate.check_exact_logprobs`,
+:func:`~posttrain.config.validate.check_routing_replay`);
 ``posttrain plugins`` lists what each plugin
 declares. Imports nothing heavy.
 """
@@ -35,6 +39,8 @@ FEATURES = {
     "runs_in_policy_workers": "engines inside the policy's workers (generation.in_policy_workers)",
     "supports_exact_logprobs": "exact logprobs, the trainer's bit for bit (generation.exact_logprobs)",
     "batch_invariant_logprobs": "batch-invariant logprobs (generation.exact_logprobs)",
+    "records_routed_experts": "the experts each token was routed to, recorded (policy.moe)",
+    "replays_routed_experts": "routing replay: the rollout's experts used by the policy (policy.moe)",
 }
 
 
@@ -54,3 +60,14 @@ def backends_declaring(host: PluginHost, kind: str, feature: str) -> str:
     ``feature``, comma-separated, or ``none installed``: the list a refusal offers."""
     registry = host.policy_backends if kind == "policy" else host.generation_backends
     return ", ".join(name for name in registry if section_declares(host, f"{kind}.{name}", feature)) or "none installed"
+
+
+def lacking_feature(host: PluginHost, kind: str, name: str, feature: str) -> tuple[str, str] | None:
+    """For a refusal, when the registered ``kind`` backend ``name`` (``policy`` or
+    ``generation``) does not declare ``feature``: its label, ``'name' (distribution version)``,
+    and the backends that do (:func:`backends_declaring`). None when it declares it, or is not
+    registered (the registry's check names that)."""
+    registry = host.policy_backends if kind == "policy" else host.generation_backends
+    if name not in registry or section_declares(host, f"{kind}.{name}", feature):
+        return None
+    return f"'{name}' ({registry.distribution_of(name)})", backends_declaring(host, kind, feature)

@@ -124,6 +124,27 @@ class LoraConfig:
 
 
 @attrs.define
+class MoEConfig:
+    """Mixture-of-experts options. Routing replay records the experts each token went through
+    when the rollout generated it and makes the policy's routers choose those in its logprob
+    and training passes, so a router that the two sides' arithmetic would flip cannot change
+    which experts a token's logprob comes from (docs/moe.md). Backends declare it
+    (``records_routed_experts`` on a generation backend's section, ``replays_routed_experts`` on
+    a policy backend's); others refuse it."""
+
+    # off | rollout: the policy's routers use the experts the generation engine chose for each token
+    routing_replay: Literal["off", "rollout"] = "off"
+    # record the engine's experts and report moe/router_agreement (per layer: the fraction of tokens whose
+    # experts the policy chose alike) without replaying them; on with routing_replay: rollout
+    router_agreement: bool = False
+
+    @property
+    def records_routes(self) -> bool:
+        """Whether the rollouts carry the engine's routes (replay or agreement asked)."""
+        return self.routing_replay != "off" or self.router_agreement
+
+
+@attrs.define
 class WorkerResources:
     """What each worker actor of a group asks Ray for, and its process environment."""
 
@@ -169,6 +190,7 @@ class PolicyConfig:
     sequence_packing: SequencePackingConfig = attrs.field(factory=SequencePackingConfig)  # several samples per row
     dynamic_batching: DynamicBatchingConfig = attrs.field(factory=DynamicBatchingConfig)  # microbatches by token budget
     lora: LoraConfig = attrs.field(factory=LoraConfig)  # low-rank adapters instead of full fine-tuning
+    moe: MoEConfig = attrs.field(factory=MoEConfig)  # mixture-of-experts options: routing replay
     resources: WorkerResources = attrs.field(factory=WorkerResources)  # what each policy worker asks Ray for
 
 

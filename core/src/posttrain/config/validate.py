@@ -30,7 +30,7 @@ import attrs
 
 from posttrain.config.environments import read_environment_options
 from posttrain.config.exact import BATCH_INVARIANT_FEATURE, EXACT_FEATURE, EXACT_KEY
-from posttrain.config.features import backends_declaring, section_declares
+from posttrain.config.features import backends_declaring, lacking_feature, section_declares
 from posttrain.config.requirements import section_requirements
 from posttrain.config.schema import RunConfig
 from posttrain.errors import ConfigError, PluginError
@@ -80,6 +80,7 @@ def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
     check_lora(config, host)
     check_generation_placement(config, host)
     check_exact_logprobs(config, host)
+    check_routing_replay(config, host)
     check_devices(config)
     check_batch_sizes(config, batch_size_rules(config))
     require_registered(host.data_planes, config.data_plane.backend, "data_plane.backend", config=config)
@@ -167,12 +168,11 @@ def check_muon(config: RunConfig, host: PluginHost) -> None:
         ("policy.optimizer.muon.ns_steps", muon.ns_steps, muon.ns_steps >= 1, "an integer >= 1, e.g. 5"),
     ]
     refuse_failed(config, checks)
-    backend = config.policy.backend
-    if backend in host.policy_backends and not section_declares(host, f"policy.{backend}", "supports_muon"):
+    lacking = lacking_feature(host, "policy", config.policy.backend, "supports_muon")
+    if lacking:
         raise ConfigError(
-            f"policy.optimizer.name is muon, but the policy backend '{backend}' "
-            f"({host.policy_backends.distribution_of(backend)}) does not implement Muon; policy backends that do: "
-            f"{backends_declaring(host, 'policy', 'supports_muon')}. Set policy.backend to one of them, or "
+            f"policy.optimizer.name is muon, but the policy backend {lacking[0]} does not implement Muon; policy "
+            f"backends that do: {lacking[1]}. Set policy.backend to one of them, or "
             f"policy.optimizer.name: adamw.{where_set(config, 'policy.optimizer.name', 'policy.backend')}"
         )
     if config.policy.lora.enabled:
@@ -215,23 +215,18 @@ def check_lora(config: RunConfig, host: PluginHost) -> None:
          "module names (e.g. [q_proj, v_proj]), a regular expression, or all-linear"),
     ]
     refuse_failed(config, checks)
-    backend = config.policy.backend
-    if backend in host.policy_backends and not section_declares(host, f"policy.{backend}", "supports_lora"):
-        able = backends_declaring(host, "policy", "supports_lora")
+    lacking = lacking_feature(host, "policy", config.policy.backend, "supports_lora")
+    if lacking:
         raise ConfigError(
-            f"policy.lora.enabled is true, but the policy backend '{backend}' "
-            f"({host.policy_backends.distribution_of(backend)}) does not implement LoRA; policy backends that do: "
-            f"{able}. Set policy.backend to one of them, or policy.lora.enabled: false."
+            f"policy.lora.enabled is true, but the policy backend {lacking[0]} does not implement LoRA; policy backends "
+            f"that do: {lacking[1]}. Set policy.backend to one of them, or policy.lora.enabled: false."
             f"{where_set(config, 'policy.lora.enabled', 'policy.backend')}"
         )
-    engines = host.generation_backends
-    generator = config.generation.backend
-    adapters = "supports_lora_adapters"
-    if lora.refit == "adapter" and generator in engines and not section_declares(host, f"generation.{generator}", adapters):
-        able = backends_declaring(host, "generation", adapters)
+    lacking = lacking_feature(host, "generation", config.generation.backend, "supports_lora_adapters")
+    if lora.refit == "adapter" and lacking:
         raise ConfigError(
-            f"policy.lora.refit is adapter, but the generation backend '{generator}' ({engines.distribution_of(generator)}) "
-            f"does not load LoRA adapters; generation backends that do: {able}. Set "
+            f"policy.lora.refit is adapter, but the generation backend {lacking[0]} does not load LoRA adapters; "
+            f"generation backends that do: {lacking[1]}. Set "
             f"generation.backend to one of them, or policy.lora.refit: merged (every backend loads merged weights)."
             f"{where_set(config, 'policy.lora.refit', 'generation.backend')}"
         )
@@ -249,13 +244,12 @@ def check_generation_placement(config: RunConfig, host: PluginHost) -> None:
     if not gen.in_policy_workers:
         return
     where = where_set(config, "generation.in_policy_workers", "generation.backend")
-    engines = host.generation_backends
-    if gen.backend in engines and not section_declares(host, f"generation.{gen.backend}", "runs_in_policy_workers"):
-        able = backends_declaring(host, "generation", "runs_in_policy_workers")
+    lacking = lacking_feature(host, "generation", gen.backend, "runs_in_policy_workers")
+    if lacking:
         raise ConfigError(
-            f"generation.in_policy_workers is true, but the generation backend '{gen.backend}' "
-            f"({engines.distribution_of(gen.backend)}) runs its engines in processes of their own; backends that run "
-            f"in the policy's workers: {able}. Set generation.backend to one of them, "
+            f"generation.in_policy_workers is true, but the generation backend {lacking[0]} runs its engines in "
+            f"processes of their own; backends that run in the policy's workers: {lacking[1]}. Set generation.backend "
+            "to one of them, "
             f"or generation.in_policy_workers: false.{where}"
         )
     if not gen.colocated:
@@ -296,12 +290,12 @@ def check_exact_logprobs(config: RunConfig, host: PluginHost) -> None:
     if not config.generation.exact_logprobs:
         return
     gen, policy = config.generation, config.policy
-    policies, engines = host.policy_backends, host.generation_backends
-    if policy.backend in policies and not section_declares(host, f"policy.{policy.backend}", EXACT_FEATURE):
-        able = backends_declaring(host, "policy", EXACT_FEATURE)
+    engines = host.generation_backends
+    lacking = lacking_feature(host, "policy", policy.backend, EXACT_FEATURE)
+    if lacking:
         raise ConfigError(
-            f"{EXACT_KEY} is true, but the policy backend '{policy.backend}' ({policies.distribution_of(policy.backend)}) "
-            f"cannot score tokens as the engines do; backends that can: {able}. Set "
+            f"{EXACT_KEY} is true, but the policy backend {lacking[0]} "
+            f"cannot score tokens as the engines do; backends that can: {lacking[1]}. Set "
             f"policy.backend to one of them, or {EXACT_KEY}: false.{where_set(config, EXACT_KEY, 'policy.backend')}"
         )
     exact = section_declares(host, f"generation.{gen.backend}", EXACT_FEATURE)
@@ -334,6 +328,35 @@ def check_exact_logprobs(config: RunConfig, host: PluginHost) -> None:
     if problems:
         message, keys = problems[0]
         raise ConfigError(f"{EXACT_KEY} is true, but {message}.{where_set(config, EXACT_KEY, *keys)}")
+
+
+def check_routing_replay(config: RunConfig, host: PluginHost) -> None:
+    """Refuse ``policy.moe.routing_replay`` or ``router_agreement`` with a backend that does not
+    declare it (:mod:`posttrain.config.features`), or with exact logprobs (which already make
+    the policy route every token as the engine's rescoring did)."""
+    moe, gen, policy = config.policy.moe, config.generation, config.policy
+    if not moe.records_routes:
+        return
+    key = "policy.moe.routing_replay" if moe.routing_replay != "off" else "policy.moe.router_agreement"
+    needs = [
+        ("generation", gen.backend, "records_routed_experts", "the experts each generated token went through, which "
+         "the generation backend {backend} does not report; backends that do: {able}"),
+        ("policy", policy.backend, "replays_routed_experts", "a policy backend that can give its routers the "
+         "rollout's experts; the policy backend {backend} cannot; backends that can: {able}"),
+    ]
+    for kind, backend, feature, what in needs:
+        lacking = lacking_feature(host, kind, backend, feature)
+        if lacking:
+            raise ConfigError(
+                f"{key} needs {what.format(backend=lacking[0], able=lacking[1])}. Set {kind}.backend to one of them, "
+                f"or {key} to its default.{where_set(config, key, f'{kind}.backend')}"
+            )
+    if gen.exact_logprobs:
+        raise ConfigError(
+            f"{key} is set with {EXACT_KEY}: true, which already has the policy route every token as the engine's "
+            f"rescoring did (the same arithmetic, bit for bit); the decode's routes would then differ from the ones "
+            f"the logprobs came from. Set {key} to its default, or {EXACT_KEY}: false.{where_set(config, key, EXACT_KEY)}"
+        )
 
 
 # --------------------------------------------------------------------------- devices

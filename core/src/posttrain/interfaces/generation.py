@@ -11,7 +11,10 @@ Output batch (same sample order):
 - ``weight_versions`` int64 [B] (optional): the version of the weights that generated each
   row, the ``version`` of the last weight sync the engine loaded (0 before any). A backend
   whose engines take new weights while generation runs must give it: asynchronous training
-  bounds how old a sample's weights may be by it.
+  bounds how old a sample's weights may be by it;
+- ``routed_experts`` int16 [B, S', layers, k] (when the run records routes, ``policy.moe``):
+  the experts of a mixture of experts each token went through in the engine, -1 on tokens it
+  did not run (the last generated token, padding); see :mod:`posttrain.backend.routing`.
 
 Logprobs are those of the distribution actually sampled from, i.e. of logits divided by the
 temperature, so that they are comparable with a trainer that scales logits the same way.
@@ -26,6 +29,9 @@ from typing import Any, Protocol
 import attrs
 
 from posttrain.batch import Batch
+
+#: The output (and rollout batch) field of per-token routes, :mod:`posttrain.backend.routing`.
+ROUTES_FIELD = "routed_experts"
 
 
 @attrs.frozen

@@ -31,11 +31,29 @@ def check_model_folders(config: RunConfig) -> None:
     tokenizer_path = config.policy.tokenizer or config.policy.model
     require_tokenizer_files(tokenizer_path, tokenizer_key)
     check_vocab_fits(model_config, config.policy.model, model_key, tokenizer_path, tokenizer_key)
+    if config.policy.moe.records_routes and not is_mixture_of_experts(model_config):
+        key = "policy.moe.routing_replay" if config.policy.moe.routing_replay != "off" else "policy.moe.router_agreement"
+        raise ConfigError(
+            f"{key} asks for the experts each token was routed to, but {model_key} '{config.policy.model}' "
+            f"({model_config.get('model_type', 'no model_type')}) is not a mixture of experts: its config.json "
+            f"gives none of {', '.join(EXPERT_COUNT_KEYS)}. Set {key} to its default for a dense model"
+        )
     generation_model = config.generation.model
     if generation_model and generation_model != config.policy.model:
         generation_config = read_model_config(generation_model, "generation.model")
         require_weights(generation_model, "generation.model")
         check_vocab_fits(generation_config, generation_model, "generation.model", tokenizer_path, tokenizer_key)
+
+
+#: The names transformers' configs give the count of routed experts of a mixture of experts.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def is_mixture_of_experts(model_config: dict[str, Any]) -> bool:
+    """Whether a model folder's ``config.json`` (its text model's, for a multimodal one)
+    describes a mixture of experts: a positive count under one of :data:`EXPERT_COUNT_KEYS`."""
+    text = model_config.get("text_config") or model_config
+    return any(isinstance(text.get(name), int) and text[name] > 0 for name in EXPERT_COUNT_KEYS)
 
 
 def read_model_config(path: str, key: str) -> dict[str, Any]:

@@ -60,9 +60,11 @@ from typing import Any
 import attrs
 import torch
 
+from posttrain.backend.routing import NO_ROUTE, ROUTES_DTYPE, padded_routes
 from posttrain.batch import Batch, padded_tensor
 from posttrain.errors import ConfigError
 from posttrain.interfaces import Environment, EnvironmentReturn, Generation, Message
+from posttrain.interfaces.generation import ROUTES_FIELD
 from posttrain.run.environments import check_failures, core_options, metrics_contained, step_contained
 from posttrain.run.metrics import StageTimer
 
@@ -101,7 +103,9 @@ def run_rollout(
     (the environments' final per-sample metadata), ``answers`` (the answer the environment
     extracted at the last step, ``EnvironmentReturn.answers``, or None) and ``task``; when every ``generate`` call
     reported ``weight_versions``, ``generation_versions`` int64 [B, S] (the version of the
-    weights that generated token t at position t, -1 on tokens not generated); for each reward
+    weights that generated token t at position t, -1 on tokens not generated); when the
+    generation reported them, ``routed_experts`` int16 [B, S, layers, k] (the experts token t
+    went through in the engine's last forward over it, -1 where it ran none); for each reward
     part ``name`` an environment reported, ``reward/<name>`` float32 [B].
 
     Metrics: ``rollout/mean_turns``, ``rollout/mean_generated_tokens`` (per sample),
@@ -242,6 +246,9 @@ class Conversation:
     logprobs: list[float] = attrs.field(init=False)
     mask: list[float] = attrs.field(init=False)
     versions: list[int] = attrs.field(init=False)
+    #: int16 [len(token_ids), layers, k]: the experts each token went through in the engine (-1 on
+    #: tokens it did not run), when the generation reports them (``routed_experts``)
+    routes: torch.Tensor | None = None
     stop_strings: list[str] | None = None
     answer: str | None = None
     reward: float = 0.0
@@ -265,6 +272,8 @@ class Conversation:
         self.logprobs.extend([float(x) for x in logprobs] if generated else [0.0] * len(token_ids))
         self.mask.extend([float(generated)] * len(token_ids))
         self.versions.extend([version if generated else -1] * len(token_ids))
+        if self.routes is not None:
+            self.routes = torch.cat([self.routes, self.routes.new_full((len(token_ids), *self.routes.shape[1:]), NO_ROUTE)])
 
     def add_assistant_turn(self, outputs: Batch, row: int, chat: ChatFormat, max_total_length: int) -> None:
         start = len(self.token_ids)
@@ -276,6 +285,8 @@ class Conversation:
         generated, logprobs = generated[:room], logprobs[:room]
         version = int(outputs["weight_versions"][row]) if "weight_versions" in outputs else -1
         self.extend(generated, logprobs, version)
+        if ROUTES_FIELD in outputs:  # the engine ran every token before the last it generated
+            self.routes = outputs[ROUTES_FIELD][row, :len(self.token_ids)].clone()
         self.messages.append({"role": "assistant", "content": chat.decode(generated), "token_ids": generated})
         self.turns += 1
 
@@ -386,6 +397,10 @@ def training_batch(conversations: Sequence[Conversation], pad_token_id: int, *, 
     )
     if with_versions:
         batch["generation_versions"] = padded_tensor([c.versions for c in conversations], -1, torch.long)
+    if any(c.routes is not None for c in conversations):
+        empty = torch.empty((0, 0, 0), dtype=ROUTES_DTYPE)
+        batch[ROUTES_FIELD] = padded_routes([c.routes if c.routes is not None else empty for c in conversations],
+                                            max(lengths))
     for name in sorted({name for c in conversations for name in c.reward_components}):
         batch[f"{REWARD_COMPONENT_PREFIX}{name}"] = torch.tensor(
             [c.reward_components.get(name, 0.0) for c in conversations], dtype=torch.float32

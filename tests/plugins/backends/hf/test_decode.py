@@ -4,6 +4,7 @@ row sampler against ``torch.multinomial``."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -157,3 +158,32 @@ def test_stop_string_ends_the_row_at_the_token_that_completes_it(model, tokenize
 def test_stop_strings_without_a_matcher_are_refused(model):
     with pytest.raises(ValueError, match="no StopStringMatcher"):
         decode(model, request(stop_strings=[["x"], [], []]), pad_token_id=0)
+
+
+def test_routes_of_each_row_are_those_a_full_forward_over_its_tokens_chooses():
+    """The engine's record of a mixture of experts' routes: left padding dropped, rows leaving
+    the batch at different steps, every token the model ran (the prompt and all generated
+    tokens but the last), each as the router chose it."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.backend.generation_group import assemble_output
+    from posttrain.backend.routing import NO_ROUTE, Routers
+    from posttrain.testing.zoo import zoo_config
+
+    torch.manual_seed(0)
+    moe = AutoModelForCausalLM.from_config(zoo_config("qwen3_moe", tokenizer="character"), dtype=torch.float32).eval()
+    routers = Routers(moe, record=True)
+    rows = attrs.evolve(request(), max_new_tokens=[3, 7, 5])
+    completions = decode(moe, rows, pad_token_id=0, routers=routers)
+    assert [len(c.token_ids) for c in completions] == [3, 7, 5]  # rows leave the batch at different steps
+    for prompt, completion in zip(rows.prompts, completions, strict=True):
+        tokens = prompt + completion.token_ids[:-1]
+        with torch.no_grad():
+            moe(torch.tensor([tokens]))
+        assert torch.equal(completion.routed_experts, routers.take())
+    output = assemble_output(rows.prompts, completions, pad_token_id=0)
+    routes = output["routed_experts"]
+    assert routes.shape == (3, output["output_ids"].shape[1], 2, 2)
+    for row, completion in enumerate(completions):
+        n = len(completion.routed_experts)
+        assert torch.equal(routes[row, :n], completion.routed_experts) and routes[row, n:].eq(NO_ROUTE).all()

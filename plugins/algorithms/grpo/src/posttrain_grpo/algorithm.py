@@ -209,6 +209,8 @@ class GRPORun(LoopSteps):
             updates_per_step > 1 or not self.grpo.skip_prev_logprobs_when_on_policy
         )
         self.colocated = config.generation.colocated
+        # policy.moe: the engine's experts of each token go with the sample to every policy pass
+        self.route_fields = ("routed_experts",) if config.policy.moe.records_routes else ()
         self.rounds: RoundProducer[Rollouts] | None = None
         self.weights_version = 0  # of the weights the engines hold: the refit after step s carries s
         # When the prompts ran out while a round was being collected: the prompt batches it drew
@@ -319,7 +321,7 @@ class GRPORun(LoopSteps):
                         self.policy.prepare_for_training()
                     self.add_logprobs(partition, keys)
                 with timer("training"):
-                    fields = [*TRAIN_FIELDS, *(["prev_logprobs"] if self.needs_prev else []),
+                    fields = [*TRAIN_FIELDS, *self.route_fields, *(["prev_logprobs"] if self.needs_prev else []),
                               *(STALENESS_FIELDS if self.grpo.asynchronous.enabled else []),
                               *(["reference_logprobs"] if self.needs_reference else [])]
                     train_metrics = self.optimize(step, PlaneSamples(self.plane, partition, keys, fields))
@@ -432,7 +434,8 @@ class GRPORun(LoopSteps):
                 keys = sample_keys(len(prompts), group_size, first_prompt=prompts_rolled_out)
                 prompts_rolled_out += len(prompts)
                 tags = {SIGNAL_TAG: signal, VERSION_TAG: self.sample_versions(batch, version)}
-                fields = (*ROLLOUT_FIELDS, "generation_versions") if "generation_versions" in batch else ROLLOUT_FIELDS
+                fields = (*ROLLOUT_FIELDS, *self.route_fields,
+                          *(["generation_versions"] if "generation_versions" in batch else []))
                 self.plane.put(partition, keys, batch.fields(fields), tags=tags)
                 if sampler is None:
                     return keys, rollout_summary(rollouts), prompts_rolled_out
@@ -459,7 +462,7 @@ class GRPORun(LoopSteps):
         """Write ``prev_logprobs`` (unless on policy) and ``reference_logprobs`` (when needed)
         of the partition's samples into the partition (the policy's workers may fetch and
         write them themselves)."""
-        samples = PlaneSamples(self.plane, partition, keys, LOGPROB_FIELDS)
+        samples = PlaneSamples(self.plane, partition, keys, (*LOGPROB_FIELDS, *self.route_fields))
         if self.needs_prev:
             self.policy.logprobs_into(samples, "prev_logprobs")
         if self.needs_reference:

@@ -94,7 +94,8 @@ def _sft_config(model: Path, run_dir: Path, files: TaskFiles, epochs: int, expor
 
 def run_quickstart(run_dir: str | Path, overrides: list[str], *, seed: int = 0, sft_epochs: int = SFT_EPOCHS,
                    grpo_steps: int = GRPO_STEPS, grpo_overrides: Sequence[str] = (),
-                   sft_model: str | Path | None = None, rl_algorithm: str = "grpo") -> dict[str, float]:
+                   sft_model: str | Path | None = None, rl_algorithm: str = "grpo",
+                   base_model: str | Path | None = None) -> dict[str, float]:
     """Run the three stages under ``run_dir`` and return the three validation accuracies.
 
     ``seed`` sets the model's initial weights and every random choice of the runs (data
@@ -104,7 +105,9 @@ def run_quickstart(run_dir: str | Path, overrides: list[str], *, seed: int = 0, 
     SFT. ``sft_model``: start GRPO from this folder (the ``sft_model`` an earlier run with the
     same seed wrote) instead of building and fine-tuning a model; "before SFT" is then not
     measured. ``rl_algorithm``: the RL stage's algorithm, ``grpo`` or one that reads the
-    ``grpo`` section (``ppo``, its critic configured by ``grpo_overrides``).
+    ``grpo`` section (``ppo``, its critic configured by ``grpo_overrides``). ``base_model``: a
+    model folder with the quickstart's character tokenizer to fine-tune instead of the tiny
+    Llama the seed builds (e.g. another architecture of :mod:`posttrain.testing.zoo`).
     """
     check_requirements()
     if any(item.split("=", 1)[0].strip() == "seed" for item in overrides):
@@ -120,7 +123,7 @@ def run_quickstart(run_dir: str | Path, overrides: list[str], *, seed: int = 0, 
 
     accuracies = {}
     if sft_model is None:
-        model = build_tiny_model(run_dir / "base_model", size="quickstart", seed=seed)
+        model = Path(base_model) if base_model else build_tiny_model(run_dir / "base_model", size="quickstart", seed=seed)
         before = stage("eval", _eval_config(model, run_dir / "eval_base", files, seed))
         accuracies["before SFT"] = before["mean_reward"]
         sft_model = run_dir / "sft_model"

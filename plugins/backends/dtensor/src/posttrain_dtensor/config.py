@@ -45,6 +45,7 @@ class DTensorConfig:
     supports_lora: ClassVar[bool] = True
     supports_muon: ClassVar[bool] = True
     supports_exact_logprobs: ClassVar[bool] = True
+    replays_routed_experts: ClassVar[bool] = True
 
     attn_implementation: str = "sdpa"
     activation_checkpointing: bool = False

@@ -79,6 +79,15 @@ class ModelRows:
         pad = self.width - values.shape[1]
         return torch.nn.functional.pad(values, (0, 0) * (values.dim() - 2) + (0, pad)) if pad else values
 
+    def lay_out(self, values: torch.Tensor, pad_value: float | int = 0) -> torch.Tensor:
+        """A per-sample [B, S, ...] tensor laid out like ``input_ids`` ([R, T, ...]), ``pad_value``
+        where no token is (padded and packed rows; not exact rows)."""
+        if self.prefixes is not None:
+            raise ValueError("exact rows score prefixes of samples; per-token values cannot be laid out on them")
+        if self.packed is not None:
+            return self.packed.pack(values, pad_value)
+        return values[:, :self.input_ids.shape[1]]
+
     def to(self, device: torch.device) -> ModelRows:
         move = {f.name: getattr(self, f.name).to(device) for f in attrs.fields(ModelRows)
                 if isinstance(getattr(self, f.name), torch.Tensor)}

@@ -52,6 +52,7 @@ from posttrain.backend.hf_layout import checkpoint_tensors
 from posttrain.backend.logprobs import logsumexp_logits, loss_positions, sequence_logprobs, topk_logits
 from posttrain.backend.lr_schedule import build_scheduler
 from posttrain.backend.policy_worker import PolicyWorker, RankTrainResult
+from posttrain.backend.routing import NO_ROUTE, ROUTES_FIELD, Routers
 from posttrain.backend.sampling import logprob_temperature
 from posttrain.backend.weight_sync import ParamMeta
 from posttrain.backend.work import Batching, RankWork
@@ -125,6 +126,9 @@ class DTensorPolicyWorker(PolicyWorker):
         #: Modules whose gradients are summed over the tensor-parallel ranks after backward.
         self.tp_summed: list[torch.nn.Module] = []
         self.model = self._build_model(config, options)
+        #: policy.moe: the routers, given the rollout's experts in every logprob pass (and training's)
+        self.routers = Routers(self.model.lm) if policy.moe.records_routes else None
+        self.replay_routes = policy.moe.routing_replay == "rollout"
         #: The soft-cap of the model's logits (Gemma 2's final_logit_softcapping), applied by the chunked head.
         self.logit_softcap = output_softcap(self.model.lm)
         #: What the optimizer steps: every parameter, or the adapters alone under LoRA.
@@ -203,8 +207,14 @@ class DTensorPolicyWorker(PolicyWorker):
         )
         return rows.to(self.device)
 
-    def _forward(self, rows: ModelRows, head: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
+    def _forward(self, rows: ModelRows, head: Callable[[torch.Tensor, torch.Tensor], Any], routes: torch.Tensor | None = None) -> Any:
+        """The model on ``rows`` through ``head``; with ``routes`` (per-sample [b, S, layers, k],
+        ``policy.moe``) its routers are given them: counted, and used with routing replay. They
+        stay set for the backward pass (a checkpointed layer recomputes its forward there)."""
         self._require_on_device("a forward pass")
+        if self.routers is not None:
+            laid_out = None if routes is None else rows.lay_out(routes.to(self.device), NO_ROUTE).flatten(0, 1)
+            self.routers.set(laid_out, apply=self.replay_routes)
         return self.model(rows.input_ids, rows.attention_mask, rows.position_ids, head, rows.segment_bounds)
 
     def _microbatch_logprobs(self, mb: Batch, batching: Batching) -> torch.Tensor:
@@ -216,7 +226,7 @@ class DTensorPolicyWorker(PolicyWorker):
         min_rows = MIN_ROWS if self.exact else 0
         values = self._forward(rows, lambda h, w: sequence_logprobs(
             h, w, rows.input_ids, rows.predicted, chunk, temperature, softcap=softcap, min_rows=min_rows
-        ))
+        ), mb[ROUTES_FIELD] if ROUTES_FIELD in mb else None)
         keep = loss_positions(mb["input_lengths"], rows.width, mask)
         return torch.where(keep.to(self.device), rows.to_samples(values), 0.0)
 
@@ -256,6 +266,8 @@ class DTensorPolicyWorker(PolicyWorker):
             for idx in work.microbatches:
                 out[idx] = compute(shard.select(idx), work.batching).cpu()
         reshard_all(self.model)
+        if self.routers is not None:
+            self.routers.agreement_counts()  # the training pass reports the agreement, not this one
         return out
 
     def logprobs(self, work: RankWork, reference: bool = False) -> Batch:
@@ -345,6 +357,8 @@ class DTensorPolicyWorker(PolicyWorker):
                     loss.backward()
                 loss_total += float(loss.detach())
                 parts.append(metrics)
+        if self.routers is not None:  # counts of tokens: summed over ranks, then fractions (agreement_metrics)
+            parts.append(self.routers.agreement_counts())
         result: RankTrainResult = {
             "loss": loss_total,
             "metrics": combine_metrics(parts, loss_fn.metric_reductions),

@@ -28,13 +28,15 @@ class HFGenerationConfig:
       ``sdpa`` on the CPU shares grouped-query heads instead of copying them
       (:mod:`posttrain_hf.attention`).
 
-    Its engines can run inside the policy's worker processes (``generation.in_policy_workers``)
-    and report the policy's logprobs bit for bit (``generation.exact_logprobs``, with
-    ``attn_implementation: sdpa``; :mod:`posttrain_hf.exact`).
+    Its engines can run inside the policy's worker processes (``generation.in_policy_workers``),
+    report the policy's logprobs bit for bit (``generation.exact_logprobs``, with
+    ``attn_implementation: sdpa``; :mod:`posttrain_hf.exact`), and record the experts each token
+    of a mixture of experts went through (``policy.moe``).
     """
 
     runs_in_policy_workers = True  # features (posttrain.config.features), not options
     supports_exact_logprobs = True
+    records_routed_experts = True
 
     max_batch_size: int = 64
     attn_implementation: str = "sdpa"

@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from posttrain.backend.generation_group import Completion, GenerationRequest
+from posttrain.backend.routing import Routers
 from posttrain.backend.sampling import sampling_logprobs
 from posttrain.errors import WorkerError
 from posttrain_hf.attention import takes_ready_step_masks
@@ -26,8 +27,11 @@ def decode(
     *,
     pad_token_id: int,
     stop_matcher: StopStringMatcher | None = None,
+    routers: Routers | None = None,
 ) -> list[Completion]:
     """Complete every row of ``request``. ``stop_matcher`` is needed when rows have stop strings.
+    With the model's ``routers``, each completion's ``routed_experts`` are the experts of every
+    token the model ran: the prompt's and the generated ones but the last.
 
     A row ends at a stop token (kept), at a stop string (ending with the token that
     completed it), or at its ``max_new_tokens`` budget (``truncated``), checked in that
@@ -60,6 +64,7 @@ def decode(
         use_cache=True,
         logits_to_keep=1,
     ).logits[:, -1]
+    routes = _prefill_routes(routers, request.prompts, width)
     next_position = positions[:, -1] + 1
     ready_masks = takes_ready_step_masks(model.config)
     live = list(range(num_rows))  # the original row of each batch row still decoding
@@ -98,8 +103,21 @@ def decode(
             past_key_values=cache,
             use_cache=True,
         ).logits[:, -1]
+        if routers is not None:
+            for row, step in zip(live, routers.take(), strict=True):
+                routes[row].append(step[None])
         next_position = next_position + 1
-    return [Completion(tokens[row], logprobs[row], truncated[row]) for row in range(num_rows)]
+    return [Completion(tokens[row], logprobs[row], truncated[row],
+                       torch.cat(routes[row]) if routers is not None else None) for row in range(num_rows)]
+
+
+def _prefill_routes(routers: Routers | None, prompts: list[list[int]], width: int) -> list[list[torch.Tensor]]:
+    """Each row's prompt tokens' experts from the prefill forward (left-padded to ``width``),
+    as the first part of the row's routes; empty lists without ``routers``."""
+    if routers is None:
+        return [[] for _ in prompts]
+    prefill = routers.take().unflatten(0, (len(prompts), width))
+    return [[prefill[row, width - len(prompt):]] for row, prompt in enumerate(prompts)]
 
 
 # A sampler on a CPU draws at most this many steps of noise per row and call, and at most

@@ -43,6 +43,7 @@ def create_hf_generation(config: RunConfig, cluster: VirtualCluster, *, host: Po
             max_batch_size=options.max_batch_size,
             attn_implementation=options.attn_implementation,
             exact_chunk_size=config.policy.logprob_chunk_size if exact else None,
+            record_routes=config.policy.moe.records_routes,
         ),
         host=host,
     )

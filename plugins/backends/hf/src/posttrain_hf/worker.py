@@ -10,6 +10,7 @@ import torch
 
 from posttrain.backend.exact import EXPERTS_IMPLEMENTATION
 from posttrain.backend.generation_group import Completion, EngineWorker, GenerationRequest, model_tokens
+from posttrain.backend.routing import Routers
 from posttrain.backend.weight_sync import BroadcastReceiver, ParamMeta, TransferInit
 from posttrain.distributed.placement import uses_cuda
 from posttrain.errors import WorkerError, did_you_mean
@@ -26,13 +27,15 @@ class HFEngineWorker(EngineWorker):
     The tokenizer is loaded from the model folder on first use, and only to check stop
     strings. With ``exact_chunk_size`` (``generation.exact_logprobs``: the policy's
     ``logprob_chunk_size``) every completion's logprobs are computed again as the policy
-    computes them (:func:`posttrain_hf.exact.rescore`). ``sleep``/``wake_up`` move the model to the CPU and back when it lives on a GPU
+    computes them (:func:`posttrain_hf.exact.rescore`). With ``record_routes`` (``policy.moe``)
+    every completion carries the experts each of its row's tokens went through
+    (:class:`~posttrain.backend.routing.Routers`). ``sleep``/``wake_up`` move the model to the CPU and back when it lives on a GPU
     (colocated mode); on CPU they do nothing.
     """
 
     def __init__(
         self, *, model_path: str, dtype: str, max_batch_size: int, attn_implementation: str,
-        exact_chunk_size: int | None = None,
+        exact_chunk_size: int | None = None, record_routes: bool = False,
     ):
         super().__init__()
         from transformers import AutoModelForCausalLM
@@ -44,6 +47,7 @@ class HFEngineWorker(EngineWorker):
             model_path, dtype=getattr(torch, dtype), attn_implementation=kernel, **experts
         ).to(self.device)
         self.model.eval()
+        self.routers = Routers(self.model, record=True) if record_routes else None
         self.model_path = model_path
         self.pad_token_id = model_tokens(model_path).pad_token_id  # fills the left padding
         self.max_batch_size = max_batch_size
@@ -60,7 +64,7 @@ class HFEngineWorker(EngineWorker):
         completions: list[Completion] = []
         for start in range(0, len(request), self.max_batch_size):
             chunk = request.rows(start, start + self.max_batch_size)
-            decoded = decode(self.model, chunk, pad_token_id=self.pad_token_id, stop_matcher=matcher)
+            decoded = decode(self.model, chunk, pad_token_id=self.pad_token_id, stop_matcher=matcher, routers=self.routers)
             if self.exact_chunk_size is not None:
                 decoded = rescore(self.model, chunk.prompts, decoded, temperature=request.temperature,
                                   chunk_size=self.exact_chunk_size, max_batch_size=self.max_batch_size)

@@ -1,0 +1,67 @@
+"""``policy.moe`` is refused, when the config loads and before Ray starts, with a backend that
+cannot record or replay routes, with exact logprobs, and on a dense model: each message names
+the key, what is wrong, the fix, and where it was set."""
+
+from __future__ import annotations
+
+import pytest
+
+from posttrain.config import config_from_dict, load_config
+from posttrain.errors import ConfigError
+from posttrain.models.folder import check_model_folders
+
+REPLAY = "policy:\n  moe:\n    routing_replay: rollout\n"
+
+
+@pytest.mark.parametrize(
+    ("yaml", "message"),
+    [
+        (
+            REPLAY + "generation:\n  backend: vllm\n",
+            "policy.moe.routing_replay needs the experts each generated token went through, which the generation "
+            "backend 'vllm' (posttrain-vllm 0.1.0) does not report; backends that do: hf. Set generation.backend to "
+            "one of them, or policy.moe.routing_replay to its default. Where set: policy.moe.routing_replay at "
+            "exp.yaml:3; generation.backend at exp.yaml:5.",
+        ),
+        (
+            "policy:\n  backend: megatron\n  moe:\n    router_agreement: true\n",
+            "policy.moe.router_agreement needs a policy backend that can give its routers the rollout's experts; the "
+            "policy backend 'megatron' (posttrain-megatron 0.1.0) cannot; backends that can: dtensor. Set "
+            "policy.backend to one of them, or policy.moe.router_agreement to its default. Where set: "
+            "policy.moe.router_agreement at exp.yaml:4; policy.backend at exp.yaml:2.",
+        ),
+        (
+            REPLAY + "generation:\n  exact_logprobs: true\n",
+            "policy.moe.routing_replay is set with generation.exact_logprobs: true, which already has the policy "
+            "route every token as the engine's rescoring did (the same arithmetic, bit for bit); the decode's routes "
+            "would then differ from the ones the logprobs came from. Set policy.moe.routing_replay to its default, or "
+            "generation.exact_logprobs: false. Where set: policy.moe.routing_replay at exp.yaml:3; "
+            "generation.exact_logprobs at exp.yaml:5.",
+        ),
+    ],
+    ids=["vllm", "megatron", "exact"],
+)
+def test_backends_and_settings_that_cannot_replay_are_refused(yaml_file, yaml, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(yaml_file(yaml))
+    assert str(info.value) == message
+
+
+def test_an_unknown_mode_names_the_choices(yaml_file):
+    with pytest.raises(ConfigError, match=r"policy.moe.routing_replay.*'off', 'rollout'"):
+        load_config(yaml_file("policy:\n  moe:\n    routing_replay: previous\n"))
+
+
+def test_a_dense_model_is_refused_before_any_worker_starts(tiny_model_path):
+    config = config_from_dict({"policy": {"model": tiny_model_path, "moe": {"routing_replay": "rollout"}}})
+    with pytest.raises(ConfigError) as info:
+        check_model_folders(config)
+    assert str(info.value) == (
+        f"policy.moe.routing_replay asks for the experts each token was routed to, but policy.model "
+        f"'{tiny_model_path}' (llama) is not a mixture of experts: its config.json gives none of num_experts, "
+        "num_local_experts, n_routed_experts. Set policy.moe.routing_replay to its default for a dense model"
+    )
+
+
+def test_a_mixture_of_experts_passes(zoo_model):
+    check_model_folders(config_from_dict({"policy": {"model": zoo_model("mixtral"), "moe": {"router_agreement": True}}}))

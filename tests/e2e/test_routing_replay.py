@@ -1,0 +1,79 @@
+"""GRPO on a mixture of experts with routing replay (``policy.moe``), on CPU with the hf engine.
+
+The engine samples in bfloat16 and the trainer computes in float32, as a GPU run's vLLM and
+master weights do: the two sides' routers disagree on some tokens' experts. The same two steps
+run three ways, two data-parallel ranks, packed rows:
+
+- ``router_agreement`` alone: the rollout's experts are recorded and compared, not used;
+- ``routing_replay: rollout``: the trainer's routers use them: its logprobs of the rollout's
+  tokens come closer to the engine's (``token_mult_prob_error``, ``mismatch_kl``), while the
+  agreement, what the routers would have chosen alone, is the same as without replay;
+- ``routing_replay: rollout`` with the engine in float32: every token routed alike.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from posttrain.config.schema import MoEConfig, SequencePackingConfig
+from posttrain.run.context import run_algorithm
+from posttrain.run.metrics import read_metrics
+from posttrain_grpo.config import GRPOConfig
+from tests.e2e.test_grpo_e2e import assert_finite, make_config, seven_rows, write_rows
+
+pytestmark = pytest.mark.ray
+
+#: How much the near-tied model's router weights are scaled down.
+ROUTER_SCALE = 0.05
+
+
+def run_moe(model, tmp_path, name, *, moe: MoEConfig, engine_dtype: str) -> list[dict]:
+    grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=2)
+    config = make_config(model, tmp_path / name, write_rows(tmp_path / "train.jsonl", seven_rows(4)), grpo)
+    policy = attrs.evolve(config.policy, num_workers=2, moe=moe, train_micro_batch_size=4, logprob_micro_batch_size=4,
+                          sequence_packing=SequencePackingConfig(enabled=True, max_tokens_per_row=128))
+    run_algorithm(attrs.evolve(config, policy=policy,
+                               generation=attrs.evolve(config.generation, dtype=engine_dtype, max_new_tokens=16)))
+    records = read_metrics(tmp_path / name / "metrics.jsonl", "train")
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert_finite(record)
+    return records
+
+
+@pytest.fixture(scope="module")
+def near_tied_moe(tmp_path_factory) -> str:
+    """The zoo's Qwen3-MoE with router weights scaled down, so that the experts' probabilities
+    are close and bfloat16 rounding changes some tokens' choice (as routers near a tie do in
+    trained models)."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.testing.zoo import build_zoo_model
+
+    path = build_zoo_model(tmp_path_factory.mktemp("near_tied_moe"), "qwen3_moe")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(ROUTER_SCALE)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_replay_brings_the_trainers_logprobs_to_the_engines(ray_cluster, near_tied_moe, tmp_path):
+    model = near_tied_moe
+    measured = run_moe(model, tmp_path, "measured", moe=MoEConfig(router_agreement=True), engine_dtype="bfloat16")
+    replayed = run_moe(model, tmp_path, "replayed", moe=MoEConfig(routing_replay="rollout"), engine_dtype="bfloat16")
+    same_dtype = run_moe(model, tmp_path, "float32", moe=MoEConfig(routing_replay="rollout"), engine_dtype="float32")
+    layers = {"moe/router_agreement", "moe/router_agreement/layer_00", "moe/router_agreement/layer_01"}
+    for without, with_replay, control in zip(measured, replayed, same_dtype, strict=True):
+        assert layers <= without.keys() and layers <= with_replay.keys()
+        assert without["moe/router_agreement"] < 1.0  # bfloat16 changed some tokens' experts
+        assert with_replay["mismatch_kl"] < without["mismatch_kl"] / 10
+        assert 1.0 < with_replay["token_mult_prob_error"] < without["token_mult_prob_error"]
+        assert control["moe/router_agreement"] == 1.0 and control["mismatch_kl"] < 1e-9
+    # step 1 samples the same tokens with and without replay; the first layer's routers see the
+    # same inputs (replay changes what later layers see), so they agree alike
+    assert measured[0]["rollout/mean_reward"] == replayed[0]["rollout/mean_reward"]
+    assert measured[0]["moe/router_agreement/layer_00"] == replayed[0]["moe/router_agreement/layer_00"]

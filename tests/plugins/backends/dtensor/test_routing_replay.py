@@ -1,0 +1,91 @@
+"""Routing replay in the dtensor policy (``policy.moe.routing_replay: rollout``): given experts
+that differ from the routers' own, the policy's logprobs and gradients are those of an
+independent float64 forward whose routers return those experts (transformers, one sample at a
+time), in padded and packed rows, with activation checkpointing recomputing the forward in
+the backward pass; the agreement metric counts the tokens the routers would have chosen alike."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from posttrain.backend.routing import NO_ROUTE, Routers
+from posttrain.config.schema import MoEConfig, SequencePackingConfig
+from posttrain.testing.policy import reference_model
+from posttrain_dtensor.config import DTensorConfig
+from posttrain_dtensor.policy import DTensorPolicy
+from tests.core.test_routing import given_router
+
+pytestmark = pytest.mark.ray
+
+
+def shifted_routes(model_path: str, batch) -> torch.Tensor:
+    """Every token's experts moved one expert on from the float32 model's own choice, as
+    [B, S, layers, k] with NO_ROUTE on padding."""
+    model = reference_model(model_path, torch.float32)
+    routers = Routers(model, record=True)
+    n_experts = model.config.num_experts
+    out = torch.full((*batch["input_ids"].shape, routers.num_layers, model.config.num_experts_per_tok), NO_ROUTE,
+                     dtype=torch.int16)
+    with torch.no_grad():
+        for i, n in enumerate(batch["input_lengths"].tolist()):
+            model(batch["input_ids"][i:i + 1, :n])
+            out[i, :n] = (routers.take() + 1) % n_experts
+    return out
+
+
+def replayed_reference(model_path: str, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Float64 logprobs [B, S] (0 off the loss tokens) and the token-NLL gradients of a model
+    whose routers return the batch's ``routed_experts``, each sample run alone."""
+    model = reference_model(model_path)
+    routers = Routers(model).modules
+    logprobs = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
+    for i, n in enumerate(batch["input_lengths"].tolist()):
+        hooks = [given_router(module, batch["routed_experts"][i, :n, layer].long()) for layer, module in enumerate(routers)]
+        ids = batch["input_ids"][i:i + 1, :n]
+        logprobs[i, 1:n] = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+        for hook in hooks:
+            hook.remove()
+    logprobs = logprobs * batch["token_mask"].double()
+    mask = batch["token_mask"].double() * batch["sample_mask"].double()[:, None]
+    (-(logprobs * mask).sum() / mask.sum()).backward()
+    return logprobs.detach(), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def setup(zoo_model, virtual_cluster, dt):
+    model = zoo_model("qwen3_moe")
+    config = dt.policy_config(model, dtensor=DTensorConfig(activation_checkpointing=True),
+                              moe=MoEConfig(routing_replay="rollout"))
+    policy = DTensorPolicy(config, virtual_cluster, name="policy-replay")
+    batch = dt.make_batch()
+    batch["routed_experts"] = shifted_routes(model, batch)
+    logprobs, grads = replayed_reference(model, batch)
+    yield dict(policy=policy, batch=batch, logprobs=logprobs, grads=grads, initial=dt.full_weights(policy))
+    policy.shutdown()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_replayed_logprobs_are_those_of_routers_that_chose_the_given_experts(setup, packed):
+    policy, batch = setup["policy"], setup["batch"]
+    p = policy.config.policy
+    policy.config.policy = attrs.evolve(p, sequence_packing=SequencePackingConfig(enabled=packed, max_tokens_per_row=40))
+    try:
+        replayed = policy.get_logprobs(batch)["logprobs"] * batch["token_mask"]
+        free = policy.get_logprobs(batch.fields([name for name in batch if name != "routed_experts"]))["logprobs"]
+    finally:
+        policy.config.policy = p
+    assert (replayed.double() - setup["logprobs"]).abs().max() < 1e-5
+    assert (free * batch["token_mask"] - replayed).abs().max() > 0.1  # the given experts are not the routers' own
+
+
+def test_replayed_gradients_and_agreement(setup, dt):
+    policy, batch = setup["policy"], setup["batch"]
+    metrics = policy.train(batch, dt.nll)
+    grads = dt.sgd_grads(setup["initial"], dt.full_weights(policy), lr=1.0)
+    for name, expected in setup["grads"].items():
+        torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=1e-6, msg=name)
+    # the first layer's routers see the token embeddings: none of them would choose the shifted experts
+    assert metrics["moe/router_agreement/layer_00"] == 0.0
+    assert 0.0 <= metrics["moe/router_agreement"] < 0.5
