@@ -1,11 +1,13 @@
 """A plugin module of environments that misbehave on purpose, for containment tests.
 
 ``flaky`` reads the last message of each log: "raise" makes the whole call raise,
-"short" makes it return one reward too few, "sleep" makes it hang, "bad" fails that sample
+"short" makes it return one reward too few, "sleep" makes it hang, "nap" sleeps ``nap_s``
+seconds, "bad" fails that sample
 alone (``EnvironmentReturn.errors``), "die" kills the process it runs in with SIGKILL the
 first time it is seen (the file ``options["died_marker"]`` remembers it across processes);
 anything else scores ``options["reward"]``. Option ``built_marker`` is a file path ``flaky``
-writes when it is built. ``broken`` fails to build. Registered in Ray actors through
+writes when it is built, ``shutdown_marker`` one it appends a line to at each shutdown. ``broken``
+fails to build. Registered in Ray actors through
 ``plugins=[__name__]``.
 """
 
@@ -26,11 +28,19 @@ from posttrain.interfaces import Environment, EnvironmentReturn
 
 
 class Flaky(Environment):
-    def __init__(self, reward: float = 1.0, built_marker: str | None = None, died_marker: str | None = None):
+    def __init__(self, reward: float = 1.0, built_marker: str | None = None, died_marker: str | None = None,
+                 shutdown_marker: str | None = None, nap_s: float = 0.0):
         self.reward = reward
         self.died_marker = Path(died_marker) if died_marker else None
+        self.shutdown_marker = Path(shutdown_marker) if shutdown_marker else None
+        self.nap_s = nap_s
         if built_marker:
             Path(built_marker).write_text("built")
+
+    def shutdown(self) -> None:
+        if self.shutdown_marker is not None:
+            with self.shutdown_marker.open("a") as marker:
+                marker.write("shut down\n")
 
     def step(self, message_logs: Sequence[Sequence[Any]], metadata: Sequence[Any]) -> EnvironmentReturn:
         says = [log[-1]["content"] for log in message_logs]
@@ -41,6 +51,8 @@ class Flaky(Environment):
             raise RuntimeError("asked to raise")
         if "sleep" in says:
             time.sleep(120)
+        if "nap" in says:
+            time.sleep(self.nap_s)
         n = len(message_logs) - ("short" in says)
         return EnvironmentReturn(
             observations=[{"role": "user", "content": "ok"} for _ in range(n)],

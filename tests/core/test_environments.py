@@ -206,6 +206,29 @@ def test_in_the_driver_calls_are_contained_as_in_an_actor(tmp_path):
         env.shutdown()
 
 
+def test_an_environment_dropped_after_a_deadline_is_shut_down_once_when_its_call_ends(tmp_path):
+    """The call left running in the driver ends after its deadline: the environment it was made
+    on is then shut down (its processes would otherwise outlive it), once; an environment whose
+    call still runs when its LocalEnvironment shuts down is shut down then, and not again."""
+    marker = tmp_path / "shut_down"
+    options = {"call_timeout_s": 1, "nap_s": 4, "shutdown_marker": str(marker)}
+    env = LocalEnvironment("flaky", options, plugins=PLUGINS)
+    try:
+        assert step_contained("flaky", env, logs("nap"), [{}]).timeouts == 1
+        assert not marker.exists()  # the call still runs
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.read_text() == "shut down\n"
+        assert step_contained("flaky", env, logs("a"), [{}]).timeouts == 0  # a fresh environment
+        assert step_contained("flaky", env, logs("nap"), [{}]).timeouts == 1
+    finally:
+        env.shutdown()
+    assert marker.read_text() == "shut down\n" * 2  # the second dropped one, its call still running
+    time.sleep(4)  # that call ends: it was shut down already
+    assert marker.read_text() == "shut down\n" * 2
+
+
 def test_light_environments_run_in_the_driver_unless_told_otherwise():
     """``math`` and ``guess_number`` declare themselves light: left null, ``in_driver`` puts
     them in this process; ``in_driver: true`` puts any environment there. (``false``, an

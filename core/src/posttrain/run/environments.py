@@ -370,19 +370,25 @@ class LocalEnvironment(_HostedEnvironment):
     built by the constructor in the :class:`EnvironmentActor` object a Ray actor would hold.
     Each call runs on a daemon thread of its own, one at a time (as an actor takes them);
     past ``call_timeout_s`` the call is left running, the environment is dropped, and the
-    next call builds a fresh one. ``plugins`` as for :func:`host_with`."""
+    next call builds a fresh one. A dropped environment is shut down when its hung call ends,
+    or at the latest by :meth:`shutdown` (:class:`_Dropped`). ``plugins`` as for
+    :func:`host_with`."""
 
     def __init__(self, name: str, options: Mapping[str, Any] | None = None, *, plugins: Sequence[str] = ()):
         super().__init__(name, options, plugins)
         self._lock = threading.Lock()
         self._actor: EnvironmentActor | None = None
+        self._dropped: list[_Dropped] = []
         self._start()
 
     def shutdown(self) -> None:
-        """Let the environment free its resources. Safe to call twice."""
+        """Let the environment, and every one dropped after a deadline whose call still runs,
+        free its resources. Safe to call twice."""
         actor, self._actor = self._actor, None
         if actor is not None:
             actor.shutdown()
+        for dropped in self._dropped:
+            dropped.shut_down()
 
     def _start(self) -> None:
         actor = EnvironmentActor(self.name, self._options, self._plugins)
@@ -410,10 +416,39 @@ class LocalEnvironment(_HostedEnvironment):
             thread.join(self.call_timeout_s)
             if thread.is_alive():
                 self._actor = None
+                self._dropped.append(_Dropped(self.name, actor, thread))
                 raise self._timed_out(method, "the call was left running in the driver")
         if "error" in outcome:
             raise outcome["error"]
         return outcome["value"]
+
+
+class _Dropped:
+    """An in-driver environment dropped while a call of it ran past its deadline (Python cannot
+    stop the call's thread): shut down by a daemon thread once the call ends, or earlier by
+    :meth:`shut_down` (its :class:`LocalEnvironment` shutting down: releasing what it holds,
+    e.g. worker processes, may end the call), whichever comes first; once."""
+
+    def __init__(self, name: str, actor: EnvironmentActor, call: threading.Thread):
+        self._name = name
+        self._actor: EnvironmentActor | None = actor
+        self._lock = threading.Lock()
+        threading.Thread(target=self._after, args=(call,), name=f"posttrain-env-{name}-dropped", daemon=True).start()
+
+    def _after(self, call: threading.Thread) -> None:
+        call.join()
+        self.shut_down()
+
+    def shut_down(self) -> None:
+        with self._lock:
+            actor, self._actor = self._actor, None
+        if actor is None:
+            return
+        try:
+            actor.shutdown()
+        except Exception as exc:  # nothing waits for it: report, do not raise into a daemon thread
+            _log.warning("a dropped environment failed to shut down", environment=self._name,
+                         error=f"{type(exc).__name__}: {exc}")
 
 
 class RemoteEnvironment(_HostedEnvironment):
