@@ -80,6 +80,17 @@ def test_replayed_logprobs_are_those_of_routers_that_chose_the_given_experts(set
     assert (free * batch["token_mask"] - replayed).abs().max() > 0.1  # the given experts are not the routers' own
 
 
+def test_agreement_counts_real_tokens_whatever_the_padding_holds(setup, dt):
+    """The routers' own experts given back, the field padded with 0 past each sample (as a data
+    plane pads samples of different widths): every real token agrees; padding is not counted."""
+    policy, batch = setup["policy"], setup["batch"]
+    own = batch.fields([name for name in batch if name != "routed_experts"])
+    shifted = batch["routed_experts"].long()
+    own["routed_experts"] = torch.where(shifted >= 0, (shifted - 1) % 4, 0).to(torch.int16)
+    metrics = policy.train(own, dt.nll, eval_mode=True)
+    assert metrics["moe/router_agreement"] > 0.95  # 79 real tokens of 192 padded positions
+
+
 def test_replayed_gradients_and_agreement(setup, dt):
     policy, batch = setup["policy"], setup["batch"]
     metrics = policy.train(batch, dt.nll)

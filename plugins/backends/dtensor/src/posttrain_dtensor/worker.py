@@ -213,7 +213,10 @@ class DTensorPolicyWorker(PolicyWorker):
         stay set for the backward pass (a checkpointed layer recomputes its forward there)."""
         self._require_on_device("a forward pass")
         if self.routers is not None:
-            laid_out = None if routes is None else rows.lay_out(routes.to(self.device), NO_ROUTE).flatten(0, 1)
+            laid_out = None
+            if routes is not None:  # padding keeps no route, whatever a data plane padded the field with
+                laid_out = rows.lay_out(routes.to(self.device), NO_ROUTE)
+                laid_out = torch.where(rows.valid[..., None, None], laid_out, NO_ROUTE).flatten(0, 1)
             self.routers.set(laid_out, apply=self.replay_routes)
         return self.model(rows.input_ids, rows.attention_mask, rows.position_ids, head, rows.segment_bounds)
 
