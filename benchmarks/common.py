@@ -167,8 +167,21 @@ def length_stats(lengths: Sequence[int], budget: int) -> dict[str, float]:
     }
 
 
+def template_tokens(model_dir: str | Path) -> int:
+    """Tokens the model's chat template adds around a one-turn conversation (the tiny
+    character tokenizer's 5: ``<bos> <|user|> ... <|end|> <|assistant|> ... <|end|>``), so that
+    conversations written for a token budget fit it under any family's template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                                        tokenize=True, return_dict=True)["input_ids"]
+    return len(ids) - 2
+
+
 def random_text(length: int, g: torch.Generator) -> str:
-    """``length`` characters the tiny character tokenizer maps one to one onto tokens."""
+    """``length`` characters the tiny character tokenizer maps one to one onto tokens (a BPE
+    tokenizer onto at most as many)."""
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 "
     return "".join(alphabet[i] for i in torch.randint(len(alphabet), (max(1, length),), generator=g).tolist())
 
@@ -199,7 +212,9 @@ def weights_digest(model_dir: str | Path) -> str:
     """Digest of the safetensors weights a side was told to load."""
     h = hashlib.sha256()
     for f in sorted(Path(model_dir).glob("*.safetensors")):
-        h.update(f.read_bytes())
+        with f.open("rb") as stream:  # in blocks: a side's peak memory must not hold a copy of the weights
+            for block in iter(lambda: stream.read(1 << 24), b""):
+                h.update(block)
     return h.hexdigest()[:16]
 
 
@@ -442,7 +457,9 @@ class Workload:
 
 def parse_args(workload: Workload, argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=f"posttrain vs TRL: {workload.name}")
-    p.add_argument("--model", default="small", help="posttrain.models.tiny size preset: tiny | small | medium")
+    p.add_argument("--model", default="small",
+                   help="posttrain.models.tiny size preset (tiny | small | medium), or a real shape: "
+                        + " | ".join(REAL_SHAPES))
     p.add_argument("--reps", type=int, default=2, help="repetitions of every side, alternating")
     p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per repetition")
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps per repetition")
@@ -486,15 +503,37 @@ def main(workload: Workload, argv: Sequence[str] | None = None) -> dict[str, Any
     return result
 
 
-def make_spec(workload: Workload, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    """Build the model and the data; the spec every child reads."""
+#: Released models' configurations, built with random weights (``--model``): the architecture,
+#: its sizes and its family's tokenizer from :mod:`posttrain.testing.zoo` (a 512-token BPE whose
+#: ids the embedding's rows cover many times over, as Qwen's 151,936 rows cover its 151,665 tokens).
+REAL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-0.6b": ("qwen3", dict(
+        vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=40_960,
+        rms_norm_eps=1e-6, initializer_range=0.02, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    )),
+}
+
+
+def build_model(path: Path, name: str, seed: int) -> Path:
+    """``--model``'s folder: a :data:`REAL_SHAPES` configuration or a tiny-model size preset."""
+    if name in REAL_SHAPES:
+        from posttrain.testing.zoo import build_zoo_model
+
+        arch, sizes = REAL_SHAPES[name]
+        return build_zoo_model(path, arch, seed=seed, **sizes)
     from posttrain.models.tiny import build_tiny_model
 
+    return build_tiny_model(path, size=name, seed=seed)
+
+
+def make_spec(workload: Workload, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Build the model and the data; the spec every child reads."""
     spec = {
         "workload": workload.name, "model": args.model, "steps": args.steps, "warmup": args.warmup,
         "max_len": args.max_len, "lr": args.lr, "seed": args.seed,
         "threads": os.cpu_count() or 1, "workdir": str(workdir), **{name: getattr(args, name) for name in workload.options},
-        "model_dir": str(build_tiny_model(workdir / "model", size=args.model, seed=args.seed)),
+        "model_dir": str(build_model(workdir / "model", args.model, args.seed)),
     }
     rows = workload.rows_per_step
     spec["rows_per_step"] = rows(spec) if callable(rows) else rows
@@ -625,7 +664,9 @@ def memory_table(result: dict[str, Any]) -> str:
 
 
 def _parameters(config: Any) -> int:
-    return matmul_parameters(config) + config.vocab_size * config.hidden_size + (2 * config.num_hidden_layers + 1) * config.hidden_size
+    """The matrices, the input embedding unless the output head is the same tensor (tied), the norms."""
+    embedding = 0 if getattr(config, "tie_word_embeddings", False) else config.vocab_size * config.hidden_size
+    return matmul_parameters(config) + embedding + (2 * config.num_hidden_layers + 1) * config.hidden_size
 
 
 def _machine() -> str:

@@ -21,11 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Workload, forward_flops, main, random_text, skewed_lengths  # noqa: E402
+from common import Workload, forward_flops, main, random_text, skewed_lengths, template_tokens  # noqa: E402
 from sides import posttrain_side, trl_side  # noqa: E402
-
-#: Template tokens of a prompt/completion row: <bos> <|user|> ... <|end|> <|assistant|> ... <|end|>.
-TEMPLATE_TOKENS = 5
 
 
 def write_pairs(spec: dict[str, Any], path: Path) -> None:
@@ -34,12 +31,13 @@ def write_pairs(spec: dict[str, Any], path: Path) -> None:
     pairs = spec["rows_per_step"] // 2 * (spec["warmup"] + spec["steps"])
     lengths = skewed_lengths(2 * pairs, spec["max_len"], spec["seed"])
     g = torch.Generator().manual_seed(spec["seed"])
+    template = template_tokens(spec["model_dir"])
     with path.open("w") as f:
         for a, b in zip(lengths[0::2], lengths[1::2], strict=True):
-            prompt = max(1, (min(a, b) - TEMPLATE_TOKENS) // 3)
+            prompt = max(1, (min(a, b) - template) // 3)
             user = [{"role": "user", "content": random_text(prompt, g)}]
             chosen, rejected = (
-                [{"role": "assistant", "content": random_text(max(1, total - TEMPLATE_TOKENS - prompt), g)}] for total in (a, b)
+                [{"role": "assistant", "content": random_text(max(1, total - template - prompt), g)}] for total in (a, b)
             )
             row = {"prompt": user, "chosen": chosen, "rejected": rejected}
             f.write(json.dumps(row) + "\n")

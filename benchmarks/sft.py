@@ -21,11 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Workload, forward_flops, main, random_text, skewed_lengths  # noqa: E402
+from common import Workload, forward_flops, main, random_text, skewed_lengths, template_tokens  # noqa: E402
 from sides import posttrain_side, trl_side  # noqa: E402
-
-#: Template tokens around a one-turn conversation: <bos> <|user|> ... <|end|> <|assistant|> ... <|end|>.
-TEMPLATE_TOKENS = 5
 
 
 def write_conversations(spec: dict[str, Any], path: Path) -> None:
@@ -33,10 +30,11 @@ def write_conversations(spec: dict[str, Any], path: Path) -> None:
     :func:`common.skewed_lengths`; a third of each is the user's turn."""
     count = spec["rows_per_step"] * (spec["warmup"] + spec["steps"])
     g = torch.Generator().manual_seed(spec["seed"])
+    template = template_tokens(spec["model_dir"])
     with path.open("w") as f:
         for total in skewed_lengths(count, spec["max_len"], spec["seed"]):
-            user = max(1, (total - TEMPLATE_TOKENS) // 3)
-            answer = max(1, total - TEMPLATE_TOKENS - user)
+            user = max(1, (total - template) // 3)
+            answer = max(1, total - template - user)
             f.write(json.dumps({"messages": [{"role": "user", "content": random_text(user, g)},
                                              {"role": "assistant", "content": random_text(answer, g)}]}) + "\n")
 
