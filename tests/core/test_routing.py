@@ -107,7 +107,7 @@ def test_agreement_metrics_are_fractions_of_the_summed_counts():
 
 
 def test_padded_routes_fill_with_no_route():
-    rows = [torch.ones((2, 3, 2), dtype=torch.int16), torch.empty((0, 0, 0), dtype=torch.int16)]
+    rows = [torch.ones((2, 3, 2), dtype=torch.int16), torch.empty((0, 0, 0), dtype=torch.int16), None]
     out = padded_routes(rows, 4)
-    assert out.shape == (2, 4, 3, 2)
-    assert out[0, :2].eq(1).all() and out[0, 2:].eq(NO_ROUTE).all() and out[1].eq(NO_ROUTE).all()
+    assert out.shape == (3, 4, 3, 2)
+    assert out[0, :2].eq(1).all() and out[0, 2:].eq(NO_ROUTE).all() and out[1:].eq(NO_ROUTE).all()

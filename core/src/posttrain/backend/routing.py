@@ -22,6 +22,7 @@ position ``t`` the experts that token ``t`` went through).
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -46,13 +47,13 @@ def find_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if type(module).__name__.endswith("TopKRouter")]
 
 
-def padded_routes(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+def padded_routes(rows: Sequence[torch.Tensor | None], width: int) -> torch.Tensor:
     """Per-row routes [n_i, layers, k] as one [len(rows), width, layers, k] tensor, each row
-    right-padded with :data:`NO_ROUTE`."""
-    layers, k = next((r.shape[1:] for r in rows if r.numel()), (0, 0))
+    right-padded with :data:`NO_ROUTE` (a row of None or no tokens: all of it)."""
+    layers, k = next((r.shape[1:] for r in rows if r is not None and r.numel()), (0, 0))
     out = torch.full((len(rows), width, layers, k), NO_ROUTE, dtype=ROUTES_DTYPE)
     for i, routes in enumerate(rows):
-        if routes.numel():
+        if routes is not None and routes.numel():
             out[i, :len(routes)] = routes
     return out
 
@@ -172,7 +173,7 @@ def agreement_metrics(metrics: dict[str, float]) -> dict[str, float]:
     layers = sorted(name.rsplit("/", 1)[1] for name in metrics if name.startswith(_ROUTED + "/"))
     if not layers:
         return metrics
-    out = {name: value for name, value in metrics.items() if not name.startswith(("moe/router_matched", "moe/router_routed"))}
+    out = {name: value for name, value in metrics.items() if not name.startswith((_MATCHED, _ROUTED))}
     matched = [metrics.get(f"{_MATCHED}/{layer}", 0.0) for layer in layers]
     routed = [metrics[f"{_ROUTED}/{layer}"] for layer in layers]
     out[AGREEMENT_METRIC] = sum(matched) / max(sum(routed), 1.0)

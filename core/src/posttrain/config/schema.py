@@ -143,6 +143,11 @@ class MoEConfig:
         """Whether the rollouts carry the engine's routes (replay or agreement asked)."""
         return self.routing_replay != "off" or self.router_agreement
 
+    @property
+    def records_routes_key(self) -> str:
+        """The key that asks for the routes, for messages: replay's when it is on."""
+        return "policy.moe.routing_replay" if self.routing_replay != "off" else "policy.moe.router_agreement"
+
 
 @attrs.define
 class WorkerResources:

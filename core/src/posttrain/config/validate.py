@@ -337,7 +337,7 @@ def check_routing_replay(config: RunConfig, host: PluginHost) -> None:
     moe, gen, policy = config.policy.moe, config.generation, config.policy
     if not moe.records_routes:
         return
-    key = "policy.moe.routing_replay" if moe.routing_replay != "off" else "policy.moe.router_agreement"
+    key = moe.records_routes_key
     needs = [
         ("generation", gen.backend, "records_routed_experts", "the experts each generated token went through, which "
          "the generation backend {backend} does not report; backends that do: {able}"),

@@ -32,7 +32,7 @@ def check_model_folders(config: RunConfig) -> None:
     require_tokenizer_files(tokenizer_path, tokenizer_key)
     check_vocab_fits(model_config, config.policy.model, model_key, tokenizer_path, tokenizer_key)
     if config.policy.moe.records_routes and not is_mixture_of_experts(model_config):
-        key = "policy.moe.routing_replay" if config.policy.moe.routing_replay != "off" else "policy.moe.router_agreement"
+        key = config.policy.moe.records_routes_key
         raise ConfigError(
             f"{key} asks for the experts each token was routed to, but {model_key} '{config.policy.model}' "
             f"({model_config.get('model_type', 'no model_type')}) is not a mixture of experts: its config.json "

@@ -60,7 +60,7 @@ from typing import Any
 import attrs
 import torch
 
-from posttrain.backend.routing import NO_ROUTE, ROUTES_DTYPE, padded_routes
+from posttrain.backend.routing import NO_ROUTE, padded_routes
 from posttrain.batch import Batch, padded_tensor
 from posttrain.errors import ConfigError
 from posttrain.interfaces import Environment, EnvironmentReturn, Generation, Message
@@ -398,9 +398,7 @@ def training_batch(conversations: Sequence[Conversation], pad_token_id: int, *, 
     if with_versions:
         batch["generation_versions"] = padded_tensor([c.versions for c in conversations], -1, torch.long)
     if any(c.routes is not None for c in conversations):
-        empty = torch.empty((0, 0, 0), dtype=ROUTES_DTYPE)
-        batch[ROUTES_FIELD] = padded_routes([c.routes if c.routes is not None else empty for c in conversations],
-                                            max(lengths))
+        batch[ROUTES_FIELD] = padded_routes([c.routes for c in conversations], max(lengths))
     for name in sorted({name for c in conversations for name in c.reward_components}):
         batch[f"{REWARD_COMPONENT_PREFIX}{name}"] = torch.tensor(
             [c.reward_components.get(name, 0.0) for c in conversations], dtype=torch.float32

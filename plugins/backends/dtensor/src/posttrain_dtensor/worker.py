@@ -246,7 +246,7 @@ class DTensorPolicyWorker(PolicyWorker):
         predicts token ``t``) at each position, at the logprob temperature; 0 where not reported."""
         rows = self._rows(mb, batching)
         ids = torch.nn.functional.pad(mb["topk_indices"], (0, 0, 1, 0)).to(self.device)  # onto the logprob positions
-        ids = rows.packed.pack(ids) if rows.packed is not None else ids[:, :rows.input_ids.shape[1]]
+        ids = rows.lay_out(ids)
         chunk, temperature, softcap = self.config.policy.logprob_chunk_size, self.temperature, self.logit_softcap
         values = self._forward(
             rows, lambda h, w: sequence_logprobs(h, w, ids, rows.predicted, chunk, temperature, softcap=softcap)
