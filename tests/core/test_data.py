@@ -406,7 +406,7 @@ def test_loader_refuses_state_of_other_data():
     state = StatefulDataLoader(Numbers(10), 3).state_dict()
     with pytest.raises(CheckpointError, match=r"num_samples 10 -> 12"):
         StatefulDataLoader(Numbers(12), 3).load_state_dict(state)
-    with pytest.raises(DataError, match="the dataset has 2 samples, fewer than one batch of 3"):
+    with pytest.raises(DataError, match="the dataset has 2 samples per epoch, fewer than one batch of 3"):
         StatefulDataLoader(Numbers(2), 3)
 
 

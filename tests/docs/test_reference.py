@@ -197,8 +197,9 @@ def test_every_attrs_class_a_section_reaches_is_listed_with_its_keys():
     listed = {section.class_name for section in sections.values()}
     unlisted = sorted(cls.__name__ for cls in seen if cls.__name__ not in listed)
     assert not unlisted, f"attrs classes reached from a section whose keys the reference does not list: {unlisted}"
-    for path in ("data.train", "data.validation"):  # str | DataSource | None: the mapping form's keys
+    for path in ("data.train", "data.validation"):  # str | DataSource | a list of them | None: the mapping form's keys
         assert sections[path].class_name == "DataSource"
         assert [key.path for key in sections[path].keys] == [
-            f"{path}.{name}" for name in ("name", "path", "subset", "split", "revision", "columns")
+            f"{path}.{name}"
+            for name in ("name", "path", "subset", "split", "revision", "columns", "tag", "weight", "count", "task")
         ]

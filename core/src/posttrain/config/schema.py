@@ -8,6 +8,7 @@ Every field has a default except where the user must decide. Units are in the na
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import attrs
@@ -240,7 +241,11 @@ class DataSource:
     """A dataset written as a mapping under ``data.train`` or ``data.validation``, e.g.
     ``{name: openai/gsm8k, subset: main, split: train}`` or ``{path: saved, split: test}``.
     Set exactly one of ``name`` (a Hugging Face Hub dataset) and ``path`` (a local file or
-    folder). Folders and Hub datasets are read through the ``datasets`` library."""
+    folder). Folders and Hub datasets are read through the ``datasets`` library.
+
+    In a list of sources (a mixture, :mod:`posttrain.data.mixture`), ``tag`` names the source
+    in metrics and messages; under ``data.train``, ``weight`` or ``count`` says how much of each
+    epoch it gives; ``task`` is the environment of its prompt rows that name none."""
 
     name: str | None = None  # a Hub dataset id (org/dataset); offline (HF_HUB_OFFLINE=1) read from the datasets cache
     path: str | None = None  # a .jsonl/.json/.parquet file, a save_to_disk folder or a dataset repository folder
@@ -248,6 +253,10 @@ class DataSource:
     split: str | None = None  # None: the only split, else the one named like the key (train or validation)
     revision: str | None = None  # a Hub branch, tag or commit of name (offline: the cached copy, whatever its revision)
     columns: dict[str, str] | None = None  # {column: row key} renames for this dataset; None: data.columns
+    tag: str | None = None  # its name in a mixture's metrics (data/<tag>/...); None: the file's stem or the dataset id's last part
+    weight: float | None = None  # in a data.train mixture: the probability that a drawn sample comes from this source
+    count: int | None = None  # in a data.train mixture: exactly this many samples of it per epoch (rows repeat when it has fewer)
+    task: str | None = None  # the environment of its prompt rows that name no 'task' (rows that name one keep it)
 
     def __attrs_post_init__(self) -> None:
         if (self.name is None) == (self.path is None):
@@ -258,6 +267,13 @@ class DataSource:
             )
         if self.revision is not None and self.name is None:
             raise ValueError("revision applies to a Hub dataset (name), not to a local path")
+        if self.weight is not None and self.count is not None:
+            raise ValueError(f"set weight or count, not both (found weight {self.weight:g} and count {self.count})")
+        if self.weight is not None and not (math.isfinite(self.weight) and self.weight >= 0):
+            raise ValueError(f"weight must be a finite number >= 0 (a sampling probability, normalised over the "
+                             f"weighted sources), found {self.weight}")
+        if self.count is not None and self.count < 1:
+            raise ValueError(f"count must be at least 1 (samples per epoch), found {self.count}")
 
 
 @attrs.define
@@ -270,7 +286,9 @@ class DataConfig:
     ``load_dataset``. ``{name: org/dataset, subset: main, split: train, revision: v1}`` is a
     Hugging Face Hub dataset, read with ``load_dataset``; offline, only a copy in the
     datasets cache is used. Of several splits, the one named like the key is taken unless
-    ``split`` says otherwise.
+    ``split`` says otherwise. A list of them is a mixture (:mod:`posttrain.data.mixture`):
+    each source with its own ``weight`` or ``count`` per epoch (training), ``columns``,
+    ``task`` and ``tag``.
 
     Rows are recognised by their keys (``format``). Columns named otherwise are renamed by
     ``columns``. Without renames, common layouts are recognised when there is no
@@ -279,8 +297,9 @@ class DataConfig:
     reference ``answer`` stays the answer; beside ``chosen``/``rejected``, ``question`` is
     the prompt)."""
 
-    train: str | DataSource | None = None  # a path, or {name: org/dataset, subset, split, revision} / {path, split}
-    validation: str | DataSource | None = None  # like train; split defaults to the one named validation
+    # a path, or {name: org/dataset, subset, split, revision} / {path, split}; or a list of them (a mixture)
+    train: str | DataSource | list[str | DataSource] | None = None
+    validation: str | DataSource | list[str | DataSource] | None = None  # like train; split defaults to the one named validation
     columns: dict[str, str] = attrs.field(factory=dict)  # {column: row key}, e.g. {question: prompt, answer: response}
     format: str = "auto"  # auto | prompt | messages | prompt_response | preference
     shuffle: bool = True  # a new order of the training rows each epoch; validation rows keep file order

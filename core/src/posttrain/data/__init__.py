@@ -4,8 +4,9 @@
 folders, dataset repository folders, Hugging Face Hub datasets), ``files`` reads local
 JSONL/JSON/parquet rows, ``columns`` renames columns to row keys, ``formats`` recognises and
 checks rows, ``chat`` tokenises conversations with assistant-only loss masks, ``dataset``
-stores the encoded examples and collates :class:`~posttrain.batch.Batch` es, ``loader``
-iterates batches resumably, and ``setup`` builds all of it from a run's config.
+stores the encoded examples and collates :class:`~posttrain.batch.Batch` es, ``mixture``
+reads several sources as one, ``loader`` iterates batches resumably, and ``setup`` builds all
+of it from a run's config.
 """
 
 from posttrain.data.chat import ChatEncoder, Encoded, load_tokenizer, read_chat_template
@@ -23,6 +24,7 @@ from posttrain.data.formats import (
     parse_row,
 )
 from posttrain.data.loader import StatefulDataLoader
+from posttrain.data.mixture import MixedDataset, Share
 from posttrain.data.setup import dataloader_from_config, dataset_from_config, encoder_from_config, require_dataset
 from posttrain.data.sources import RowSource, open_source
 
@@ -34,11 +36,13 @@ __all__ = [
     "ChatEncoder",
     "Encoded",
     "LoadReport",
+    "MixedDataset",
     "PreferenceExample",
     "PromptExample",
     "RowError",
     "RowSource",
     "SFTExample",
+    "Share",
     "StatefulDataLoader",
     "TokenizedDataset",
     "build_dataset",

@@ -109,24 +109,46 @@ class TokenizedDataset:
         )
         get_logger().warning("skipped rows", source=report.source, skipped=len(skipped), first=skipped[:_REPORTED_SKIPS])
 
+    @property
+    def parts(self) -> tuple[TokenizedDataset, ...]:
+        """The datasets read from one source each: this one (a mixture has several)."""
+        return (self,)
+
+    def rows(self, indices: Sequence[int]) -> dict[str, list[Any]]:
+        """The stored columns of the examples at ``indices``, plus ``origin`` (``<source> row <n>``)."""
+        cols = self.table[[int(i) for i in indices]]
+        return {**cols, "origin": [f"{self.report.source} row {row}" for row in cols["row"]]}
+
     def collate(self, indices: Sequence[int]) -> Batch:
         """The examples at ``indices`` as a batch (preference: 2 rows per example)."""
-        cols = self.table[[int(i) for i in indices]]
-        if self.kind == "preference":
-            chosen = zip(cols["chosen_input_ids"], cols["chosen_token_mask"], strict=True)
-            rejected = zip(cols["rejected_input_ids"], cols["rejected_token_mask"], strict=True)
-            seqs = [seq for pair in zip(chosen, rejected, strict=True) for seq in pair]  # c0, r0, c1, r1, ...
-            sample_mask = [m for m in cols["sample_mask"] for _ in range(2)]
-        else:
-            seqs = list(zip(cols["input_ids"], cols["token_mask"], strict=True))
-            sample_mask = cols["sample_mask"]
-        batch = _pad(seqs, sample_mask, self.pad_token_id)
-        if self.kind == "prompt":
-            for name in ("messages", "answer", "metadata"):
-                batch[name] = [json.loads(v) for v in cols[name]]
-            batch["task"] = list(cols["task"])
-            batch["origin"] = [f"{self.report.source} row {row}" for row in cols["row"]]
-        return batch
+        return collate_rows(self.kind, self.rows(indices), self.pad_token_id)
+
+    def set_default_task(self, task: str) -> None:
+        """Give ``task`` to the prompt rows that name none."""
+        tasks = [name or task for name in self.table["task"]]
+        self.table = self.table.remove_columns("task").add_column("task", tasks)
+
+
+def collate_rows(kind: str, cols: Mapping[str, Sequence[Any]], pad_token_id: int) -> Batch:
+    """A batch of ``kind`` from stored columns (:meth:`TokenizedDataset.rows`): padded ids and
+    masks; for prompts also the decoded ``messages``, ``answer``, ``metadata``, and ``task``,
+    ``origin`` and, when the columns hold it, ``source``."""
+    if kind == "preference":
+        chosen = zip(cols["chosen_input_ids"], cols["chosen_token_mask"], strict=True)
+        rejected = zip(cols["rejected_input_ids"], cols["rejected_token_mask"], strict=True)
+        seqs = [seq for pair in zip(chosen, rejected, strict=True) for seq in pair]  # c0, r0, c1, r1, ...
+        sample_mask = [m for m in cols["sample_mask"] for _ in range(2)]
+    else:
+        seqs = list(zip(cols["input_ids"], cols["token_mask"], strict=True))
+        sample_mask = cols["sample_mask"]
+    batch = _pad(seqs, sample_mask, pad_token_id)
+    if kind == "prompt":
+        for name in ("messages", "answer", "metadata"):
+            batch[name] = [json.loads(v) for v in cols[name]]
+        for name in ("task", "origin", "source"):
+            if name in cols:
+                batch[name] = list(cols[name])
+    return batch
 
 
 def build_dataset(

@@ -34,7 +34,7 @@ def check_lengths(config: RunConfig, split: str, kind: str, report: LoadReport) 
 
 def untrainable_message(config: RunConfig, split: str, kind: str, report: LoadReport) -> str:
     """What is wrong with the rows that cannot train, and the settings that make them fit."""
-    key = f"data.{split}"
+    key = report.key or f"data.{split}"
     data_limit, total = config.data.max_length, config.policy.max_total_sequence_length
     limit_key, limit = ("data.max_length", data_limit) if data_limit else ("policy.max_total_sequence_length", total)
     longest = report.longest_without_loss

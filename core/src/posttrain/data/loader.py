@@ -5,6 +5,11 @@ with ``[seed, e]``, so the order depends on nothing but those two numbers) and c
 consecutive batches. ``state_dict()`` is ``{epoch, position}`` (plus what must match on
 restore), where ``position`` counts the batches of that epoch already handed out: a loader
 restored from it yields exactly the batches the saved one would have yielded next.
+
+A dataset that orders its own epochs (a mixture of sources,
+:class:`~posttrain.data.mixture.MixedDataset`: ``epoch_size()`` and
+``epoch_order(seed, epoch, shuffle)``, a function of those alone) is cut into batches the same
+way, and its state keeps the mixture's ``signature()``.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ class StatefulDataLoader:
         self.drop_last = drop_last
         if len(self) == 0:
             raise DataError(
-                f"the dataset has {len(dataset)} samples, fewer than one batch of {batch_size}; "
+                f"the dataset has {self.samples_per_epoch} samples per epoch, fewer than one batch of {batch_size}; "
                 "lower the batch size or add data"
             )
         self.epoch = 0
@@ -54,11 +59,19 @@ class StatefulDataLoader:
 
     def __len__(self) -> int:
         """Batches per epoch."""
-        n = len(self.dataset)
+        n = self.samples_per_epoch
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    @property
+    def samples_per_epoch(self) -> int:
+        epoch_size = getattr(self.dataset, "epoch_size", None)
+        return epoch_size() if epoch_size is not None else len(self.dataset)
 
     def order(self, epoch: int) -> list[int]:
         """The sample order of ``epoch``."""
+        epoch_order = getattr(self.dataset, "epoch_order", None)
+        if epoch_order is not None:
+            return epoch_order(self.seed, epoch, self.shuffle)
         n = len(self.dataset)
         if not self.shuffle:
             return list(range(n))
@@ -86,9 +99,10 @@ class StatefulDataLoader:
             "position": self.position,
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "num_samples": len(self.dataset),
+            "num_samples": self.samples_per_epoch,
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
+            **({"mixture": self.dataset.signature()} if hasattr(self.dataset, "signature") else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -96,8 +110,8 @@ class StatefulDataLoader:
         mine = self.state_dict()
         changed = [
             f"{key} {state.get(key)!r} -> {mine[key]!r}"
-            for key in ("num_samples", "batch_size", "seed", "shuffle", "drop_last")
-            if state.get(key) != mine[key]
+            for key in ("num_samples", "batch_size", "seed", "shuffle", "drop_last", "mixture")
+            if state.get(key) != mine.get(key)
         ]
         if changed:
             raise CheckpointError(

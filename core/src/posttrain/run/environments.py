@@ -59,6 +59,7 @@ from posttrain.plugins import PluginHost, Registry, new_plugin_host, plugin_host
 if TYPE_CHECKING:
     from posttrain.config.schema import RunConfig
     from posttrain.data import TokenizedDataset
+    from posttrain.data.mixture import MixedDataset
 
 _log = get_logger(__name__)
 
@@ -595,9 +596,9 @@ def start_environments(
 
 
 def environment_names(
-    config: RunConfig, datasets: Sequence[TokenizedDataset | None], *, plugins: Sequence[str] = ()
+    config: RunConfig, datasets: Sequence[TokenizedDataset | MixedDataset | None], *, plugins: Sequence[str] = ()
 ) -> tuple[list[str], str | None]:
-    """The environments a rollout of ``datasets`` (prompt data) needs: every ``task`` the rows
+    """The environments a rollout of ``datasets`` (prompt data; a mixture's every source) needs: every ``task`` the rows
     name plus every name under ``environments``, sorted; and the task of rows that name none
     (the only environment, or None when every row names its task).
 
@@ -611,10 +612,9 @@ def environment_names(
             raise ConfigError(
                 f"environments.{name}: {registry.unknown_message(name)}{where_set(config, f'environments.{name}')}"
             )
+    parts = [part for dataset in datasets if dataset is not None for part in dataset.parts]
     tasks: set[str | None] = set()
-    for dataset in datasets:
-        if dataset is None:
-            continue
+    for dataset in parts:
         for task, row in zip(dataset.table["task"], dataset.table["row"], strict=True):
             if task and task not in registry:
                 key = dataset.report.key or "the data"
@@ -639,9 +639,8 @@ def environment_names(
                 "could go to; give every row a 'task', or configure exactly one environment under 'environments'"
             )
         default = names[0]
-    for dataset in datasets:
-        if dataset is not None:
-            check_required_metadata(config, dataset, registry, default)
+    for dataset in parts:
+        check_required_metadata(config, dataset, registry, default)
     return names, default
 
 

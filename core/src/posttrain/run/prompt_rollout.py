@@ -16,8 +16,10 @@ from posttrain.batch import Batch
 from posttrain.interfaces import Environment, Generation
 from posttrain.run.rollout import run_rollout
 
-#: Per-sample fields of a prompt batch that the rollout reads (``origin``: when the batch has it).
-PROMPT_FIELDS = ("messages", "task", "metadata", "answer", "origin")
+#: Per-sample fields of a prompt batch that the rollout reads (``origin`` and ``source``: when the batch has them).
+PROMPT_FIELDS = ("messages", "task", "metadata", "answer", "origin", "source")
+#: Fields of :data:`PROMPT_FIELDS` that a prompt batch may lack.
+OPTIONAL_FIELDS = ("origin", "source")
 
 
 class Rollout(Protocol):
@@ -42,7 +44,7 @@ class PromptRollout:
     default_task: str | None = None
 
     def __call__(self, prompts: Batch, *, greedy: bool, repeats: int) -> tuple[Batch, dict[str, float]]:
-        samples = prompts.fields([name for name in PROMPT_FIELDS if name != "origin" or name in prompts])
+        samples = prompts.fields([name for name in PROMPT_FIELDS if name not in OPTIONAL_FIELDS or name in prompts])
         samples["task"] = [task or self.default_task for task in samples["task"]]
         return run_rollout(
             samples.repeat_interleave(repeats),

@@ -114,7 +114,8 @@ def run_rollout(
     ``rollout/mean_reward`` (over the samples not failed), ``rollout/mean_sequence_length``,
     and per environment ``env/<name>/<metric>`` from its ``metrics()`` (over its samples not
     failed) plus ``env/<name>/errors`` and ``env/<name>/timeouts`` (samples failed) and
-    ``env/<name>/retried`` (samples sent again), see :mod:`posttrain.run.environments`;
+    ``env/<name>/retried`` (samples sent again), see :mod:`posttrain.run.environments`; for samples
+    of a data mixture (a ``source`` field), per source ``data/<tag>/...`` (:func:`source_metrics`);
     ``timing/generation`` and ``timing/environment``: seconds spent in ``generate`` calls and in
     environment steps, over every turn (the rest of a rollout's time is the driver's own work).
     """
@@ -163,6 +164,7 @@ def run_rollout(
         metrics[f"env/{task}/errors"] = float(errors[task])
         metrics[f"env/{task}/timeouts"] = float(timeouts[task])
         metrics[f"env/{task}/retried"] = float(retried[task])
+    metrics.update(source_metrics(conversations, batch))
     metrics.update(timer.metrics())
     return batch, metrics
 
@@ -258,6 +260,7 @@ class Conversation:
     truncated: bool = False
     failed: str | None = None  # why the environment could not score the sample; None: scored
     origin: str | None = None  # the sample's data row, for messages
+    source: str | None = None  # the tag of the mixture source it came from (data.train as a list); None otherwise
 
     def __attrs_post_init__(self) -> None:  # the prompt: no logprobs, no loss
         self.logprobs = [0.0] * len(self.token_ids)
@@ -330,10 +333,12 @@ def _start_conversations(
     metadata = samples["metadata"] if "metadata" in samples else [{} for _ in messages]
     answers = samples["answer"] if "answer" in samples else [None] * len(messages)
     origins = samples["origin"] if "origin" in samples else [f"sample {i}" for i in range(len(messages))]
+    sources = samples["source"] if "source" in samples else [None] * len(messages)
     conversations = []
     tools_of: dict[str, list[Any]] = {}
     prompt_ids: dict[tuple[Any, ...], list[int]] = {}  # a prompt repeated for its group is encoded once
-    for i, (prompt, task, meta, answer, origin) in enumerate(zip(messages, tasks, metadata, answers, origins, strict=True)):
+    for i, (prompt, task, meta, answer, origin, source) in enumerate(
+            zip(messages, tasks, metadata, answers, origins, sources, strict=True)):
         if task not in environments:
             raise ConfigError(
                 f"sample {i} has task {task!r}, but no environment of that name was started; "
@@ -348,11 +353,29 @@ def _start_conversations(
             prompt_ids[key] = chat.prompt_ids(prompt, tools_of[task])
         token_ids = list(prompt_ids[key])
         conversation = Conversation([dict(m) for m in prompt], task, meta, token_ids, prompt_length=len(token_ids),
-                                     tools=tools_of[task], origin=origin)
+                                     tools=tools_of[task], origin=origin, source=source)
         if len(token_ids) >= max_total_length:  # no room to generate anything
             conversation.done = conversation.truncated = True
         conversations.append(conversation)
     return conversations
+
+
+def source_metrics(conversations: Sequence[Conversation], batch: Batch) -> dict[str, float]:
+    """Per mixture source (samples that came with a ``source``): ``data/<tag>/samples``, and over
+    its samples ``data/<tag>/mean_reward`` (those scored), ``data/<tag>/mean_generated_tokens``
+    and ``data/<tag>/truncation_rate``."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, conversation in enumerate(conversations):
+        if conversation.source is not None:
+            groups[conversation.source].append(i)
+    metrics: dict[str, float] = {}
+    for tag, indices in sorted(groups.items()):
+        scored = [i for i in indices if conversations[i].failed is None]
+        metrics[f"data/{tag}/samples"] = float(len(indices))
+        metrics[f"data/{tag}/mean_reward"] = float(batch["rewards"][scored].mean()) if scored else 0.0
+        metrics[f"data/{tag}/mean_generated_tokens"] = float(batch["response_lengths"][indices].float().mean())
+        metrics[f"data/{tag}/truncation_rate"] = float(batch["truncated"][indices].float().mean())
+    return metrics
 
 
 def _by_task(conversations: Sequence[Conversation]) -> dict[str, list[int]]:

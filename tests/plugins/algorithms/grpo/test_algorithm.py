@@ -202,15 +202,21 @@ def test_rollout_summary_sums_counts_and_weights_means_by_samples():
     first = Batch(rewards=torch.tensor([1.0, 0.0]))
     second = Batch(rewards=torch.tensor([1.0, 1.0, 1.0, 0.0]))
     summary = rollout_summary([
-        (first, {"rollout/mean_turns": 1.0, "env/math/errors": 1.0, "rollout/generated_tokens": 10.0}),
+        (first, {"rollout/mean_turns": 1.0, "env/math/errors": 1.0, "rollout/generated_tokens": 10.0,
+                 "data/a/samples": 2.0, "data/a/mean_reward": 0.5}),
         (second, {"rollout/mean_turns": 2.5, "env/math/errors": 2.0, "rollout/generated_tokens": 30.0,
-                  "env/math/accuracy": 0.75}),
+                  "env/math/accuracy": 0.75, "data/a/samples": 1.0, "data/a/mean_reward": 1.0,
+                  "data/b/samples": 3.0, "data/b/mean_reward": 2 / 3}),
     ])
     assert summary == {
         "rollout/mean_turns": pytest.approx((2 * 1.0 + 4 * 2.5) / 6),
         "env/math/errors": 3.0,
         "rollout/generated_tokens": 40.0,
+        "data/a/samples": 3.0,  # a mixture source's counts add up, its means weigh by its own samples
+        "data/a/mean_reward": pytest.approx((2 * 0.5 + 1 * 1.0) / 3),
         "env/math/accuracy": 0.75,  # only the rollout that reported it
+        "data/b/samples": 3.0,
+        "data/b/mean_reward": pytest.approx(2 / 3),
         "reward": pytest.approx(4 / 6),
     }
 

@@ -41,7 +41,7 @@ VERSION_TAG = "weight_version"
 #: The name of the overlong penalty among the reward parts of ``reward_aggregation: normalize_then_sum``.
 OVERLONG_PART = "overlong"
 #: Rollout metrics that are counts: summed over a step's rollouts; every other one is averaged.
-_COUNT_SUFFIXES = ("/errors", "/timeouts", "/retried", "/generated_tokens")
+_COUNT_SUFFIXES = ("/errors", "/timeouts", "/retried", "/generated_tokens", "/samples")
 
 
 class TrainingDiverged(PosttrainError):
@@ -156,12 +156,15 @@ def rollout_summary(rollouts: Sequence[tuple[Batch, Mapping[str, float]]]) -> di
     """The step's rollout metrics over every rollout it ran (one, or several with dynamic
     sampling): counts (``.../errors``, ``.../timeouts``, ``.../retried``, ``rollout/generated_tokens``)
     and seconds (``timing/...``) are summed, other metrics averaged weighted by each rollout's
-    samples; ``reward`` is the mean environment reward over every generated sample the
-    environments scored (the rollout's ``failed`` ones left out; 0 when none was scored)."""
+    samples (a mixture source's ``data/<tag>/...`` by that source's samples); ``reward`` is the
+    mean environment reward over every generated sample the environments scored (the
+    rollout's ``failed`` ones left out; 0 when none was scored)."""
     sizes = [len(batch) for batch, _ in rollouts]
     out: dict[str, float] = {}
     for name in dict.fromkeys(n for _, metrics in rollouts for n in metrics):
-        present = [(size, metrics[name]) for size, (_, metrics) in zip(sizes, rollouts, strict=True) if name in metrics]
+        weight_of = f"{name.rpartition('/')[0]}/samples" if name.startswith("data/") else None
+        present = [(metrics.get(weight_of, size) if weight_of else size, metrics[name])
+                   for size, (_, metrics) in zip(sizes, rollouts, strict=True) if name in metrics]
         if name.endswith(_COUNT_SUFFIXES) or name.startswith("timing/"):
             out[name] = float(sum(value for _, value in present))
         else:
