@@ -115,11 +115,12 @@ def test_a_plugin_installed_after_the_pages_were_written_is_listed(site: Path) -
 
 def test_environment_options_are_generated_on_their_page(site: Path) -> None:
     from posttrain_env_code.options import CodeOptions
+    from posttrain_env_judge.options import JudgeOptions
     from posttrain_env_math.options import GuessNumberOptions, MathOptions
 
     ids = page_ids(site, "environments")
     for cls, prefix in ((MathOptions, "environments.math"), (GuessNumberOptions, "environments.guess_number"),
-                        (CodeOptions, "environments.code")):
+                        (CodeOptions, "environments.code"), (JudgeOptions, "environments.judge")):
         assert keys_of(cls, prefix) <= ids
 
 

@@ -1,0 +1,1 @@
+"""posttrain-env-judge: the ``judge`` environment, an LLM that scores each response."""
