@@ -56,9 +56,9 @@ def test_weighted_draws_match_the_weights_over_a_long_draw(three_sources):
     assert mixture.sizes == [50, 30, 20] and mixture.epoch_size() == 100
     drawn = Counter()
     for epoch in range(400):  # 40,000 samples
-        takes = mixture.takes(seed=0, epoch=epoch)
-        assert sum(takes) == 100
-        drawn.update(dict(enumerate(takes)))
+        order = mixture.epoch_order(0, epoch, True, first_batch=10 * epoch, batch_size=10)
+        assert len(order) == 100
+        drawn.update(mixture.locate(i)[0] for i in order)
     total = sum(drawn.values())
     for source, p in enumerate((0.5, 0.3, 0.2)):  # 5 standard errors: at most 0.0125 here
         bound = 5 * (p * (1 - p) / total) ** 0.5
@@ -99,8 +99,22 @@ def test_a_restored_loader_continues_mid_epoch_with_the_same_samples(three_sourc
     assert found == expected and len(expected) == 2 * len(run) - 4
 
     reweighted = three_sources("weight: 5|weight: 2|count: 7")
-    with pytest.raises(CheckpointError, match=r"mixture \[\['a', 50, 5.0, None\], \['b', 30, 3.0, None\]"):
+    with pytest.raises(CheckpointError, match=r"mixture \[\['a', 50, 5.0, None, \[\]\], \['b', 30, 3.0, None, \[\]\]"):
         StatefulDataLoader(reweighted, batch_size=8, seed=1).load_state_dict(saved)
+
+
+def test_a_weight_schedule_moves_the_draws_batch_by_batch(three_sources):
+    """a's weight falls linearly from 1 at batch 0 to 0 at batch 5, b keeps 1: from batch 5 on
+    no sample of a is drawn, in this epoch or the next; c's 20 rows come once each epoch."""
+    mixture = three_sources("weight_schedule: [[0, 1.0], [5, 0.0]]|weight: 1|-")
+    assert [mixture.shares[0].weight_at(b) for b in (0, 2.5, 5, 50)] == [1.0, 0.5, 0.0, 0.0]
+    loader = StatefulDataLoader(mixture, batch_size=10, seed=2)
+    assert len(loader) == 10  # (50 + 30 weighted + 20) / 10
+    per_batch = [Counter(batch["source"]) for _ in range(2) for batch in loader]
+    assert sum(counts["a"] for counts in per_batch[:5]) > 0
+    assert all(counts["a"] == 0 for counts in per_batch[5:]), per_batch
+    for epoch in range(2):
+        assert sum(counts["c"] for counts in per_batch[10 * epoch:10 * (epoch + 1)]) == 20
 
 
 def test_each_source_has_its_own_columns_and_task(tmp_path, monkeypatch, tiny_model_path):
@@ -145,8 +159,14 @@ def test_a_validation_mixture_reads_every_row_of_every_source_once_in_order(tmp_
          "data.validation[0].weight: validation reads every row of every source once; weights and counts apply to "
          "data.train. Remove it."),
         ("  train: []\n", "data.train is an empty list; name at least one dataset Where set: data.train at exp.yaml:6."),
+        ("  train:\n    - {path: a.jsonl, weight_schedule: [[0, 1.0], [10, 0.0]]}\n    - {path: b.jsonl, weight: 0}\n",
+         "the weights of the mixture's sources (a, b) sum to 0 at batch 10; give at least one of them a weight above 0"),
+        ("  train:\n    - {path: a.jsonl, weight_schedule: [[5, 1.0]]}\n",
+         "config key 'data.train[0]' (at exp.yaml:6): weight_schedule's batches must be whole numbers ascending from 0, "
+         "e.g. [[0, 1.0], [200, 3.0]]; found [5.0]"),
     ],
-    ids=["weights-sum-to-zero", "negative-weight", "weight-and-count", "same-tag", "weighted-validation", "empty"],
+    ids=["weights-sum-to-zero", "negative-weight", "weight-and-count", "same-tag", "weighted-validation", "empty",
+         "schedule-sums-to-zero", "schedule-not-from-0"],
 )
 def test_a_mixture_config_error_names_the_key_and_the_fix(tmp_path, monkeypatch, tiny_model_path, data, message):
     monkeypatch.chdir(tmp_path)

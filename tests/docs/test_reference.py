@@ -201,5 +201,6 @@ def test_every_attrs_class_a_section_reaches_is_listed_with_its_keys():
         assert sections[path].class_name == "DataSource"
         assert [key.path for key in sections[path].keys] == [
             f"{path}.{name}"
-            for name in ("name", "path", "subset", "split", "revision", "columns", "tag", "weight", "count", "task")
+            for name in ("name", "path", "subset", "split", "revision", "columns", "tag", "weight", "count",
+                         "weight_schedule", "task")
         ]

@@ -256,6 +256,9 @@ class DataSource:
     tag: str | None = None  # its name in a mixture's metrics (data/<tag>/...); None: the file's stem or the dataset id's last part
     weight: float | None = None  # in a data.train mixture: the probability that a drawn sample comes from this source
     count: int | None = None  # in a data.train mixture: exactly this many samples of it per epoch (rows repeat when it has fewer)
+    # in a data.train mixture: the weight over training, [[batch, weight], ...] with batches (the loader's, counted
+    # from the run's start) ascending from 0, linear between the points and the last weight after them (a curriculum)
+    weight_schedule: list[list[float]] | None = None
     task: str | None = None  # the environment of its prompt rows that name no 'task' (rows that name one keep it)
 
     def __attrs_post_init__(self) -> None:
@@ -274,6 +277,22 @@ class DataSource:
                              f"weighted sources), found {self.weight}")
         if self.count is not None and self.count < 1:
             raise ValueError(f"count must be at least 1 (samples per epoch), found {self.count}")
+        if self.weight_schedule is not None:
+            self._check_schedule(self.weight_schedule)
+
+    def _check_schedule(self, schedule: list[list[float]]) -> None:
+        if self.weight is not None or self.count is not None:
+            raise ValueError("set weight_schedule alone: it replaces weight, and a counted source takes no weight")
+        example = "e.g. [[0, 1.0], [200, 3.0]]"
+        if not schedule or any(len(point) != 2 for point in schedule):
+            raise ValueError(f"weight_schedule must be a list of [batch, weight] pairs, {example}; found {schedule}")
+        batches = [point[0] for point in schedule]
+        if batches[0] != 0 or any(b <= a for a, b in zip(batches, batches[1:], strict=False)) \
+                or any(b != int(b) for b in batches):
+            raise ValueError(f"weight_schedule's batches must be whole numbers ascending from 0, {example}; "
+                             f"found {batches}")
+        if any(not (math.isfinite(w) and w >= 0) for _, w in schedule):
+            raise ValueError(f"weight_schedule's weights must be finite numbers >= 0; found {[w for _, w in schedule]}")
 
 
 @attrs.define

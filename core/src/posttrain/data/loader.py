@@ -8,8 +8,8 @@ restored from it yields exactly the batches the saved one would have yielded nex
 
 A dataset that orders its own epochs (a mixture of sources,
 :class:`~posttrain.data.mixture.MixedDataset`: ``epoch_size()`` and
-``epoch_order(seed, epoch, shuffle)``, a function of those alone) is cut into batches the same
-way, and its state keeps the mixture's ``signature()``.
+``epoch_order(seed, epoch, shuffle, first_batch=, batch_size=)``, a function of those alone) is
+cut into batches the same way, and its state keeps the mixture's ``signature()``.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class StatefulDataLoader:
         """The sample order of ``epoch``."""
         epoch_order = getattr(self.dataset, "epoch_order", None)
         if epoch_order is not None:
-            return epoch_order(self.seed, epoch, self.shuffle)
+            return epoch_order(self.seed, epoch, self.shuffle, first_batch=epoch * len(self), batch_size=self.batch_size)
         n = len(self.dataset)
         if not self.shuffle:
             return list(range(n))

@@ -10,12 +10,15 @@ One epoch of a training mixture, seeded by ``(seed, epoch)`` alone (so a loader'
 
 - a source with ``count`` gives exactly that many samples;
 - the sources with a ``weight`` share as many samples as they hold together, each sample's
-  source drawn with probability ``weight / sum of weights`` (a multinomial draw);
+  source drawn with probability ``weight / sum of weights``; with a ``weight_schedule``, the
+  weights of the loader batch the sample lands in (a curriculum);
 - any other source gives each of its rows once.
 
 Within a source, samples are taken from its rows in a fresh random order per pass (file order
 without shuffling), passes repeating as often as the count or the draw asks. With shuffling
-the epoch's samples are then put in a random order; without it, source after source.
+the epoch's places are handed out at random (the counted and unweighted sources' samples
+first, the weighted sources' draws in the rest); without it, source after source, then the
+draws.
 A validation mixture reads every row of every source once, in order.
 """
 
@@ -35,11 +38,27 @@ from posttrain.errors import ConfigError
 @attrs.frozen
 class Share:
     """What one source gives an epoch: ``count`` samples, or a ``weight`` of the weighted
-    part, or (neither) each of its rows once."""
+    part (constant, or a ``schedule`` of ``(batch, weight)`` points, linear between them), or
+    (neither) each of its rows once."""
 
     tag: str
     weight: float | None = None
     count: int | None = None
+    schedule: tuple[tuple[float, float], ...] | None = None
+
+    @property
+    def weighted(self) -> bool:
+        return self.weight is not None or self.schedule is not None
+
+    def weight_at(self, batch: float) -> float:
+        """The source's weight at loader batch ``batch``."""
+        if self.schedule is None:
+            return float(self.weight or 0.0)
+        points = self.schedule
+        for (b0, w0), (b1, w1) in zip(points, points[1:], strict=False):
+            if batch < b1:
+                return w0 + (w1 - w0) * (batch - b0) / (b1 - b0)
+        return points[-1][1]
 
 
 class MixedDataset:
@@ -56,11 +75,15 @@ class MixedDataset:
         self.shares: tuple[Share, ...] = tuple(shares)
         self.kind = parts[0].kind
         self.pad_token_id = parts[0].pad_token_id
-        weights = [share.weight for share in shares if share.weight is not None]
-        if weights and not sum(weights) > 0:
-            tags = ", ".join(share.tag for share in shares if share.weight is not None)
-            raise ConfigError(f"the weights of the mixture's sources ({tags}) sum to {sum(weights):g}; "
-                              "give at least one of them a weight above 0")
+        weighted = [share for share in shares if share.weighted]
+        # the sum of linear pieces is positive everywhere when it is at every point where a piece begins
+        for batch in sorted({0.0, *(b for share in weighted for b, _ in share.schedule or ())}):
+            total = sum(share.weight_at(batch) for share in weighted)
+            if weighted and not total > 0:
+                tags = ", ".join(share.tag for share in weighted)
+                at = f" at batch {batch:g}" if any(share.schedule for share in weighted) else ""
+                raise ConfigError(f"the weights of the mixture's sources ({tags}) sum to {total:g}{at}; "
+                                  "give at least one of them a weight above 0")
 
     @property
     def sizes(self) -> list[int]:
@@ -98,47 +121,62 @@ class MixedDataset:
 
     # ------------------------------------------------------------------ epochs
 
-    def takes(self, seed: int, epoch: int) -> list[int]:
-        """How many samples each source gives epoch ``epoch``."""
-        import numpy as np
-
-        sizes = self.sizes
-        takes = [share.count if share.count is not None else (size if share.weight is None else 0)
-                 for share, size in zip(self.shares, sizes, strict=True)]
-        weighted = [i for i, share in enumerate(self.shares) if share.weight is not None]
-        if weighted:
-            weights = np.array([self.shares[i].weight for i in weighted], dtype=np.float64)
-            drawn = np.random.default_rng([seed, epoch, 1]).multinomial(sum(sizes[i] for i in weighted),
-                                                                         weights / weights.sum())
-            for i, n in zip(weighted, drawn.tolist(), strict=True):
-                takes[i] = n
-        return takes
-
     def epoch_size(self) -> int:
         """Samples per epoch (the same every epoch)."""
         return sum(share.count if share.count is not None else size
                    for share, size in zip(self.shares, self.sizes, strict=True))
 
-    def epoch_order(self, seed: int, epoch: int, shuffle: bool) -> list[int]:
-        """The mixture indices of epoch ``epoch``'s samples, in order (module docstring)."""
+    def epoch_order(self, seed: int, epoch: int, shuffle: bool, *, first_batch: int = 0, batch_size: int = 1) -> list[int]:
+        """The mixture indices of epoch ``epoch``'s samples, in order (module docstring).
+        ``first_batch`` is the loader's count of batches before this epoch and ``batch_size``
+        its batch size: a weight schedule's weights are those of each sample's batch."""
         import numpy as np
 
-        offsets = np.cumsum([0, *self.sizes]).tolist()
-        picks: list[int] = []
-        for source, (size, take) in enumerate(zip(self.sizes, self.takes(seed, epoch), strict=True)):
-            rows: list[int] = []
-            for lap in range(-(-take // size)):
-                rng = np.random.default_rng([seed, epoch, 2, source, lap])
-                rows.extend(rng.permutation(size).tolist() if shuffle else range(size))
-            picks.extend(offsets[source] + row for row in rows[:take])
-        if shuffle:
-            order = np.random.default_rng([seed, epoch, 3]).permutation(len(picks))
-            picks = [picks[j] for j in order.tolist()]
-        return picks
+        sizes = self.sizes
+        offsets = np.cumsum([0, *sizes]).tolist()
+        weighted = [i for i, share in enumerate(self.shares) if share.weighted]
+        fixed = [offsets[i] + row for i, share in enumerate(self.shares) if not share.weighted
+                 for row in self._rows(i, share.count if share.count is not None else sizes[i], seed, epoch, shuffle)]
+        total = len(fixed) + sum(sizes[i] for i in weighted)
+        rng = np.random.default_rng([seed, epoch, 1])
+        positions = rng.permutation(total).tolist() if shuffle else list(range(total))
+        order: list[int | None] = [None] * total
+        for position, index in zip(positions, fixed, strict=False):
+            order[position] = index
+        slots = sorted(positions[len(fixed):])  # the weighted sources' places, each drawn by its batch's weights
+        drawn: dict[int, list[int]] = {i: [] for i in weighted}
+        start = 0
+        while start < len(slots):
+            batch = first_batch + slots[start] // batch_size
+            end = start
+            while end < len(slots) and first_batch + slots[end] // batch_size == batch:
+                end += 1
+            weights = np.array([self.shares[i].weight_at(batch) for i in weighted], dtype=np.float64)
+            for slot, k in zip(slots[start:end], rng.choice(len(weighted), size=end - start, p=weights / weights.sum()).tolist(),
+                               strict=True):
+                drawn[weighted[k]].append(slot)
+            start = end
+        for i, places in drawn.items():
+            for slot, row in zip(places, self._rows(i, len(places), seed, epoch, shuffle), strict=True):
+                order[slot] = offsets[i] + row
+        return order  # type: ignore[return-value]
+
+    def _rows(self, source: int, take: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+        """``take`` rows of ``source``: passes over its rows (each in a fresh random order, or
+        file order), as many as it takes."""
+        import numpy as np
+
+        size = self.sizes[source]
+        rows: list[int] = []
+        for lap in range(-(-take // size)):
+            rows.extend(np.random.default_rng([seed, epoch, 2, source, lap]).permutation(size).tolist()
+                        if shuffle else range(size))
+        return rows[:take]
 
     def signature(self) -> list[list[Any]]:
-        """What a resumed run's mixture must match: each source's tag, rows, weight and count."""
-        return [[share.tag, size, share.weight, share.count] for share, size in zip(self.shares, self.sizes, strict=True)]
+        """What a resumed run's mixture must match: each source's tag, rows, weight, count and schedule."""
+        return [[share.tag, size, share.weight, share.count, [list(p) for p in share.schedule or ()]]
+                for share, size in zip(self.shares, self.sizes, strict=True)]
 
 
 def source_tag(spec: Any) -> str:

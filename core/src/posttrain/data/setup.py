@@ -65,13 +65,15 @@ def _share(config: RunConfig, spec: str | DataSource, key: str, split: str) -> S
     """What source ``spec`` (at ``key``) gives each epoch; weights and counts are for training only."""
     if not isinstance(spec, DataSource):
         return Share(source_tag(spec))
-    if split != "train" and (spec.weight is not None or spec.count is not None):
-        field = "weight" if spec.weight is not None else "count"
+    shares = {"weight": spec.weight, "count": spec.count, "weight_schedule": spec.weight_schedule}
+    if split != "train" and any(value is not None for value in shares.values()):
+        field = next(name for name, value in shares.items() if value is not None)
         raise ConfigError(
             f"{key}.{field}: validation reads every row of every source once; weights and counts apply to "
             f"data.train. Remove it.{where_set(config, f'{key}.{field}')}"
         )
-    return Share(source_tag(spec), spec.weight, spec.count)
+    schedule = tuple((float(b), float(w)) for b, w in spec.weight_schedule) if spec.weight_schedule else None
+    return Share(source_tag(spec), spec.weight, spec.count, schedule)
 
 
 def _one_source(
