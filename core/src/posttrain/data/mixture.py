@@ -26,11 +26,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import PurePath
 from typing import Any
 
 import attrs
 
 from posttrain.batch import Batch
+from posttrain.config.schema import DataSource
 from posttrain.data.dataset import TokenizedDataset, collate_rows
 from posttrain.errors import ConfigError
 
@@ -179,12 +181,8 @@ class MixedDataset:
                 for share, size in zip(self.shares, self.sizes, strict=True)]
 
 
-def source_tag(spec: Any) -> str:
-    """The default tag of a source: the file or folder's stem, or a Hub id's last part."""
-    from pathlib import PurePath
-
-    from posttrain.config.schema import DataSource
-
+def source_tag(spec: str | DataSource) -> str:
+    """A source's tag: its own ``tag``, else the file or folder's stem, or a Hub id's last part."""
     if isinstance(spec, DataSource):
         if spec.tag:
             return spec.tag
