@@ -15,7 +15,8 @@ Errors posttrain raises on purpose print as one ``error:`` paragraph and exit wi
 A run stopped by SIGINT / SIGTERM saves a checkpoint at the step boundary, prints one
 ``stopped:`` line and exits with 128 + the signal number (130, 143); a second signal stops
 at once with 130. ``posttrain run`` shuts down the Ray it started (not one this process was
-already connected to).
+already connected to), and starts a run whose worker died again from its checkpoint up to
+``checkpointing.max_restarts`` times (:mod:`posttrain.run.restarts`).
 Heavy modules (torch, ray) are imported only by the commands that need them.
 """
 
@@ -69,14 +70,10 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from posttrain.config import load_config
     from posttrain.run.context import run_algorithm
+    from posttrain.run.restarts import run_with_restarts
 
     config = load_config(args.config, [*args.overrides, f"algorithm={args.algorithm}"])
-    connected_before = _ray_connected()
-    try:
-        run_algorithm(config)
-    finally:
-        if not connected_before and _ray_connected():  # the run started Ray: stop it
-            sys.modules["ray"].shutdown()
+    run_with_restarts(config, run_algorithm)  # stops the Ray it started
     return 0
 
 
@@ -86,12 +83,6 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     config = load_checked_config(args.algorithm, args.config, args.overrides)
     sys.stdout.write(annotated_config(config))
     return 0
-
-
-def _ray_connected() -> bool:
-    """Whether this process is connected to Ray (without importing it)."""
-    ray = sys.modules.get("ray")
-    return ray is not None and ray.is_initialized()
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -366,6 +366,16 @@ class CheckpointConfig:
     metric: str | None = None  # e.g. "validation/accuracy"; None ranks by step (newest kept)
     higher_is_better: bool = True  # whether a higher metric ranks a checkpoint better
     resume: bool = True  # resume from the latest checkpoint in dir
+    # times `posttrain run` starts a run again from its latest checkpoint after a worker, engine or node died
+    # (not after an error a restart would meet again); 0: the run stops, and the same command resumes it
+    max_restarts: int = 0
+    restart_backoff_s: float = 5.0  # seconds before the first restart, doubled before each next one
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be at least 0 (0: no automatic restart), found {self.max_restarts}")
+        if not self.restart_backoff_s >= 0:
+            raise ValueError(f"restart_backoff_s must be at least 0 seconds, found {self.restart_backoff_s}")
 
 
 @attrs.define

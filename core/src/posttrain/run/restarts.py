@@ -1,0 +1,73 @@
+"""Automatic restarts: a run whose worker, engine or node died starts again from its last
+checkpoint, up to ``checkpointing.max_restarts`` times, without a person.
+
+Only a process that died restarts a run (a worker group's rank that died, or a node the
+cluster lost: :class:`~posttrain.errors.WorkerError` caused by Ray's actor-death error);
+a method that raised, a config or data error, a diverged loss or a stop signal ends the run
+as before, since a restart would meet it again. Between attempts the Ray this process started
+is shut down, and the next attempt waits ``restart_backoff_s`` seconds, doubled after each
+restart. Each restart logs one ``restarting`` event (to the terminal and ``events.jsonl``)
+naming the failure, the checkpoint it resumes from and the attempt. The driver's own death
+still needs the command again.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from posttrain.config.schema import RunConfig
+from posttrain.errors import NodeLost, WorkerError
+from posttrain.log import get_logger
+
+
+def run_with_restarts(config: RunConfig, run: Callable[[RunConfig], dict[str, Any]]) -> dict[str, Any]:
+    """``run(config)``, started again after a process of the run died (module docstring)."""
+    allowed = config.checkpointing.max_restarts if config.checkpointing.enabled else 0
+    for restart in range(allowed + 1):
+        connected_before = _ray_connected()
+        try:
+            return run(config)
+        except WorkerError as failure:
+            if restart == allowed or not died(failure):
+                raise
+            wait_s = config.checkpointing.restart_backoff_s * 2**restart
+            get_logger().warning(
+                "restarting", failure=str(failure).splitlines()[0], resumes_from=_latest(config) or "the start",
+                restart=f"{restart + 1} of {allowed}", in_s=wait_s,
+            )
+        finally:
+            if not connected_before and _ray_connected():  # this attempt started Ray: stop it
+                sys.modules["ray"].shutdown()
+        time.sleep(wait_s)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def died(failure: WorkerError) -> bool:
+    """Whether ``failure`` is a process of the run that died (a node lost, or a rank whose
+    actor died), not a method that raised."""
+    if isinstance(failure, NodeLost):
+        return True
+    from ray.exceptions import RayActorError
+
+    cause = failure.__cause__
+    return isinstance(cause, RayActorError) and not cause.actor_init_failed
+
+
+def _latest(config: RunConfig) -> str | None:
+    """The newest complete checkpoint of the run, or None."""
+    from posttrain.run.checkpoint import INFO_FILE
+
+    folder = Path(config.checkpointing.dir or Path(config.run_dir) / "checkpoints")
+    steps = [int(p.name.removeprefix("step_")) for p in folder.glob("step_*")
+             if p.name.removeprefix("step_").isdigit() and (p / INFO_FILE).is_file()]
+    return str(folder / f"step_{max(steps)}") if steps else None
+
+
+def _ray_connected() -> bool:
+    """Whether this process is connected to Ray (without importing it)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
