@@ -201,3 +201,19 @@ def test_a_source_without_what_its_environment_needs_is_named_before_ray(tmp_pat
 def test_shares_are_checked_against_the_sources():
     with pytest.raises(ValueError, match="a mixture needs one share per source, got 0 sources and 1 shares"):
         MixedDataset([], [Share("a")])
+
+
+def test_an_sft_mixture_collates_conversations_of_every_source(tmp_path, monkeypatch, tiny_model_path):
+    monkeypatch.chdir(tmp_path)
+    for name, count in (("short", 3), ("long", 5)):
+        rows = [{"messages": [{"role": "user", "content": f"{name} {i}"}, {"role": "assistant", "content": "ok" * (i + 1)}]}
+                for i in range(count)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = config_of(tmp_path, tiny_model_path, "  train:\n    - {path: short.jsonl, count: 6}\n    - long.jsonl\n")
+    mixture = dataset_from_config(config, "train", "sft", encoder_from_config(config))
+    loader = dataloader_from_config(config, mixture, 11)
+    (batch,) = list(loader)  # 6 + 5 samples: one batch per epoch
+    assert batch["input_ids"].shape[0] == 11 and batch["token_mask"].sum() > 0
+    assert "source" not in batch  # per-source metrics are a rollout's; SFT batches hold tensors only
+    counts = Counter(mixture.locate(i)[0] for i in loader.order(0))
+    assert counts == {0: 6, 1: 5}

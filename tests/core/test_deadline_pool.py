@@ -57,13 +57,30 @@ def test_an_exception_fails_only_its_job():
     assert [results[0].value, results[2].value] == [0.5, 3.0]
 
 
-def test_a_worker_that_dies_fails_its_job_and_is_replaced():
+def test_a_job_whose_worker_dies_twice_fails_and_the_worker_is_replaced():
     pool = DeadlinePool(os._exit, num_workers=1, timeout_s=30)
     try:
         results = pool.map([(3,)])
-        assert results[0].status == "error"
+        assert results[0].status == "error" and results[0].worker_died
         assert results[0].error == "the worker process died (exit code 3)"
         assert pool._workers[0].process.poll() is None  # a fresh worker is running
+    finally:
+        pool.close()
+
+
+def die_once(marker: str) -> str:
+    """Kill this worker process the first time (``marker`` does not exist yet)."""
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(9)
+    return "second run"
+
+
+def test_a_job_whose_worker_was_killed_under_it_runs_once_more(tmp_path):
+    pool = DeadlinePool(die_once, num_workers=2, timeout_s=30)
+    try:
+        results = pool.map([(str(tmp_path / "a"),), (str(tmp_path / "b"),)])
+        assert [(r.status, r.value) for r in results] == [("ok", "second run"), ("ok", "second run")]
     finally:
         pool.close()
 

@@ -3,7 +3,9 @@ do not control: a verifier (math-verify can run for minutes on ``\\boxed{9999999
 its own time limits use ``signal.alarm``, which only works on a process's main thread), a
 tool the model calls. This pool runs jobs in separate worker processes: a job still running
 ``timeout_s`` seconds after it was handed to a worker is given up, that worker is killed and
-a fresh one started. It works from any thread (Ray actors, thread pools).
+a fresh one started. A job whose worker process died under it (killed from outside, out of
+memory) runs once more on a fresh worker; a second death is the job's error. It works from
+any thread (Ray actors, thread pools).
 
 Workers are fresh interpreters (``python -m posttrain.deadline_pool``) that import
 only the job function's module, never the parent's ``__main__`` (unlike multiprocessing's
@@ -37,6 +39,7 @@ class JobResult:
     status: str
     value: Any = None
     error: str = ""
+    worker_died: bool = False  # the job's worker process died under it
 
 
 class DeadlinePool:
@@ -67,6 +70,7 @@ class DeadlinePool:
         """Run every job; return one :class:`JobResult` per job, in order."""
         results = [JobResult("error", error="not run")] * len(jobs)
         queue = collections.deque(range(len(jobs)))
+        died: set[int] = set()  # jobs whose worker died under them once
         try:
             while queue or any(w.job is not None for w in self._workers):
                 for worker in self._workers:
@@ -76,7 +80,10 @@ class DeadlinePool:
                 wait([w.conn for w in self._workers], timeout=max(0.0, next_deadline - time.monotonic()))
                 for i, worker in enumerate(self._workers):
                     job, result, healthy = self._check(worker)
-                    if job is not None and result is not None:
+                    if job is not None and result is not None and result.worker_died and job not in died:
+                        died.add(job)
+                        queue.appendleft(job)  # once more, on the fresh worker started below
+                    elif job is not None and result is not None:
                         results[job] = result
                     if not healthy:
                         worker.kill()
@@ -135,7 +142,7 @@ class DeadlinePool:
                 return job, JobResult("ok", value=payload) if status == "ok" else JobResult("error", error=payload), True
             self._require_started(worker)
             why = f"the worker process died (exit code {worker.exit_code()})"
-            return worker.take_job(), JobResult("error", error=why), False
+            return worker.take_job(), JobResult("error", error=why, worker_died=True), False
         if time.monotonic() >= self._deadline(worker):
             self._require_started(worker)
             why = f"did not finish within {self._timeout_s:g} s"

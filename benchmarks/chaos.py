@@ -1,0 +1,317 @@
+"""Chaos: kill a process of a GRPO run at a random moment, again and again; every kill must end
+in a clean stop or a transparent restart, and the finished run must log the metrics of a run
+never interrupted.
+
+    python benchmarks/chaos.py [--kills 20] [--seed 0] [--steps N] [--out runs/chaos]
+
+The run is ``posttrain run grpo`` on ``examples/configs/grpo_math_tiny.yaml`` with the tiny
+model (built here, nothing downloaded), a checkpoint every step and
+``checkpointing.max_restarts`` as large as the number of kills. First an uninterrupted run
+gives the reference metrics. Then, for each kill, the harness waits until the run has logged
+1 to 3 more steps (drawn at random), waits a random fraction of a second more (the moment
+falls in a rollout, a refit, a training pass or a checkpoint write), and kills a process drawn
+at random:
+
+- ``policy``: the policy worker (SIGKILL): the run must restart by itself;
+- ``verifier``: a process of the math verifier's pool (SIGKILL): the run must go on, its step
+  unchanged;
+- ``driver-term``: the ``posttrain run`` process (SIGTERM): it must save, exit 143 within 30 s
+  and resume when the command is run again;
+- ``driver-kill``: the ``posttrain run`` process (SIGKILL): the command run again must resume
+  from the last complete checkpoint;
+- ``raylet``: the Ray node's raylet (SIGKILL): the run may go on (its workers talk to each other
+  directly), restart, or stop within 30 s naming the failure and resume.
+
+After every exit the harness checks that no Ray process of the run is left alive, then runs the
+command again. It prints one row per kill (what, at which step, what happened, seconds to exit
+or restart) and whether the finished run's training metrics equal the reference's, times and
+the counts of samples sent to an environment again (``env/<name>/retried``) aside
+(``--out`` keeps the runs and a ``chaos.json`` of the rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = "examples/configs/grpo_math_tiny.yaml"
+TARGETS = ("policy", "verifier", "driver-term", "driver-kill", "raylet")
+#: Metrics that measure time, not what was computed.
+TIMED = ("timing/", "throughput/", "refit/seconds", "step_time_s", "time")
+#: Metrics that count what a fault cost (samples sent to an environment again), not what was trained.
+FAULT_COUNTS = ("/retried",)
+EXIT_LIMIT_S = 30.0
+#: Seconds a run's Ray processes may outlive its exit before they count as left behind: after a
+#: driver killed with SIGKILL, Ray's node agents notice the raylet's death at once but wait on the
+#: dead GCS before they exit, about 60 s on this machine.
+LEFT_BEHIND_S = 90.0
+#: What the command lines of a run's Ray processes hold: its daemons and its workers.
+RAY_PROCESSES = ("raylet", "gcs_server", "log_monitor.py", "dashboard/agent.py", "runtime_env/agent", "ray::",
+                 "default_worker.py")
+
+
+@attrs.frozen
+class Kill:
+    """One kill: what, once the run has logged ``gap`` more steps (since the previous kill's
+    outcome, or since the run's process started), and how long after that step (seconds)."""
+
+    target: str
+    gap: int
+    delay_s: float
+
+
+@attrs.define
+class Outcome:
+    kill: Kill
+    step: int = 0  # the steps the run had logged when the kill came
+    result: str = ""  # restarted | went on | exited N | missed (the target was not running)
+    seconds: float | None = None  # to the exit or the restart event
+    message: str = ""  # the exit's error or stopped line
+    left_behind: list[str] = attrs.field(factory=list)  # Ray processes alive after the exit
+
+
+def command(model: Path, run_dir: Path, steps: int, restarts: int) -> list[str]:
+    return [
+        sys.executable, "-m", "posttrain.cli", "run", "grpo", "--config", CONFIG, f"policy.model={model}",
+        f"run_dir={run_dir}", f"grpo.max_num_steps={steps}", "grpo.max_num_epochs=1000", "grpo.val_at_start=false",
+        "grpo.val_period=0",
+        "checkpointing.save_period=1", "checkpointing.keep_top_k=2", f"checkpointing.max_restarts={restarts}",
+        "checkpointing.restart_backoff_s=0.5", "logger.progress_bar=false",
+    ]
+
+
+def start(words: list[str], log: Path) -> subprocess.Popen:
+    """The command in a Ray cluster of its own, its output appended to ``log``."""
+    env = {**os.environ, "RAY_ADDRESS": "", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
+    with log.open("a") as out:
+        return subprocess.Popen(words, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def train_records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("phase") == "train"]
+
+
+def trained(record: dict[str, Any]) -> dict[str, Any]:
+    """A step's record without its times and fault counts: what the step computed."""
+    return {k: v for k, v in record.items() if not k.startswith(TIMED) and not k.endswith(FAULT_COUNTS)}
+
+
+def events(run_dir: Path, name: str) -> int:
+    """How many ``name`` events the run has logged."""
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return 0
+    found = 0
+    for line in path.read_text().splitlines():
+        try:
+            found += json.loads(line).get("event") == name
+        except ValueError:  # a line being written
+            pass
+    return found
+
+
+def find(proc: subprocess.Popen, target: str) -> psutil.Process | None:
+    """The process ``target`` names among the run's (None when there is none now): under the
+    run's process, or a worker orphaned by a killed raylet (adopted by init) since it started."""
+    if target.startswith("driver"):
+        return psutil.Process(proc.pid)
+    pattern = {"policy": "DTensorPolicyWorker", "verifier": "posttrain.deadline_pool", "raylet": "raylet/raylet"}[target]
+    try:
+        driver = psutil.Process(proc.pid)
+        candidates = driver.children(recursive=True) + [p for p in psutil.process_iter() if _orphan_since(p, driver)]
+    except psutil.NoSuchProcess:
+        return None
+    for candidate in candidates:
+        try:
+            if pattern in " ".join(candidate.cmdline()):
+                return candidate
+        except psutil.Error:  # exited, or a zombie (a killed raylet until its parent reaps it)
+            pass
+    return None
+
+
+def _orphan_since(process: psutil.Process, driver: psutil.Process) -> bool:
+    """Whether ``process`` started after ``driver`` and its Ray parent is gone (a raylet's
+    workers outlive it, adopted by init or the nearest subreaper)."""
+    try:
+        parent = process.parent()
+        return process.create_time() >= driver.create_time() and (parent is None or "raylet" not in parent.name()
+                                                                   and parent.pid != driver.pid)
+    except psutil.Error:
+        return False
+
+
+def ray_processes(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The Ray processes under the run's process now: its cluster's daemons and workers (not
+    another cluster's on this machine)."""
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for child in children:
+        try:
+            if any(name in " ".join(child.cmdline()) for name in RAY_PROCESSES):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def wait(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def last_line(log: Path, start: int) -> str:
+    """The last ``error:`` or ``stopped:`` line written to ``log`` after byte ``start``."""
+    with log.open(errors="replace") as f:
+        f.seek(start)
+        lines = [line.strip() for line in f if line.startswith(("error:", "stopped:"))]
+    return lines[-1][:200] if lines else ""
+
+
+def inflict(kill: Kill, proc: subprocess.Popen, run_dir: Path, log: Path, mark: int) -> tuple[Outcome, bool]:
+    """Carry out ``kill`` on the running ``proc`` once the run has logged ``kill.gap`` steps
+    past ``mark``; the outcome, and whether ``proc`` exited."""
+    outcome = Outcome(kill)
+    step = mark + kill.gap
+    if not wait(lambda: len(train_records(run_dir)) >= step or proc.poll() is not None, 600) or proc.poll() is not None:
+        outcome.result = "missed (the run had ended)"
+        return outcome, proc.poll() is not None
+    time.sleep(kill.delay_s)
+    outcome.step = len(train_records(run_dir))
+    victim = find(proc, kill.target)
+    if victim is None:
+        outcome.result = "missed (no such process now)"
+        return outcome, False
+    restarts, ours, log_size = events(run_dir, "restarting"), ray_processes(proc), log.stat().st_size
+    killed = time.monotonic()
+    try:
+        victim.send_signal(signal.SIGTERM if kill.target == "driver-term" else signal.SIGKILL)
+    except psutil.NoSuchProcess:
+        outcome.result = "missed (it had exited)"
+        return outcome, False
+    logged = len(train_records(run_dir))
+    wait(lambda: proc.poll() is not None or events(run_dir, "restarting") > restarts
+         or len(train_records(run_dir)) >= logged + 2, 120)
+    outcome.seconds = round(time.monotonic() - killed, 1)
+    if proc.poll() is not None:
+        outcome.result, outcome.message = f"exited {proc.returncode}", last_line(log, log_size)
+        outcome.left_behind = alive_after(ours)
+        return outcome, True
+    if events(run_dir, "restarting") > restarts:
+        outcome.result = "restarted"
+    else:
+        outcome.result, outcome.seconds = "went on", None
+    return outcome, False
+
+
+def alive_after(processes: list[psutil.Process], grace_s: float = LEFT_BEHIND_S) -> list[str]:
+    """Which of ``processes`` still run ``grace_s`` seconds on (see :data:`LEFT_BEHIND_S`)."""
+
+    def alive() -> list[str]:
+        found = []
+        for p in processes:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(" ".join(p.cmdline())[:60].strip())
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
+    wait(lambda: not alive(), grace_s)
+    return alive()
+
+
+def plan(kills: int, seed: int) -> list[Kill]:
+    """``kills`` kills of random targets, each 1 to 3 steps after the previous one's outcome,
+    a random fraction of a second into the step."""
+    rng = random.Random(seed)
+    return [Kill(rng.choice(TARGETS), rng.randint(1, 3), round(rng.uniform(0.0, 1.0), 2)) for _ in range(kills)]
+
+
+def run_chaos(kills: list[Kill], steps: int, out: Path, model: Path) -> dict[str, Any]:
+    """The reference run, then the killed one; the rows and whether the metrics matched."""
+    out.mkdir(parents=True, exist_ok=True)
+    reference_dir, chaos_dir = out / "reference", out / "chaos"
+    reference = start(command(model, reference_dir, steps, 0), out / "reference.log")
+    if reference.wait(timeout=1800) != 0:
+        raise SystemExit(f"the uninterrupted run failed: see {out / 'reference.log'}")
+    words, log = command(model, chaos_dir, steps, len(kills)), out / "chaos.log"
+    proc = start(words, log)
+    outcomes = []
+    for kill in kills:
+        outcome, exited = inflict(kill, proc, chaos_dir, log, len(train_records(chaos_dir)))
+        outcomes.append(outcome)
+        print(row(outcome), flush=True)
+        if exited:  # the same command again
+            proc = start(words, log)
+    ours = ray_processes(proc)
+    if proc.wait(timeout=1800) != 0:
+        proc = start(words, log)  # the last kill may have ended it after its final step began
+        ours = ray_processes(proc) if proc.poll() is None else ours
+        proc.wait(timeout=1800)
+    records = train_records(chaos_dir)
+    found, expected = [trained(r) for r in records], [trained(r) for r in train_records(reference_dir)]
+    retried = sum(v for r in records for k, v in r.items() if k.endswith(FAULT_COUNTS))
+    return {"kills": [attrs.asdict(o) for o in outcomes], "steps": steps, "final_exit": proc.returncode,
+            "matched": found == expected, "steps_logged": [r["step"] for r in found], "samples_retried": retried,
+            "left_behind_at_end": alive_after(ours)}
+
+
+def row(outcome: Outcome) -> str:
+    kill = outcome.kill
+    took = "" if outcome.seconds is None else f"{outcome.seconds:5.1f} s"
+    left = f" LEFT BEHIND: {outcome.left_behind}" if outcome.left_behind else ""
+    return f"{kill.target:12s} at step {outcome.step:3d} +{kill.delay_s:4.2f} s  {outcome.result:30s} {took:8s} {outcome.message}{left}"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: 6 per kill, plus 4)")
+    parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    from posttrain.models.tiny import build_tiny_model
+
+    out = args.out or Path(tempfile.mkdtemp(prefix="chaos_"))
+    model = build_tiny_model(out / "tiny_model", size="tiny", seed=0)
+    steps = args.steps or 6 * args.kills + 4
+    result = run_chaos(plan(args.kills, args.seed), steps, out, model)
+    (out / "chaos.json").write_text(json.dumps(result, indent=1))
+    if result["left_behind_at_end"]:
+        print(f"Ray processes of the run alive after it ended: {result['left_behind_at_end']}")
+    failed = [k for k in result["kills"] if k["left_behind"] or
+              (k["result"].startswith("exited") and (k["seconds"] or 0) > EXIT_LIMIT_S)]
+    print(f"{len(result['kills'])} kills; final exit {result['final_exit']}; steps logged {result['steps_logged']}; "
+          f"samples sent to an environment again: {result['samples_retried']:g}; metrics (times and retry counts "
+          f"aside) equal to the uninterrupted run's: {result['matched']}; kills with a problem: {len(failed)}")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main()["matched"] else 1)

@@ -1,0 +1,36 @@
+"""benchmarks/chaos.py with three fixed kills of an 8-step GRPO run: the policy worker (the run
+restarts itself from its checkpoint), a verifier process (the run goes on) and the driver
+(SIGTERM: it saves, exits 143 within 30 s leaving no Ray process, and the command run again
+resumes). The finished run's metrics equal an uninterrupted run's, times and the count of
+samples sent to the environment again aside. (A driver killed with SIGKILL is in the
+benchmark's random draws: Ray's agents then take about a minute to exit.)"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "chaos.py"
+
+
+def test_fixed_kills_stop_cleanly_or_restart_and_the_run_ends_as_if_never_killed(tiny_model_path, tmp_path):
+    spec = importlib.util.spec_from_file_location("chaos", SCRIPT)
+    chaos = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chaos)
+
+    kills = [chaos.Kill("policy", 1, 0.2), chaos.Kill("verifier", 1, 0.1), chaos.Kill("driver-term", 1, 0.3)]
+    result = chaos.run_chaos(kills, 8, tmp_path, Path(tiny_model_path))
+
+    outcomes = {kill["kill"]["target"]: kill for kill in result["kills"]}
+    assert outcomes["policy"]["result"] == "restarted", outcomes
+    assert outcomes["verifier"]["result"] in ("went on", "missed (no such process now)"), outcomes
+    term = outcomes["driver-term"]
+    assert term["result"] == "exited 143" and term["seconds"] < 30 and not term["left_behind"], outcomes
+    assert term["message"].startswith("stopped: stopped by SIGTERM after step "), outcomes
+    assert result["final_exit"] == 0 and result["steps_logged"] == list(range(1, 9)), result
+    assert not result["left_behind_at_end"], result
+    assert result["matched"], result
