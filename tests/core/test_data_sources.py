@@ -352,7 +352,7 @@ def test_config_forms_structure_and_round_trip(tmp_path, monkeypatch):
                                       "(name), not to a local path"),
     ({"name": "org/x", "splt": "train"}, "unknown config key 'data.train.splt' (at run.yaml:2). "
                                          "Did you mean 'data.train.split'?"),
-    (3, "config key 'data.train' (at run.yaml:2): expected str or mapping (DataSource) or null, found int 3"),
+    (3, "config key 'data.train' (at run.yaml:2): expected str or mapping (DataSource) or list[str or mapping (DataSource)] or null, found int 3"),
 ])
 def test_config_errors_name_the_key(tmp_path, monkeypatch, train, message):
     monkeypatch.chdir(tmp_path)
