@@ -80,11 +80,12 @@ class DeadlinePool:
                 wait([w.conn for w in self._workers], timeout=max(0.0, next_deadline - time.monotonic()))
                 for i, worker in enumerate(self._workers):
                     job, result, healthy = self._check(worker)
-                    if job is not None and result is not None and result.worker_died and job not in died:
-                        died.add(job)
-                        queue.appendleft(job)  # once more, on the fresh worker started below
-                    elif job is not None and result is not None:
-                        results[job] = result
+                    if job is not None and result is not None:
+                        if result.worker_died and job not in died:
+                            died.add(job)
+                            queue.appendleft(job)  # once more, on the fresh worker started below
+                        else:
+                            results[job] = result
                     if not healthy:
                         worker.kill()
                         self._workers[i] = self._start_worker()

@@ -24,6 +24,8 @@ A validation mixture reads every row of every source once, in order.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import PurePath
@@ -95,28 +97,35 @@ class MixedDataset:
     def __len__(self) -> int:
         return sum(self.sizes)
 
-    def locate(self, index: int) -> tuple[int, int]:
-        """(source, row within it) of mixture index ``index``."""
-        for source, size in enumerate(self.sizes):
-            if index < size:
-                return source, index
-            index -= size
-        raise IndexError(f"index {index + len(self)} is outside the mixture's {len(self)} rows")
+    def offsets(self) -> list[int]:
+        """Where each source's rows begin in the mixture, and its length last."""
+        return list(itertools.accumulate(self.sizes, initial=0))
+
+    def locate(self, index: int, offsets: Sequence[int] | None = None) -> tuple[int, int]:
+        """(source, row within it) of mixture index ``index`` (``offsets``: :meth:`offsets`,
+        when the caller has them)."""
+        offsets = self.offsets() if offsets is None else offsets
+        if not 0 <= index < offsets[-1]:
+            raise IndexError(f"index {index} is outside the mixture's {offsets[-1]} rows")
+        source = bisect.bisect_right(offsets, index) - 1
+        return source, index - offsets[source]
 
     def rows(self, indices: Sequence[int]) -> dict[str, list[Any]]:
         """The stored columns of the examples at ``indices`` (in that order), with ``origin``
         and ``source`` (the tag of each example's source)."""
+        offsets = self.offsets()
         wanted: dict[int, list[tuple[int, int]]] = defaultdict(list)  # source -> (position in batch, row)
         for position, index in enumerate(indices):
-            source, row = self.locate(int(index))
+            source, row = self.locate(int(index), offsets)
             wanted[source].append((position, row))
-        out: list[dict[str, Any] | None] = [None] * len(indices)
+        out: dict[str, list[Any]] = {}
         for source, picks in wanted.items():
-            cols = self.parts[source].rows([row for _, row in picks])
-            for k, (position, _) in enumerate(picks):
-                out[position] = {**{name: values[k] for name, values in cols.items()}, "source": self.shares[source].tag}
-        names = list(out[0]) if out else []
-        return {name: [example[name] for example in out] for name in names}  # type: ignore[index]
+            cols = {**self.parts[source].rows([row for _, row in picks]), "source": [self.shares[source].tag] * len(picks)}
+            for name, values in cols.items():
+                column = out.setdefault(name, [None] * len(indices))
+                for (position, _), value in zip(picks, values, strict=True):
+                    column[position] = value
+        return out
 
     def collate(self, indices: Sequence[int]) -> Batch:
         return collate_rows(self.kind, self.rows(indices), self.pad_token_id)
@@ -134,8 +143,7 @@ class MixedDataset:
         its batch size: a weight schedule's weights are those of each sample's batch."""
         import numpy as np
 
-        sizes = self.sizes
-        offsets = np.cumsum([0, *sizes]).tolist()
+        sizes, offsets = self.sizes, self.offsets()
         weighted = [i for i, share in enumerate(self.shares) if share.weighted]
         fixed = [offsets[i] + row for i, share in enumerate(self.shares) if not share.weighted
                  for row in self._rows(i, share.count if share.count is not None else sizes[i], seed, epoch, shuffle)]

@@ -40,6 +40,27 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 INFO_FILE = "training_info.json"
 
 
+def checkpoint_dir(config: Any) -> Path:
+    """Where a run keeps its checkpoints: ``checkpointing.dir``, else ``<run_dir>/checkpoints``."""
+    return Path(config.checkpointing.dir or Path(config.run_dir) / "checkpoints")
+
+
+def complete_steps(directory: str | Path) -> list[int]:
+    """Steps of the complete checkpoints (``step_N`` folders) in ``directory``, ascending; none
+    when it does not exist."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = (_STEP_DIR.match(p.name) for p in directory.iterdir() if p.is_dir())
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint in ``directory``, or None."""
+    steps = complete_steps(directory)
+    return Path(directory) / f"step_{steps[-1]}" if steps else None
+
+
 class CheckpointManager:
     """Saves ``step_N`` folders atomically and keeps the best ``keep_top_k``.
 
@@ -100,13 +121,11 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, ascending."""
-        found = (_STEP_DIR.match(p.name) for p in self.directory.iterdir() if p.is_dir())
-        return sorted(int(m.group(1)) for m in found if m)
+        return complete_steps(self.directory)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""
-        steps = self.steps()
-        return self.directory / f"step_{steps[-1]}" if steps else None
+        return latest_checkpoint(self.directory)
 
     def info(self, path: str | Path) -> dict[str, Any]:
         """The ``training_info.json`` of a checkpoint folder."""

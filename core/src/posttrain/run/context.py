@@ -20,7 +20,7 @@ from posttrain.errors import ConfigError, RunStopped, WorkerError
 from posttrain.log import configure_logging, get_logger
 from posttrain.models.folder import check_model_folders
 from posttrain.plugins import PluginHost, plugin_host
-from posttrain.run.checkpoint import CheckpointManager, check_checkpoint_fits
+from posttrain.run.checkpoint import CheckpointManager, check_checkpoint_fits, checkpoint_dir
 from posttrain.run.finished import finished_unchanged
 from posttrain.run.metrics import MetricLogger, ProgressBar
 from posttrain.run.run_dir import prepare_run_dir, remove_created_run_dir
@@ -81,7 +81,7 @@ class RunContext:
         self.metrics = MetricLogger.open(config, self.run_dir, self.host)
         ckpt = config.checkpointing
         self.checkpoints: CheckpointManager | None = (
-            CheckpointManager(ckpt.dir or self.run_dir / "checkpoints", ckpt.keep_top_k, ckpt.metric, ckpt.higher_is_better)
+            CheckpointManager(checkpoint_dir(config), ckpt.keep_top_k, ckpt.metric, ckpt.higher_is_better)
             if ckpt.enabled
             else None
         )

@@ -16,7 +16,6 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from posttrain.config.schema import RunConfig
@@ -59,12 +58,10 @@ def died(failure: WorkerError) -> bool:
 
 def _latest(config: RunConfig) -> str | None:
     """The newest complete checkpoint of the run, or None."""
-    from posttrain.run.checkpoint import INFO_FILE
+    from posttrain.run.checkpoint import checkpoint_dir, latest_checkpoint
 
-    folder = Path(config.checkpointing.dir or Path(config.run_dir) / "checkpoints")
-    steps = [int(p.name.removeprefix("step_")) for p in folder.glob("step_*")
-             if p.name.removeprefix("step_").isdigit() and (p / INFO_FILE).is_file()]
-    return str(folder / f"step_{max(steps)}") if steps else None
+    latest = latest_checkpoint(checkpoint_dir(config))
+    return None if latest is None else str(latest)
 
 
 def _ray_connected() -> bool:

@@ -51,28 +51,35 @@ class JudgeEnvironment(Environment):
     def step(self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Any]) -> EnvironmentReturn:
         prompts = [self.prompt_of(log, meta) for log, meta in zip(message_logs, metadata, strict=True)]
         asked = list(dict.fromkeys(p for p in prompts if not (self.options.cache and p in self.verdicts)))
-        replies = dict(zip(asked, self.judge.ask(asked), strict=True))
+        judged = {prompt: self.judged(reply) for prompt, reply in zip(asked, self.judge.ask(asked), strict=True)}
+        if self.options.cache:
+            self.verdicts.update({prompt: reward for prompt, (reward, outcome) in judged.items()
+                                  if outcome in ("ok", "unparsable")})
         rewards, outcomes = [], []
         for prompt in prompts:
-            reply = replies.get(prompt)
-            if reply is None:  # judged by an earlier step
-                reward, outcome = self.verdicts[prompt], "cached"
-                outcome = outcome if reward is not None else "unparsable"
-            elif reply.failure is not None:
-                reward, outcome = None, reply.failure
-                get_logger().warning("judge request failed", outcome=reply.failure, detail=reply.detail[:_QUOTED])
-            else:
-                reward = self.verdict(reply)
-                outcome = "ok" if reward is not None else "unparsable"
-                self.verdicts[prompt] = reward
-                if reward is None:
-                    get_logger().warning("judge reply without a verdict", verdict=self.options.verdict,
-                                         reply=(reply.text or str(reply.probabilities))[:_QUOTED])
+            if prompt in judged:
+                reward, outcome = judged[prompt]
+            else:  # judged by an earlier step
+                reward = self.verdicts[prompt]
+                outcome = "cached" if reward is not None else "unparsable"
             rewards.append(0.0 if reward is None else reward)
             outcomes.append(outcome)
         final = [{**(meta if isinstance(meta, Mapping) else {}), OUTCOME_KEY: outcome}
                  for meta, outcome in zip(metadata, outcomes, strict=True)]
         return EnvironmentReturn.final(rewards, final)
+
+    def judged(self, reply: Reply) -> tuple[float | None, str]:
+        """The reward of one reply (None: none) and its outcome (``ok``, ``unparsable``, or the
+        request's failure), each failure logged."""
+        if reply.failure is not None:
+            get_logger().warning("judge request failed", outcome=reply.failure, detail=reply.detail[:_QUOTED])
+            return None, reply.failure
+        reward = self.verdict(reply)
+        if reward is None:
+            get_logger().warning("judge reply without a verdict", verdict=self.options.verdict,
+                                 reply=(reply.text or str(reply.probabilities))[:_QUOTED])
+            return None, "unparsable"
+        return reward, "ok"
 
     def verdict(self, reply: Reply) -> float | None:
         options = self.options
