@@ -91,6 +91,7 @@ def command(model: Path, run_dir: Path, steps: int, restarts: int) -> list[str]:
         "grpo.val_period=0",
         "checkpointing.save_period=1", "checkpointing.keep_top_k=2", f"checkpointing.max_restarts={restarts}",
         "checkpointing.restart_backoff_s=0.5", "logger.progress_bar=false",
+        "policy.in_driver=false",  # a policy worker process of its own, to kill
     ]
 
 

@@ -5,11 +5,11 @@
 Each repetition runs ``python -m posttrain.cli run ALGORITHM`` on the tiny model (built in
 a temporary folder, nothing downloaded) from the example config, in a fresh ``run_dir``
 with a Ray cluster of its own, for one step (GRPO: ``examples/configs/grpo_math_tiny.yaml``,
-no validation before the first step, with the defaults on CPUs: the hf engine inside the
-policy's worker and the math environment in the driver; ``grpo-processes``: the same with
-the engine and the environment in processes of their own, ``generation.in_policy_workers=false
-environments.math.in_driver=false``; SFT: ``examples/configs/sft.yaml``, no
-validation).
+no validation before the first step, with the defaults on CPUs: the policy's worker in the
+driver's process, the hf engine inside it and the math environment in the driver;
+``grpo-processes``: the same with the policy, the engine and the environment in processes of
+their own, ``policy.in_driver=false generation.in_policy_workers=false
+environments.math.in_driver=false``; SFT: ``examples/configs/sft.yaml``, no validation).
 The parts, from the run's ``events.jsonl`` and ``metrics.jsonl``:
 
 - ``before_ray``: the command's start to Ray's start: the interpreter, imports, the plugins,
@@ -51,7 +51,8 @@ GRPO_ONE_STEP = ("grpo.max_num_steps=1", "grpo.val_at_start=false")
 RUNS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "grpo": ("grpo", "examples/configs/grpo_math_tiny.yaml", GRPO_ONE_STEP),
     "grpo-processes": ("grpo", "examples/configs/grpo_math_tiny.yaml",
-                       (*GRPO_ONE_STEP, "generation.in_policy_workers=false", "environments.math.in_driver=false")),
+                       (*GRPO_ONE_STEP, "policy.in_driver=false", "generation.in_policy_workers=false",
+                        "environments.math.in_driver=false")),
     "sft": ("sft", "examples/configs/sft.yaml", ("sft.max_num_steps=1", "data.validation=null", "sft.val_at_end=false",
                                                  "sft.export_dir=null")),
 }

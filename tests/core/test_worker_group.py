@@ -1,11 +1,17 @@
-"""Worker groups on a real local Ray cluster: ranks, gloo collectives, sharding, failures."""
+"""Worker groups on a real local Ray cluster: ranks, gloo collectives, sharding, failures; and a
+group's single rank in the driver's process (``in_driver``): the calls, results and errors of an
+actor's rank, and the process state of a rank of its own (its variables, torch's thread count,
+the random generators, torch's deterministic flag)."""
 
 from __future__ import annotations
 
 import os
+import random
 import time
 
+import numpy as np
 import pytest
+import torch
 
 from posttrain.config.schema import ClusterConfig, WorkerResources
 from posttrain.distributed import VirtualCluster, Worker, WorkerGroup
@@ -251,3 +257,105 @@ def test_placement_that_cannot_fit_fails_with_numbers(cluster, pair):
     finally:
         cluster.placement_timeout_s = 60
     assert "hog" not in cluster.placement_groups()
+
+
+# ----------------------------------------------------------------------------- a rank in the driver
+
+
+class SeededWorker(Worker):
+    """Seeds every generator and turns deterministic algorithms on, as a policy worker does."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.use_deterministic_algorithms(True)
+        self.env_at_init = {key: os.environ.get(key) for key in (*RANK_VARS, "OMP_NUM_THREADS", "POSTTRAIN_TEST_FLAG")}
+
+    def draw(self) -> tuple:
+        return (torch.rand(3).tolist(), random.random(), float(np.random.rand()), torch.get_num_threads(),
+                torch.are_deterministic_algorithms_enabled())
+
+    def where(self) -> tuple[dict, int]:
+        return self.env_at_init, os.getpid()
+
+    def take(self, shard: list[int], scale: int = 1) -> list[int]:
+        return [x * scale for x in shard]
+
+    def fail(self, message: str) -> None:
+        raise ValueError(message)
+
+
+def start(cluster, place: str, name: str, worker_cls: type = SeededWorker, args: tuple = (5,)) -> WorkerGroup:
+    resources = WorkerResources(cpus=1, env_vars={"POSTTRAIN_TEST_FLAG": "on"})
+    return WorkerGroup(cluster, worker_cls, name=name, num_workers=1, resources=resources, args=args,
+                       in_driver=place == "driver")
+
+
+def test_a_rank_in_the_driver_draws_and_sees_what_a_rank_of_its_own_does(cluster):
+    """The driver draws from its own generators between the rank's calls, as a run's driver
+    does: the rank's draws equal an actor's, the driver's are those it would make alone, and
+    the thread count, deterministic flag and rank variables the rank set stay with it."""
+    outside = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), os.environ.get("RANK"))
+    torch.manual_seed(123)
+    alone = torch.rand(4).tolist()
+    groups = {place: start(cluster, place, f"seeded-{place}") for place in ("actor", "driver")}
+    try:
+        torch.manual_seed(123)
+        draws, driver = {place: [] for place in groups}, []
+        for _ in range(2):
+            for place, group in groups.items():
+                draws[place].append(group.run_rank0(SeededWorker.draw))
+            driver += torch.rand(2).tolist()
+        assert draws["driver"] == draws["actor"]
+        assert draws["driver"][0][3:] == (1, True)  # one thread for one CPU, the flag its __init__ set
+        assert driver == alone
+        assert (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), os.environ.get("RANK")) == outside
+        (actor_env, actor_pid), (driver_env, driver_pid) = (g.run_rank0(SeededWorker.where) for g in groups.values())
+        assert driver_pid == os.getpid() != actor_pid
+        assert {k: v for k, v in driver_env.items() if k != "MASTER_PORT"} == \
+               {k: v for k, v in actor_env.items() if k != "MASTER_PORT"} == {
+                   "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                   "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "POSTTRAIN_TEST_FLAG": "on"}
+        assert "POSTTRAIN_TEST_FLAG" not in os.environ
+    finally:
+        for group in groups.values():
+            group.shutdown()
+
+
+def test_calls_and_errors_read_as_an_actor_rank_s(cluster):
+    said = {}
+    for place in ("actor", "driver"):
+        with start(cluster, place, "calls") as group:
+            assert group.run_all(SeededWorker.take, [1, 2], scale=3) == [[3, 6]]
+            assert group.run_sharded(SeededWorker.take, [[4]]) == [[4]]
+            assert group.get(group.run_all_async(SeededWorker.take, [5])) == [[5]]
+            assert group.get(group.run_rank0_async(SeededWorker.take, [6])) == [6]
+            with pytest.raises(WorkerError) as raised:
+                group.run_rank0(SeededWorker.fail, "bad shard 17")
+            said[place] = str(raised.value)
+            assert group.run_rank0(SeededWorker.take, [7]) == [7]  # an exception leaves the rank usable
+        with pytest.raises(WorkerError, match="worker group 'calls' is shut down; cannot call take"):
+            group.run_rank0(SeededWorker.take, [8])
+        with pytest.raises(WorkerError) as raised:
+            start(cluster, place, "broken", BrokenWorker, ())
+        said[f"{place} __init__"] = str(raised.value)
+        assert "broken" not in cluster.placement_groups()
+    assert said == {
+        "actor": "worker group 'calls' rank 0: fail() raised ValueError: bad shard 17",
+        "driver": "worker group 'calls' rank 0: fail() raised ValueError: bad shard 17",
+        "actor __init__": "worker group 'broken' rank 0: __init__() raised RuntimeError: no model at /nowhere",
+        "driver __init__": "worker group 'broken' rank 0: __init__() raised RuntimeError: no model at /nowhere",
+    }
+
+
+def test_a_group_that_cannot_run_in_the_driver_is_refused(cluster):
+    for count, resources, found in [(2, WorkerResources(), "2 workers"),
+                                    (1, WorkerResources(gpus=1), "1 GPUs per worker"),
+                                    (1, WorkerResources(runtime_env={"pip": ["x"]}), "runtime_env pip")]:
+        with pytest.raises(ValueError) as raised:
+            WorkerGroup(cluster, SeededWorker, name="many", num_workers=count, resources=resources, args=(1,),
+                        in_driver=True)
+        assert str(raised.value) == ("worker group 'many' cannot run in the driver's process: that takes one "
+                                     f"worker with no GPU and no runtime_env but env_vars; found {found}")

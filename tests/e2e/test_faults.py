@@ -59,9 +59,10 @@ def write_corpus(path: Path, rows: int) -> str:
     return str(path)
 
 
-def sft_config(model: str, train: str, run_dir: Path, save_period: int = 2):
+def sft_config(model: str, train: str, run_dir: Path, save_period: int = 2, in_driver: bool | None = None):
     """The faults' SFT run: checkpoints every ``save_period`` steps, metrics to
-    metrics.jsonl and TensorBoard."""
+    metrics.jsonl and TensorBoard; ``in_driver``: ``policy.in_driver`` (false: a worker
+    process to kill)."""
     return config_from_dict({
         "algorithm": "sft",
         "seed": 0,
@@ -73,6 +74,7 @@ def sft_config(model: str, train: str, run_dir: Path, save_period: int = 2):
             "max_total_sequence_length": 64,
             "optimizer": {"name": "adamw", "lr": 3e-3},
             "resources": {"cpus": 1},
+            "in_driver": in_driver,
         },
         "data": {"train": train},
         "logger": {"progress_bar": False, "tensorboard": True},
@@ -173,7 +175,7 @@ def test_a_killed_worker_stops_the_run_naming_it_and_resume_matches(tiny_model_p
         worker.kill()  # SIGKILL
 
     killer = AtTrainStep(3, kill_worker)  # after step 3; step_2 is the last checkpoint
-    config = sft_config(tiny_model_path, corpus, tmp_path)
+    config = sft_config(tiny_model_path, corpus, tmp_path, in_driver=False)  # resumed against a run in the driver
     with pytest.raises(WorkerError) as failure:
         run_algorithm(config, with_plugin(killer))
     stopped_after = time.monotonic() - killer.fired_at
@@ -255,11 +257,14 @@ def test_grpo_sigterm_checkpoints_the_finished_step_and_resume_matches(tiny_mode
 
 
 def cli_command(model: str, train: str, run_dir: Path, steps: int = 1000) -> list[str]:
+    """``posttrain run sft`` with a policy worker process of its own (to kill, and to find
+    gone after the run)."""
     return [
         sys.executable, "-m", "posttrain.cli", "run", "sft", "--config", "examples/configs/sft.yaml",
         f"policy.model={model}", f"run_dir={run_dir}", f"data.train={train}", "data.validation=null",
         f"sft.max_num_steps={steps}", "sft.max_num_epochs=1000", "sft.export_dir=null", "sft.val_at_end=false",
         "checkpointing.save_period=2", "checkpointing.keep_top_k=null", "logger.progress_bar=false",
+        "policy.in_driver=false",
     ]
 
 

@@ -225,27 +225,32 @@ def test_where_the_engine_runs_does_not_change_the_metrics(ray_cluster, tiny_mod
     """``generation.colocated: false``: the engine keeps its own CPU worker (no offload or
     sleep between stages) and gets every step's weights by the same worker-to-worker sync;
     ``generation.in_policy_workers``: the engine runs inside the policy's worker and the
-    refit loads the weights in memory; left null, it is chosen there (hf on CPUs), and the
-    math environment runs in the driver's process (``environments.math.in_driver`` left null)
-    instead of an actor of its own. Every run's metrics equal those of the colocated run with
-    an engine process and an environment actor of its own, step by step."""
+    refit loads the weights in memory; left null, it is chosen there (hf on CPUs), the policy's
+    worker runs in the driver's process (``policy.in_driver`` left null; the engine of its own
+    then gets the weights from the driver), and the math environment runs in the driver's
+    process (``environments.math.in_driver`` left null) instead of an actor of its own. Every
+    run's metrics equal those of the colocated run with a policy process, an engine process
+    and an environment actor of their own, step by step."""
     train = write_rows(tmp_path / "train.jsonl", seven_rows(40))
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=8, max_num_steps=3)
     in_actors = {"math": {"num_workers": 1, "in_driver": False}}
-    placements = {"colocated": ({"in_policy_workers": False}, in_actors), "apart": ({"colocated": False}, in_actors),
-                  "in_policy": ({"in_policy_workers": True}, in_actors), "default": ({}, None)}
+    placements = {"colocated": ({"in_policy_workers": False}, False, in_actors),
+                  "apart": ({"colocated": False}, None, in_actors),
+                  "in_policy": ({"in_policy_workers": True}, False, in_actors), "default": ({}, None, None)}
     runs = {}
-    for name, (settings, environments) in placements.items():
+    for name, (settings, in_driver, environments) in placements.items():
         config = make_config(tiny_model_path, tmp_path / name, train, grpo)
         config = attrs.evolve(config, generation=attrs.evolve(config.generation, **settings),
+                              policy=attrs.evolve(config.policy, in_driver=in_driver),
                               environments=environments or config.environments)
         run_algorithm(config)
         runs[name] = read_metrics(tmp_path / name / "metrics.jsonl", "train")
     events = {name: (tmp_path / name / "events.jsonl").read_text() for name in placements}
-    chosen = {name: ("generation engines inside the policy's workers" in text, "environment in the driver's process" in text)
-              for name, text in events.items()}
-    assert chosen == {"colocated": (False, False), "apart": (False, False), "in_policy": (False, False),
-                      "default": (True, True)}, chosen
+    said = ("policy worker inside the driver's process", "generation engines inside the policy's workers",
+            "environment in the driver's process")
+    chosen = {name: tuple(line in text for line in said) for name, text in events.items()}
+    assert chosen == {"colocated": (False, False, False), "apart": (True, False, False),
+                      "in_policy": (False, False, False), "default": (True, True, True)}, chosen
     for name in ("apart", "in_policy", "default"):
         assert [r["step"] for r in runs[name]] == [1, 2, 3], name
         for together, other in zip(runs["colocated"], runs[name], strict=True):

@@ -2,7 +2,8 @@
 
 Below ``logger.level: debug`` the libraries a run starts (torch, transformers, Ray, the
 engines) print only their errors: :func:`library_log_level` and :func:`library_env` say how,
-for loggers and for the worker processes' environment. Lines written while a progress bar
+for loggers and for the worker processes' environment (:func:`quiet_libraries` for a
+worker's rank in the driver's process). Lines written while a progress bar
 is on the terminal go above it (:func:`above_progress_bars`).
 """
 
@@ -89,6 +90,27 @@ def library_env(level: str | None = None) -> dict[str, str]:
     if library_log_level(level) < logging.ERROR:
         return {}
     return {key: value for key, value in QUIET_LIBRARY_ENV.items() if key not in os.environ}
+
+
+@contextlib.contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """For the block, what :func:`library_env` gives a worker process, in this one: below
+    debug, transformers prints only its errors and no progress bar ("Loading weights").
+    The previous settings are put back after."""
+    if library_log_level() < logging.ERROR:
+        yield
+        return
+    from transformers.utils import logging as transformers_logging
+
+    verbosity, bars = transformers_logging.get_verbosity(), transformers_logging.is_progress_bar_enabled()
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+        if bars:
+            transformers_logging.enable_progress_bar()
 
 
 @contextlib.contextmanager

@@ -6,6 +6,9 @@
   muon``;
 - ``supports_lora_adapters`` on a generation backend's section (``generation.<backend>``): its
   engines load the adapters a refit with ``policy.lora.refit: adapter`` sends;
+- ``runs_in_driver`` on a policy backend's section: its single worker can run inside the
+  driver's process (``policy.in_driver``; the factory passes the setting to its
+  :class:`~posttrain.distributed.WorkerGroup`);
 - ``runs_in_policy_workers`` on a generation backend's section: its engines can run inside the
   policy's worker processes (``generation.in_policy_workers``); its factory then takes the
   policy as ``host`` (:mod:`posttrain.backend.hosted`);
@@ -21,7 +24,8 @@
 
 Core's config check refuses a feature the chosen backend does not declare
 (:func:`posttrain.config.validate.check_lora`, :func:`~posttrain.config.validate.check_muon`,
-:func:`~posttrain.config.validate.check_generation_placement`, :func:`~posttrain.config.validate.check_exact_logprobs`,
+:func:`~posttrain.config.validate.check_generation_placement`, :func:`~posttrain.config.validate.check_policy_in_driver`,
+:func:`~posttrain.config.validate.check_exact_logprobs`,
 :func:`~posttrain.config.validate.check_routing_replay`);
 ``posttrain plugins`` lists what each plugin
 declares. Imports nothing heavy.
@@ -36,6 +40,7 @@ FEATURES = {
     "supports_lora": "LoRA (policy.lora)",
     "supports_muon": "the Muon optimizer (policy.optimizer.name: muon)",
     "supports_lora_adapters": "LoRA adapters sent by refit (policy.lora.refit: adapter)",
+    "runs_in_driver": "its single worker inside the driver's process (policy.in_driver)",
     "runs_in_policy_workers": "engines inside the policy's workers (generation.in_policy_workers)",
     "supports_exact_logprobs": "exact logprobs, the trainer's bit for bit (generation.exact_logprobs)",
     "batch_invariant_logprobs": "batch-invariant logprobs (generation.exact_logprobs)",

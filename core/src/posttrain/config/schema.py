@@ -198,6 +198,10 @@ class PolicyConfig:
     lora: LoraConfig = attrs.field(factory=LoraConfig)  # low-rank adapters instead of full fine-tuning
     moe: MoEConfig = attrs.field(factory=MoEConfig)  # mixture-of-experts options: routing replay
     resources: WorkerResources = attrs.field(factory=WorkerResources)  # what each policy worker asks Ray for
+    # run the single policy worker inside the driver's process instead of a Ray actor (backends that declare it:
+    # dtensor): no worker process to start; the same numbers. null: decided when the run starts, true for one
+    # worker with no GPU on a local cluster (docs/reliability.md: a rank killed then takes the driver with it)
+    in_driver: bool | None = None
 
 
 @attrs.define

@@ -37,6 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.config.schema import WorkerResources
 from posttrain.distributed.cluster import VirtualCluster
+from posttrain.distributed.driver_rank import DriverCall, DriverRank, rank_threads
 from posttrain.distributed.nodes import all_nodes, node_dead, node_label
 from posttrain.distributed.placement import DevicePlacement, Placement, this_process_devices
 from posttrain.errors import NodeLost, WorkerError
@@ -116,6 +117,12 @@ class WorkerGroup(Generic[W]):
     ``worker_cls(*args, **kwargs)`` is constructed in every actor; the constructor
     returns once all ranks are ready, or raises :class:`WorkerError` naming the rank whose
     ``__init__`` failed (the group is shut down then).
+
+    ``in_driver``: the group's single rank is a :class:`~posttrain.distributed.driver_rank.DriverRank`
+    in this process instead of an actor (no GPU, and no ``runtime_env`` but ``env_vars``);
+    its bundle is still reserved, so a group colocated with it is placed as usual. Its calls
+    run when they are made: an ``*_async`` call returns after the work, its result (or
+    error) held for :meth:`get`.
     """
 
     def __init__(
@@ -130,12 +137,16 @@ class WorkerGroup(Generic[W]):
         devices_per_worker: int = 1,
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
+        in_driver: bool = False,
     ):
+        if in_driver:
+            check_driver_rank(name, num_workers, resources)
         self.name = name
         self.cluster = cluster
         self.worker_cls = worker_cls
         self.world_size = num_workers
         self.actors: list[ray.actor.ActorHandle] = []
+        self.driver_rank: DriverRank | None = None
         self.node_ids: list[str] = []
         self._calls: dict[str, tuple[int, str]] = {}  # ObjectRef hex -> (rank, method)
         self._closed = False
@@ -143,6 +154,9 @@ class WorkerGroup(Generic[W]):
                                     devices_per_worker=devices_per_worker)
         try:
             self.node_ids = list(placement.nodes)  # the Ray node of each rank
+            if in_driver:
+                self._start_in_driver(placement, resources, tuple(args), dict(kwargs or {}))
+                return
             for attempt in range(1, PORT_ATTEMPTS + 1):
                 self.actors = self._start_actors(placement, resources, tuple(args), dict(kwargs or {}))
                 try:
@@ -246,6 +260,8 @@ class WorkerGroup(Generic[W]):
         others' collectives). Past ``timeout_s`` seconds it raises :class:`WorkerError`
         naming the unfinished ranks.
         """
+        if isinstance(refs, DriverCall) or (isinstance(refs, list) and refs and isinstance(refs[0], DriverCall)):
+            return self._driver_values(refs)
         single = isinstance(refs, ray.ObjectRef)
         ref_list: list[ray.ObjectRef] = [refs] if single else list(refs)  # type: ignore[list-item]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -284,6 +300,8 @@ class WorkerGroup(Generic[W]):
         if self._closed:
             return
         self._closed = True
+        if self.driver_rank is not None:
+            self.driver_rank.close()
         if ray.is_initialized():
             for actor in self.actors:
                 ray.kill(actor, no_restart=True)
@@ -309,6 +327,32 @@ class WorkerGroup(Generic[W]):
             for rank, env in enumerate(rank_environments(placement))
         ]
 
+    def _start_in_driver(self, placement: Placement, resources: WorkerResources, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> None:
+        env = {**rank_environments(placement)[0], **{k: str(v) for k, v in resources.env_vars.items()}}
+        threads = rank_threads(resources.cpus)
+        env["OMP_NUM_THREADS"] = str(threads)
+        try:
+            self.driver_rank = DriverRank(self.worker_cls, env, threads, args, kwargs)
+        except Exception as error:
+            raise WorkerError(f"worker group '{self.name}' rank 0: __init__() raised {_raised(error)}") from error
+
+    def _driver_values(self, calls: DriverCall | Sequence[DriverCall]) -> Any:
+        """The values of calls a driver rank made; the first failure as :class:`WorkerError`."""
+        listed = [calls] if isinstance(calls, DriverCall) else list(calls)
+        try:
+            for call in listed:
+                if call.error is not None:
+                    _, method = self._owner(call)  # type: ignore[arg-type]
+                    raise WorkerError(
+                        f"worker group '{self.name}' rank 0: {method}() raised {_raised(call.error)}"
+                    ) from call.error
+        finally:
+            for call in listed:
+                self._calls.pop(call.hex(), None)
+        values = [call.value for call in listed]
+        return values if isinstance(calls, list) else values[0]
+
     def _method_name(self, method: Callable[..., Any]) -> str:
         """The name ``method`` has on the worker class; refuses strings and methods of other
         classes."""
@@ -333,6 +377,8 @@ class WorkerGroup(Generic[W]):
         name = self._method_name(method)
         if self._closed:
             raise WorkerError(f"worker group '{self.name}' is shut down; cannot call {name}()")
+        if self.driver_rank is not None:
+            return self._track(self.driver_rank.call(name, args, kwargs), rank, name)  # type: ignore[arg-type]
         return self._track(getattr(self.actors[rank], name).remote(*args, **kwargs), rank, name)
 
     def _track(self, ref: ray.ObjectRef, rank: int, method: str) -> ray.ObjectRef:
@@ -379,6 +425,16 @@ class WorkerGroup(Generic[W]):
             raise WorkerError(
                 f"worker group '{self.name}' rank {rank}: {method}() raised {_last_line(str(err))}"
             ) from err
+
+
+def check_driver_rank(name: str, num_workers: int, resources: WorkerResources) -> None:
+    """Refuse a group that cannot run as one rank in the driver's process."""
+    unsupported = sorted(set(resources.runtime_env) - {"env_vars"})
+    if num_workers != 1 or resources.gpus > 0 or unsupported:
+        found = (f"{num_workers} workers" if num_workers != 1 else f"{resources.gpus:g} GPUs per worker"
+                 if resources.gpus > 0 else f"runtime_env {', '.join(unsupported)}")
+        raise ValueError(f"worker group '{name}' cannot run in the driver's process: that takes one worker with no "
+                         f"GPU and no runtime_env but env_vars; found {found}")
 
 
 def rank_options(placement: Placement, rank: int, resources: WorkerResources) -> dict[str, Any]:
@@ -455,6 +511,11 @@ def _actor_class(worker_cls: type[Worker]) -> type:
 
     Actor.__name__ = Actor.__qualname__ = worker_cls.__name__
     return Actor
+
+
+def _raised(error: BaseException) -> str:
+    """``Type: message``, as the last line of a traceback names an exception."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def _last_line(text: str) -> str:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig
-from posttrain.config.validate import in_policy_workers_by_default, where_set
+from posttrain.config.validate import in_policy_workers_by_default, policy_in_driver_by_default, where_set
 from posttrain.errors import ConfigError, RunStopped, WorkerError
 from posttrain.log import configure_logging, get_logger
 from posttrain.models.folder import check_model_folders
@@ -159,7 +159,9 @@ class RunContext:
         run's length), the backend is given the config with it set to ``schedule_steps``
         (:meth:`~posttrain.config.RunConfig.with_schedule_horizon`); :attr:`config` stays as loaded.
         ``policy`` replaces the ``policy`` section for this model: e.g. the run's with
-        ``head="value"`` for an algorithm that trains a reward model. A second model of the
+        ``head="value"`` for an algorithm that trains a reward model. ``policy.in_driver`` left
+        null is decided here (:func:`~posttrain.config.validate.policy_in_driver_by_default`)
+        and the backend gets the config with the decision. A second model of the
         run (a critic, a teacher) is built under another worker-group ``name``; the backend
         checks its section as a policy of its own (the config it gets names no algorithm: the
         algorithm's batch rules are about the run's policy). ``reference`` False: the run never
@@ -170,6 +172,11 @@ class RunContext:
         if name != "policy":
             config = attrs.evolve(config, algorithm=None)
         config = config if schedule_steps is None else config.with_schedule_horizon(schedule_steps)
+        if config.policy.in_driver is None:
+            in_driver = policy_in_driver_by_default(config, self.host)
+            if in_driver:
+                self.log.info("policy worker inside the driver's process", group=name, setting="policy.in_driver: null")
+            config = attrs.evolve(config, policy=attrs.evolve(config.policy, in_driver=in_driver))
         factory: PolicyBackendFactory = self.host.policy_backends[config.policy.backend]
         return factory(config, self.cluster, name=name, reference=reference)
 

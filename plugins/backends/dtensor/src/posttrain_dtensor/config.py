@@ -44,6 +44,7 @@ class DTensorConfig:
 
     supports_lora: ClassVar[bool] = True
     supports_muon: ClassVar[bool] = True
+    runs_in_driver: ClassVar[bool] = True
     supports_exact_logprobs: ClassVar[bool] = True
     replays_routed_experts: ClassVar[bool] = True
 

@@ -27,7 +27,7 @@ class DTensorPolicy(ShardedPolicy):
         group = WorkerGroup(
             cluster, DTensorPolicyWorker, name=name, num_workers=p.num_workers, resources=p.resources,
             ranks_per_bundle=tp,  # a tensor-parallel group (consecutive ranks) on one node
-            args=(config, options, reference),
+            args=(config, options, reference), in_driver=bool(p.in_driver),
         )
         super().__init__(config, group, dp_rank_of=[r // tp for r in range(p.num_workers)],
                          result_ranks=list(range(0, p.num_workers, tp)), reference=reference)
