@@ -10,6 +10,9 @@ Sides (alternating, each in its own process):
   cluster, the ``bench_reward`` environment (:mod:`grpo_reward`) as an installed plugin.
   Step times are the ``time`` stamps of consecutive ``metrics.jsonl`` train records; the
   per-stage ``timing/<stage>`` metrics of every timed step are kept.
+- ``posttrain-worker``: ``posttrain`` with the policy in a worker process of its own
+  (``policy.in_driver: false``), the default of earlier releases; ``posttrain`` runs it in the
+  driver's process (one CPU worker, ``policy.in_driver`` left null).
 - ``posttrain-hf``: the same run with the ``hf`` generation backend (posttrain's own batched
   decode, all 128 rows in one batch) instead of vLLM, which on CPU pays a fixed cost per
   decoding step.
@@ -189,14 +192,14 @@ def packed_row_tokens(spec: dict[str, Any]) -> int:
 
 def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, colocated: bool = True,
                    in_policy_workers: bool = False, max_staleness_steps: int = 0, split_cores: bool = False,
-                   passive: bool = False) -> dict[str, Any]:
+                   passive: bool = False, in_driver: bool | None = None) -> dict[str, Any]:
     """Run ``warmup + steps`` GRPO steps with ``run_algorithm`` (rollouts from the
     ``generation_backend``: ``vllm``, or ``hf`` decoding all 128 rows as one batch; the engine
     ``colocated`` with the policy or on its own worker, or ``in_policy_workers``; asynchronous with
     ``max_staleness_steps`` >= 1; ``split_cores``: the policy's threads on the first half of
     the cores, the vLLM engine's bound to the second half, for a policy and an engine that
     run at the same time; ``passive``: their OpenMP threads sleep when idle,
-    ``OMP_WAIT_POLICY=PASSIVE``, instead of spinning); read back the step ends, losses and stage timings from
+    ``OMP_WAIT_POLICY=PASSIVE``, instead of spinning; ``in_driver``: ``policy.in_driver``); read back the step ends, losses and stage timings from
     ``metrics.jsonl`` and what every step generated from the reward environment's record."""
     from posttrain.config import config_from_dict
     from posttrain.data import encoder_from_config
@@ -223,7 +226,7 @@ def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, co
             "sequence_packing": {"enabled": True, "max_tokens_per_row": packed_row_tokens(spec)},
             "optimizer": {"name": "adamw", "lr": spec["lr"]}, "scheduler": {"name": "constant"},
             "resources": {"cpus": policy_threads, "env_vars": {"OMP_NUM_THREADS": str(policy_threads), **wait}},
-            "dtensor": {"activation_checkpointing": spec["activation_checkpointing"]},
+            "dtensor": {"activation_checkpointing": spec["activation_checkpointing"]}, "in_driver": in_driver,
         },
         "generation": {
             "backend": generation_backend, "max_new_tokens": spec["max_new_tokens"], "temperature": 1.0, "top_p": 1.0,
@@ -424,6 +427,7 @@ WORKLOAD = Workload(
     sides={
         "posttrain": posttrain_grpo,
         "trl-default": lambda spec: trl_grpo(spec, best=False),
+        "posttrain-worker": lambda spec: posttrain_grpo(spec, in_driver=False),
         "posttrain-hf": lambda spec: posttrain_grpo(spec, "hf"),
         "posttrain-inside": lambda spec: posttrain_grpo(spec, "hf", in_policy_workers=True),
         "trl-best": lambda spec: trl_grpo(spec, best=True),

@@ -287,8 +287,8 @@ class SeededWorker(Worker):
         raise ValueError(message)
 
 
-def start(cluster, place: str, name: str, worker_cls: type = SeededWorker, args: tuple = (5,)) -> WorkerGroup:
-    resources = WorkerResources(cpus=1, env_vars={"POSTTRAIN_TEST_FLAG": "on"})
+def start(cluster, place: str, name: str, worker_cls: type = SeededWorker, args: tuple = (5,), **env: str) -> WorkerGroup:
+    resources = WorkerResources(cpus=1, env_vars={"POSTTRAIN_TEST_FLAG": "on", **env})
     return WorkerGroup(cluster, worker_cls, name=name, num_workers=1, resources=resources, args=args,
                        in_driver=place == "driver")
 
@@ -327,7 +327,8 @@ def test_a_rank_in_the_driver_draws_and_sees_what_a_rank_of_its_own_does(cluster
 def test_calls_and_errors_read_as_an_actor_rank_s(cluster):
     said = {}
     for place in ("actor", "driver"):
-        with start(cluster, place, "calls") as group:
+        with start(cluster, place, "calls", OMP_NUM_THREADS="2") as group:
+            assert group.run_rank0(SeededWorker.draw)[3] == 2  # the worker's own OMP_NUM_THREADS, over its CPUs
             assert group.run_all(SeededWorker.take, [1, 2], scale=3) == [[3, 6]]
             assert group.run_sharded(SeededWorker.take, [[4]]) == [[4]]
             assert group.get(group.run_all_async(SeededWorker.take, [5])) == [[5]]

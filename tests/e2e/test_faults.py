@@ -256,15 +256,15 @@ def test_grpo_sigterm_checkpoints_the_finished_step_and_resume_matches(tiny_mode
 # ----------------------------------------------------------------------------- through the CLI
 
 
-def cli_command(model: str, train: str, run_dir: Path, steps: int = 1000) -> list[str]:
-    """``posttrain run sft`` with a policy worker process of its own (to kill, and to find
-    gone after the run)."""
+def cli_command(model: str, train: str, run_dir: Path, steps: int = 1000, in_driver: bool | None = False) -> list[str]:
+    """``posttrain run sft``, by default with a policy worker process of its own (to kill,
+    and to find gone after the run); ``in_driver``: ``policy.in_driver``."""
     return [
         sys.executable, "-m", "posttrain.cli", "run", "sft", "--config", "examples/configs/sft.yaml",
         f"policy.model={model}", f"run_dir={run_dir}", f"data.train={train}", "data.validation=null",
         f"sft.max_num_steps={steps}", "sft.max_num_epochs=1000", "sft.export_dir=null", "sft.val_at_end=false",
         "checkpointing.save_period=2", "checkpointing.keep_top_k=null", "logger.progress_bar=false",
-        "policy.in_driver=false",
+        f"policy.in_driver={'null' if in_driver is None else str(in_driver).lower()}",
     ]
 
 
@@ -317,18 +317,20 @@ def test_cli_ctrl_c_during_start_up_stops_at_once_saying_no_step_ran(tiny_model_
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("signum", "to_group"),
-    [(signal.SIGTERM, False), (signal.SIGINT, True)],  # a scheduler's SIGTERM; Ctrl-C reaches Ray's processes too
+    ("signum", "to_group", "in_driver"),
+    # a scheduler's SIGTERM to a run with its policy in the driver (the default on CPUs); Ctrl-C reaches Ray's
+    # processes too, a policy worker process among them
+    [(signal.SIGTERM, False, None), (signal.SIGINT, True, False)],
     ids=["sigterm", "ctrl-c"],
 )
 def test_cli_stop_signal_saves_exits_128_plus_signal_and_leaves_no_ray_process(
-    tiny_model_path, corpus, tmp_path, signum, to_group
+    tiny_model_path, corpus, tmp_path, signum, to_group, in_driver
 ):
     run_dir = tmp_path / "run"
-    proc = start_cli(cli_command(tiny_model_path, corpus, run_dir), own_group=to_group)
+    proc = start_cli(cli_command(tiny_model_path, corpus, run_dir, in_driver=in_driver), own_group=to_group)
     wait_for(lambda: logged_steps(run_dir) >= 3, proc, 300, "third training step")
     children = psutil.Process(proc.pid).children(recursive=True)
-    assert any(WORKER_CLASS in " ".join(p.cmdline()) for p in children)
+    assert any(WORKER_CLASS in " ".join(p.cmdline()) for p in children) == (in_driver is False)
     if to_group:
         os.killpg(proc.pid, signum)
     else:

@@ -1,5 +1,5 @@
-"""A refit of a 101 MB model moves no byte through the driver: during it, the driver puts no
-object into Ray and receives only small control answers (no tensor); afterwards the
+"""A refit of a 101 MB model from a policy worker process moves no byte through the driver:
+during it, the driver puts no object into Ray and receives only small control answers (no tensor); afterwards the
 engines sample with the trainer's weights (their logprobs equal the trainer's)."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_refit_moves_no_bytes_through_the_driver(ray_cluster, small_model, backe
         policy=PolicyConfig(
             model=small_model, train_global_batch_size=len(PROMPTS), train_micro_batch_size=len(PROMPTS),
             logprob_micro_batch_size=len(PROMPTS), optimizer=OptimizerConfig(lr=1e-2), max_total_sequence_length=64,
-            resources=WorkerResources(cpus=0.5),
+            resources=WorkerResources(cpus=0.5), in_driver=False,  # the weights start in a worker process
         ),
         generation=GenerationConfig(backend=backend, temperature=1.0, max_new_tokens=8, colocated=colocated,
                                     refit_bucket_bytes=16 * 1024**2, resources=WorkerResources(cpus=1)),

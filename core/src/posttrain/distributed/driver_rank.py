@@ -6,8 +6,8 @@ group as a plain object of this process instead, and keeps the process state a r
 process would have to itself, so that a run computes the same numbers either way:
 
 - the variables of its rank (``RANK``, ``MASTER_PORT``, ...) and of ``resources.env_vars``;
-- torch's thread count: Ray gives an actor ``OMP_NUM_THREADS`` = its CPUs, so a reduction
-  splits the same way;
+- torch's thread count: an actor's ``OMP_NUM_THREADS`` (its ``resources.env_vars``, else
+  Ray's: its CPUs), so a reduction splits the same way;
 - the random generators (torch's CPU generator, Python's ``random``, NumPy's global one),
   which the driver seeds and draws from too;
 - torch's deterministic-algorithms flag and default dtype;
@@ -15,6 +15,7 @@ process would have to itself, so that a run computes the same numbers either way
   environment sets it).
 
 Each call swaps that state in, runs, and swaps the driver's back (:class:`ProcessState`).
+Arguments and results are copied as Ray sends them (:func:`as_sent`), never shared.
 Calls of every driver rank take one lock, so two never interleave (an actor runs one call at
 a time too). What a separate process gives and this does not: isolation from a crash (a rank
 that kills its process kills the run's driver) and parallel work beside the driver.
@@ -136,8 +137,10 @@ class DriverRank:
         kwargs = {k: ray.get(v) if isinstance(v, ray.ObjectRef) else v for k, v in kwargs.items()}
         method: Callable[..., Any] = getattr(self.worker, name)
         try:
+            args, kwargs = as_sent((args, kwargs))
             with self.state, quiet_libraries():
-                return DriverCall(method(*args, **kwargs))
+                result = method(*args, **kwargs)
+            return DriverCall(as_sent(result))
         except Exception as error:  # noqa: BLE001 -- handed to the caller, as a failed actor call's
             return DriverCall(error=error)
 
@@ -147,7 +150,17 @@ class DriverRank:
         gc.collect()
 
 
-def rank_threads(cpus: float) -> int:
-    """torch's thread count in a rank given ``cpus`` logical CPUs: Ray's ``OMP_NUM_THREADS``
-    for such an actor."""
-    return max(1, int(cpus))
+def as_sent(value: Any) -> Any:
+    """``value`` as it arrives when Ray sends it to or from an actor: a copy through the object
+    store. The rank and the driver never share an object, so a rank that changes its
+    weights in place cannot change a result the driver holds, nor the driver an argument."""
+    import ray
+
+    return ray.get(ray.put(value))
+
+
+def rank_threads(cpus: float, omp_num_threads: str | None = None) -> int:
+    """torch's thread count in a rank given ``cpus`` logical CPUs: what an actor's torch
+    reads from ``OMP_NUM_THREADS``, the worker's own setting (``resources.env_vars``) or else
+    Ray's, the actor's CPUs."""
+    return max(1, int(omp_num_threads) if omp_num_threads else int(cpus))

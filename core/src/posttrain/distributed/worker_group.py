@@ -330,7 +330,7 @@ class WorkerGroup(Generic[W]):
     def _start_in_driver(self, placement: Placement, resources: WorkerResources, args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> None:
         env = {**rank_environments(placement)[0], **{k: str(v) for k, v in resources.env_vars.items()}}
-        threads = rank_threads(resources.cpus)
+        threads = rank_threads(resources.cpus, env.get("OMP_NUM_THREADS"))
         env["OMP_NUM_THREADS"] = str(threads)
         try:
             self.driver_rank = DriverRank(self.worker_cls, env, threads, args, kwargs)
