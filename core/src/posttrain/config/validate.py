@@ -239,49 +239,46 @@ IN_DRIVER_KEY = "policy.in_driver"
 
 
 def check_policy_in_driver(config: RunConfig, host: PluginHost) -> None:
-    """Refuse ``policy.in_driver: true`` where the policy cannot run in the driver's process:
-    a backend that does not declare ``runs_in_driver``, more than one worker, GPUs, a
-    ``runtime_env`` beyond ``env_vars``, or a cluster the run joins."""
-    policy = config.policy
-    if not policy.in_driver:
+    """Refuse ``policy.in_driver: true`` where the policy cannot run in the driver's process
+    (:func:`_in_driver_obstacle`)."""
+    if not config.policy.in_driver:
         return
-    lacking = lacking_feature(host, "policy", policy.backend, "runs_in_driver")
-    if lacking:
-        problem, keys = (f"the policy backend {lacking[0]} cannot run its worker there; backends that can: "
-                         f"{lacking[1]}"), ("policy.backend",)
-    elif policy.num_workers != 1:
-        problem, keys = f"policy.num_workers is {policy.num_workers}; the driver holds one worker", ("policy.num_workers",)
-    elif policy.resources.gpus > 0:
-        problem, keys = f"policy.resources.gpus is {policy.resources.gpus:g}; the driver computes on CPU", \
-            ("policy.resources.gpus",)
-    elif set(policy.resources.runtime_env) - {"env_vars"}:
-        problem, keys = "policy.resources.runtime_env asks for a Python environment of the worker's own", \
-            ("policy.resources.runtime_env",)
-    elif config.cluster.ray_address or config.cluster.num_nodes > 1:
-        problem, keys = "the run joins a cluster; the policy runs on its nodes", ("cluster.ray_address",)
-    else:
-        return
-    raise ConfigError(f"{IN_DRIVER_KEY} is true, but {problem}. Set {IN_DRIVER_KEY}: false (or null: decided by "
-                      f"the run).{where_set(config, IN_DRIVER_KEY, *keys)}")
+    obstacle = _in_driver_obstacle(config, host)
+    if obstacle:
+        problem, keys = obstacle
+        raise ConfigError(f"{IN_DRIVER_KEY} is true, but {problem}. Set {IN_DRIVER_KEY}: false (or null: decided by "
+                          f"the run).{where_set(config, IN_DRIVER_KEY, *keys)}")
 
 
 def policy_in_driver_by_default(config: RunConfig, host: PluginHost) -> bool:
-    """What ``policy.in_driver: null`` (the default) becomes: true when the backend's section
-    declares ``runs_in_driver``, the policy is one worker without GPU or ``runtime_env`` but
-    ``env_vars``, and the run starts its own local cluster (``cluster.ray_address`` and
-    ``$RAY_ADDRESS`` unset). On one machine that saves the worker's process: its start, its
-    imports and its memory; the numbers are the same
-    (:mod:`posttrain.distributed.driver_rank`)."""
+    """What ``policy.in_driver: null`` (the default) becomes: true where the backend's section
+    declares ``runs_in_driver``, nothing else stands in the way (:func:`_in_driver_obstacle`)
+    and ``$RAY_ADDRESS`` is unset, so the run starts its own
+    local cluster. On one machine that saves the worker's process: its start, its imports
+    and its memory; the numbers are the same (:mod:`posttrain.distributed.driver_rank`)."""
+    return (section_declares(host, f"policy.{config.policy.backend}", "runs_in_driver")
+            and _in_driver_obstacle(config, host) is None and not os.environ.get("RAY_ADDRESS"))
+
+
+def _in_driver_obstacle(config: RunConfig, host: PluginHost) -> tuple[str, tuple[str, ...]] | None:
+    """Why the policy cannot run in the driver's process, and the keys that say so: a backend
+    that does not declare ``runs_in_driver``, more than one worker, GPUs, a ``runtime_env``
+    beyond ``env_vars``, or a cluster the run joins; None when nothing does."""
     policy = config.policy
-    return (
-        section_declares(host, f"policy.{policy.backend}", "runs_in_driver")
-        and policy.num_workers == 1
-        and policy.resources.gpus == 0
-        and not set(policy.resources.runtime_env) - {"env_vars"}
-        and not config.cluster.ray_address
-        and not os.environ.get("RAY_ADDRESS")
-        and config.cluster.num_nodes == 1
-    )
+    lacking = lacking_feature(host, "policy", policy.backend, "runs_in_driver")
+    if lacking:
+        return f"the policy backend {lacking[0]} cannot run its worker there; backends that can: {lacking[1]}", \
+            ("policy.backend",)
+    if policy.num_workers != 1:
+        return f"policy.num_workers is {policy.num_workers}; the driver holds one worker", ("policy.num_workers",)
+    if policy.resources.gpus > 0:
+        return f"policy.resources.gpus is {policy.resources.gpus:g}; the driver computes on CPU", ("policy.resources.gpus",)
+    if set(policy.resources.runtime_env) - {"env_vars"}:
+        return "policy.resources.runtime_env asks for a Python environment of the worker's own", \
+            ("policy.resources.runtime_env",)
+    if config.cluster.ray_address or config.cluster.num_nodes > 1:
+        return "the run joins a cluster; the policy runs on its nodes", ("cluster.ray_address",)
+    return None
 
 
 # --------------------------------------------------------------------------- generation placement

@@ -27,8 +27,8 @@ import gc
 import os
 import random
 import threading
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
 
 from posttrain.log import quiet_libraries
 
@@ -36,70 +36,78 @@ from posttrain.log import quiet_libraries
 _CALLS = threading.RLock()
 
 
-class ProcessState:
-    """The process-wide state one rank keeps to itself; ``with state:`` makes it current and
-    puts the previous one back after, remembering what the rank changed for next time."""
+class Snapshot(NamedTuple):
+    """What :class:`ProcessState` swaps: the values of some environment variables (None:
+    unset), torch's thread count, the three random generators' states, torch's
+    deterministic flag (mode, warn only) and default dtype."""
 
-    def __init__(self, env: Mapping[str, str], threads: int):
+    env: dict[str, str | None]
+    threads: int
+    torch_rng: Any
+    python_rng: Any
+    numpy_rng: Any
+    deterministic: tuple[bool, bool]
+    dtype: Any
+
+    @classmethod
+    def now(cls, names: Iterable[str]) -> Snapshot:
+        """This process's state now, with the environment variables ``names``."""
         import numpy as np
         import torch
 
-        self.env = dict(env)
-        self.threads = threads
-        # a fresh process's generators: seeded from the OS, as torch, random and NumPy seed themselves
-        generator = torch.Generator()
-        generator.seed()
-        self.torch_rng = generator.get_state()
-        self.python_rng = random.Random().getstate()
-        self.numpy_rng = np.random.RandomState().get_state()
-        self.deterministic = (False, False)  # torch.use_deterministic_algorithms(mode, warn_only=...)
-        self.default_dtype = torch.float32
-        self._saved: list[Any] = []
+        return cls({name: os.environ.get(name) for name in names}, torch.get_num_threads(), torch.get_rng_state(),
+                   random.getstate(), np.random.get_state(),
+                   (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+                   torch.get_default_dtype())
 
-    def __enter__(self) -> ProcessState:
+    def restore(self) -> None:
+        """Make this the process's state."""
         import numpy as np
         import torch
 
-        _CALLS.acquire()
-        self._saved.append((
-            {name: os.environ.get(name) for name in self.env},
-            torch.get_num_threads(),
-            torch.get_rng_state(), random.getstate(), np.random.get_state(),
-            (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
-            torch.get_default_dtype(),
-        ))
-        os.environ.update(self.env)
+        for name, value in self.env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         torch.set_num_threads(self.threads)
         torch.set_rng_state(self.torch_rng)
         random.setstate(self.python_rng)
         np.random.set_state(self.numpy_rng)
         torch.use_deterministic_algorithms(self.deterministic[0], warn_only=self.deterministic[1])
-        torch.set_default_dtype(self.default_dtype)
-        return self
+        torch.set_default_dtype(self.dtype)
 
-    def __exit__(self, *exc_info: object) -> None:
+
+class ProcessState:
+    """The process-wide state one rank keeps to itself; ``with state:`` makes it current and
+    puts the previous one back after, remembering what the rank changed for next time. It
+    starts as a fresh process's: ``env`` set, ``threads`` threads, generators seeded from the
+    OS (as torch, random and NumPy seed themselves), deterministic algorithms off, float32."""
+
+    def __init__(self, env: Mapping[str, str], threads: int):
         import numpy as np
         import torch
 
-        env, threads, torch_rng, python_rng, numpy_rng, deterministic, dtype = self._saved.pop()
+        generator = torch.Generator()
+        generator.seed()
+        self._own = Snapshot(dict(env), threads, generator.get_state(), random.Random().getstate(),
+                             np.random.RandomState().get_state(), (False, False), torch.float32)
+        self._saved: list[Snapshot] = []
+
+    def __enter__(self) -> ProcessState:
+        _CALLS.acquire()
         try:
-            self.torch_rng = torch.get_rng_state()
-            self.python_rng = random.getstate()
-            self.numpy_rng = np.random.get_state()
-            self.deterministic = (torch.are_deterministic_algorithms_enabled(),
-                                  torch.is_deterministic_algorithms_warn_only_enabled())
-            self.default_dtype = torch.get_default_dtype()
-            for name, value in env.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
-            torch.set_num_threads(threads)
-            torch.set_rng_state(torch_rng)
-            random.setstate(python_rng)
-            np.random.set_state(numpy_rng)
-            torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
-            torch.set_default_dtype(dtype)
+            self._saved.append(Snapshot.now(self._own.env))
+            self._own.restore()
+        except BaseException:
+            _CALLS.release()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self._own = Snapshot.now(self._own.env)
+            self._saved.pop().restore()
         finally:
             _CALLS.release()
 
@@ -131,8 +139,6 @@ class DriverRank:
         resolved first, as Ray resolves an actor call's."""
         import ray
 
-        if self.worker is None:
-            return DriverCall(error=RuntimeError("the rank was shut down"))
         args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
         kwargs = {k: ray.get(v) if isinstance(v, ray.ObjectRef) else v for k, v in kwargs.items()}
         method: Callable[..., Any] = getattr(self.worker, name)
