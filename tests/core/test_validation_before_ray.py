@@ -492,6 +492,69 @@ def test_a_few_rows_that_cannot_train_are_reported_not_refused(in_tmp, until_ray
     assert "data.train (sft.jsonl): 1 of 4 rows have no token left to learn from" in warning
 
 
+# ----------------------------------------------------------------------------- the cluster's size
+
+
+@pytest.fixture
+def fresh_process(monkeypatch):
+    """As in a fresh process: no Ray running in this one (another test may have started it)."""
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+POLICY_PART = ("worker group 'policy' 1 x {CPU: 1}", "policy.num_workers, policy.resources.cpus")
+ENGINE_PART = ("worker group 'generation' 1 x {CPU: 1}", "generation.num_workers, generation.resources.cpus")
+
+#: Runs whose parts each fit 2 CPUs but not together: (overrides, CPUs they need, their parts, the keys).
+TOO_MANY_PARTS = {
+    "ppo: policy, engines and critic": (
+        ["algorithm=ppo", "generation.in_policy_workers=false", "ppo.critic.train_global_batch_size=8"], 3,
+        [POLICY_PART, ENGINE_PART, ("worker group 'critic' 1 x {CPU: 1}", "ppo.critic.num_workers, ppo.critic.resources.cpus")],
+    ),
+    "distill: student, teacher and engines": (
+        ["algorithm=distill", "generation.in_policy_workers=false", "distill.teacher.model={model}", "distill.num_prompts_per_step=2",
+         "distill.num_generations_per_prompt=4", "policy.train_global_batch_size=8"], 3,
+        [POLICY_PART, ("worker group 'teacher' 1 x {CPU: 1}", "distill.teacher.num_workers, distill.teacher.resources.cpus"),
+         ENGINE_PART],
+    ),
+    "grpo on TransferQueue": (
+        ["algorithm=grpo", "data_plane.backend=transferqueue"], 3,
+        [POLICY_PART, ("TransferQueue 2 x {CPU: 1}", "data_plane.transferqueue.num_storage_units")],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", TOO_MANY_PARTS)
+def test_parts_that_fit_the_cluster_only_one_at_a_time_are_refused_before_ray(in_tmp, fresh_process, no_ray,
+                                                                               tiny_model_path, case):
+    """Each part alone fits, so the cluster's own check passes each; together the last would
+    wait 120 s for a placement that never comes."""
+    overrides, need, parts = TOO_MANY_PARTS[case]
+    grpo_yaml(in_tmp, tiny_model_path, prompt_rows(in_tmp / "train.jsonl", [{"answer": "7", "task": "math"}] * 8))
+    config = load_config("exp.yaml", [o.format(model=tiny_model_path) for o in overrides] + ["cluster.num_cpus=2"])
+    with pytest.raises(ConfigError) as info:
+        run_algorithm(config)
+    assert str(info.value) == (
+        f"The run's parts ask Ray for {need} CPUs in all, but the Ray cluster the run starts has 2 (cluster.num_cpus): "
+        f"{'; '.join(part for part, _ in parts)}. They are held together for the whole run, so the last to ask would "
+        f"wait for a placement that never comes; no worker was started. Set cluster.num_cpus: {need} (logical CPUs "
+        f"may exceed the cores), or lower what the parts ask for ({', '.join(keys for _, keys in parts)}). Where set: "
+        "cluster.num_cpus at command line override 'cluster.num_cpus=2'."
+    )
+    assert not (in_tmp / "run").exists()
+
+
+@pytest.mark.parametrize("case", TOO_MANY_PARTS)
+def test_the_advice_for_parts_that_do_not_fit_works(in_tmp, fresh_process, until_ray, tiny_model_path, case):
+    overrides, need, _ = TOO_MANY_PARTS[case]
+    grpo_yaml(in_tmp, tiny_model_path, prompt_rows(in_tmp / "train.jsonl", [{"answer": "7", "task": "math"}] * 8))
+    with pytest.raises(RayWouldStart):
+        run_algorithm(load_config("exp.yaml", [o.format(model=tiny_model_path) for o in overrides]
+                                  + [f"cluster.num_cpus={need}"]))
+
+
 # ----------------------------------------------------------------------------- batch sizes
 
 
@@ -625,7 +688,60 @@ def test_cli_unknown_task_in_a_data_row_exits_2_before_ray(tmp_path, tiny_model_
     assert not (tmp_path / "ray_tmp").exists()
 
 
+def test_cli_parts_that_do_not_fit_together_exit_2_before_ray(tmp_path, tiny_model_path):
+    result = cli_run(tmp_path, f"policy.model={tiny_model_path}", "data_plane.backend=transferqueue", "cluster.num_cpus=2")
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: The run's parts ask Ray for 3 CPUs in all, but the Ray cluster the run starts has 2 "
+                           "(cluster.num_cpus): worker group 'policy' 1 x {CPU: 1}; TransferQueue 2 x {CPU: 1}.")
+    assert not (tmp_path / "ray_tmp").exists()
+
+
 # ----------------------------------------------------------------------------- missing packages
+
+
+#: A package hidden from this process (``sys.modules[name] = None``: importlib finds no such
+#: package and importing it fails, as when it is not installed), the override that needs it,
+#: and the refusal.
+MISSING_PACKAGES = {
+    "megatron": ("megatron.core", "policy.backend=megatron",
+                 "policy.backend: megatron (posttrain-megatron 0.1.0) needs megatron.core, but the Python package "
+                 "'megatron.core' is not installed in this environment ({python}); nothing was started. Install it "
+                 "with: pip install 'megatron-core>=0.16.1'. Where set: policy.backend at command line override "
+                 "'policy.backend=megatron'."),
+    "transferqueue": ("transfer_queue", "data_plane.backend=transferqueue",
+                      "data_plane.backend: transferqueue (posttrain-transferqueue 0.1.0) needs transfer_queue, but the "
+                      "Python package 'transfer_queue' is not installed in this environment ({python}); nothing was "
+                      "started. Install it with: pip install 'transferqueue>=0.1.11'. Where set: data_plane.backend at "
+                      "command line override 'data_plane.backend=transferqueue'."),
+    "lora": ("peft", "policy.lora.enabled=true",
+             "policy.lora.enabled is true, which needs peft, but the Python package 'peft' is not installed in this "
+             "environment ({python}); nothing was started. Install it with: pip install 'peft>=0.17', or set "
+             "policy.lora.enabled: false. Where set: policy.lora.enabled at command line override "
+             "'policy.lora.enabled=true'."),
+    "wandb": ("wandb", "logger.wandb=true",
+              "logger.wandb is true, but the Python package 'wandb' is not installed in this environment ({python}); "
+              "nothing was started. Install it with: pip install wandb, or set logger.wandb: false. Where set: "
+              "logger.wandb at command line override 'logger.wandb=true'."),
+    "mlflow": ("mlflow", "logger.mlflow=true",
+               "logger.mlflow is true, but the Python package 'mlflow' is not installed in this environment ({python}); "
+               "nothing was started. Install it with: pip install mlflow, or set logger.mlflow: false. Where set: "
+               "logger.mlflow at command line override 'logger.mlflow=true'."),
+}
+
+
+@pytest.mark.parametrize("case", MISSING_PACKAGES)
+def test_a_missing_package_is_named_with_its_install_before_ray(in_tmp, fresh_process, no_ray, tiny_model_path,
+                                                                monkeypatch, case):
+    module, override, message = MISSING_PACKAGES[case]
+    monkeypatch.setitem(sys.modules, module, None)
+    grpo_yaml(in_tmp, tiny_model_path, prompt_rows(in_tmp / "train.jsonl", [{"answer": "7", "task": "math"}] * 8))
+    with pytest.raises(ConfigError) as info:
+        run_algorithm(load_config("exp.yaml", ["algorithm=grpo", override]))
+    assert str(info.value) == message.format(python=sys.executable)
+    assert not (in_tmp / "run").exists()
+
+
 
 #: ``python -c`` prelude: this interpreter's importlib cannot find the vllm package (as in an
 #: environment where posttrain-vllm was installed without its extra), then the command line runs.

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import attrs
 from packaging.requirements import Requirement
 
 from posttrain.config import RunConfig
@@ -145,12 +146,23 @@ def parse_posttrain(argv: Sequence[str]) -> argparse.Namespace:
     return recorded[0]
 
 
+#: Cores of the machine the documented commands must run on as written.
+CORES = 2
+
+
 def check_run_inputs(config: RunConfig) -> None:
     """What ``posttrain run`` checks before any worker starts, short of a checkpoint to
-    resume: the model folders; and that the data files exist."""
+    resume: the model folders, that the run's parts fit the cluster it starts on a machine
+    of :data:`CORES` cores (``cluster.num_cpus`` null: one logical CPU per core); and that
+    the data files exist."""
+    from posttrain.config.demands import check_demands_fit, run_demands, started_cluster_size
     from posttrain.models.folder import check_model_folders
+    from posttrain.plugins import plugin_host
 
     check_model_folders(config)
+    if not config.cluster.ray_address:
+        cluster = attrs.evolve(config.cluster, num_cpus=config.cluster.num_cpus or CORES)
+        check_demands_fit(config, run_demands(config, plugin_host()), started_cluster_size(attrs.evolve(config, cluster=cluster)))
     for split in ("train", "validation"):
         path = getattr(config.data, split)
         if isinstance(path, str):

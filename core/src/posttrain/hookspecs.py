@@ -234,6 +234,13 @@ def posttrain_config_sections() -> Mapping[str, type]:
     also name, in a ``reads_sections`` class attribute, other algorithms' top-level sections
     its runs read (PPO runs GRPO's loop with the ``grpo`` section), which ``posttrain config
     show`` then lists for it.
+
+    The algorithm's section, and a selected backend's or data plane's, may define
+    ``cluster_demands(self, config) -> list[posttrain.config.demands.Demand]``: what the
+    parts it starts hold of the Ray cluster for the whole run (an algorithm: the worker
+    groups of the models it trains and of its engines; TransferQueue: its actors). Core adds
+    them up and refuses, before Ray starts, a run whose parts do not fit its cluster
+    together (:mod:`posttrain.config.demands`).
     """
 
 

@@ -25,11 +25,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Hashable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from posttrain.config.requirements import Requirement
 from posttrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -134,17 +136,31 @@ class TensorBoardSink:
         return self._writer
 
 
+def require_client(config: RunConfig, key: str, module: str) -> None:
+    """Refuse ``key`` (a sink switched on) when its client package ``module`` is missing,
+    naming the install command; the run has started nothing yet."""
+    from posttrain.config.validate import where_set
+
+    problem = Requirement(module, f"pip install {module}").problem()
+    if problem is not None:
+        raise ConfigError(
+            f"{key} is true, but {problem} in this environment ({sys.executable}); nothing was started. Install it "
+            f"with: pip install {module}, or set {key}: false.{where_set(config, key)}"
+        )
+
+
 class WandbSink:
     def __init__(self, project: str, run_dir: Path, config: Mapping[str, Any]):
-        try:
-            import wandb
-        except ImportError as exc:
-            raise ConfigError("logger.wandb is true but wandb is not installed; pip install wandb or set logger.wandb=false") from exc
+        import wandb
+
         self._run = wandb.init(project=project, dir=str(run_dir), config=dict(config))
 
     @classmethod
     def from_config(cls, config: RunConfig, run_dir: Path) -> WandbSink | None:
-        return cls(config.logger.wandb_project, run_dir, config.raw) if config.logger.wandb else None
+        if not config.logger.wandb:
+            return None
+        require_client(config, "logger.wandb", "wandb")
+        return cls(config.logger.wandb_project, run_dir, config.raw)
 
     def write(self, step: int, metrics: Mapping[str, float], phase: str) -> None:
         self._run.log({f"{phase}/{k}": v for k, v in metrics.items()}, step=step)
@@ -155,17 +171,18 @@ class WandbSink:
 
 class MlflowSink:
     def __init__(self, experiment: str):
-        try:
-            import mlflow
-        except ImportError as exc:
-            raise ConfigError("logger.mlflow is true but mlflow is not installed; pip install mlflow or set logger.mlflow=false") from exc
+        import mlflow
+
         self._mlflow = mlflow
         mlflow.set_experiment(experiment)
         mlflow.start_run()
 
     @classmethod
     def from_config(cls, config: RunConfig, run_dir: Path) -> MlflowSink | None:
-        return cls(config.logger.mlflow_experiment) if config.logger.mlflow else None
+        if not config.logger.mlflow:
+            return None
+        require_client(config, "logger.mlflow", "mlflow")
+        return cls(config.logger.mlflow_experiment)
 
     def write(self, step: int, metrics: Mapping[str, float], phase: str) -> None:
         self._mlflow.log_metrics({f"{phase}/{k}".replace(":", "_"): float(v) for k, v in metrics.items()}, step=step)

@@ -31,7 +31,7 @@ import attrs
 from posttrain.config.environments import read_environment_options
 from posttrain.config.exact import BATCH_INVARIANT_FEATURE, EXACT_FEATURE, EXACT_KEY
 from posttrain.config.features import backends_declaring, lacking_feature, section_declares
-from posttrain.config.requirements import section_requirements
+from posttrain.config.requirements import Requirement, section_requirements
 from posttrain.config.schema import RunConfig
 from posttrain.errors import ConfigError, PluginError
 from posttrain.plugins import PluginHost, Registry, plugin_host
@@ -39,6 +39,8 @@ from posttrain.plugins import PluginHost, Registry, plugin_host
 WORKERS = "policy.num_workers"
 GLOBAL = "policy.train_global_batch_size"
 MICRO = "policy.train_micro_batch_size"
+#: What ``policy.lora`` needs, whichever backend implements it.
+PEFT = Requirement("peft", "pip install 'peft>=0.17'", distribution="peft", minimum="0.17")
 
 
 def where_set(config: RunConfig | None, *keys: str) -> str:
@@ -216,6 +218,13 @@ def check_lora(config: RunConfig, host: PluginHost) -> None:
          "module names (e.g. [q_proj, v_proj]), a regular expression, or all-linear"),
     ]
     refuse_failed(config, checks)
+    problem = PEFT.problem()
+    if problem is not None:
+        raise ConfigError(
+            f"policy.lora.enabled is true, which needs peft, but {problem} in this environment ({sys.executable}); "
+            f"nothing was started. Install it with: {PEFT.install}, or set policy.lora.enabled: false."
+            f"{where_set(config, 'policy.lora.enabled')}"
+        )
     lacking = lacking_feature(host, "policy", config.policy.backend, "supports_lora")
     if lacking:
         raise ConfigError(

@@ -5,7 +5,9 @@ progress bar."""
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from posttrain.config.demands import check_demands_fit, run_demands, started_cluster_size
 from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig
 from posttrain.config.validate import in_policy_workers_by_default, policy_in_driver_by_default, where_set
 from posttrain.errors import ConfigError, RunStopped, WorkerError
@@ -129,9 +132,24 @@ class RunContext:
                 self._start_ray()
                 self._cluster = VirtualCluster(self.config.cluster, colocate=colocated_groups(self.config) if colocate else {},
                                                check=self.stop.check_startup)
+                self.check_fits_cluster()
                 self.check_storage()
         self.stop.check_startup()
         return self._cluster
+
+    def check_fits_cluster(self) -> None:
+        """The run's parts (:func:`~posttrain.config.demands.run_demands`) fit the cluster
+        it is connected to, added up (a cluster it joined, or GPUs Ray detected: what the
+        check before Ray, :func:`check_inputs`, could not know)."""
+        import ray
+
+        from posttrain.config.demands import check_demands_fit, run_demands
+        from posttrain.distributed.nodes import cluster_address
+
+        size = {key: value for key, value in ray.cluster_resources().items() if key in ("CPU", "GPU")}
+        size.setdefault("GPU", 0.0)
+        joined = None if self._cluster is not None and self._cluster.started_ray else cluster_address()
+        check_demands_fit(self.config, run_demands(self.config, self.host), size, joined)
 
     def check_storage(self) -> None:
         """Every node of the cluster, other than the driver's, can write into and read from
@@ -299,9 +317,15 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
 
 
 def check_inputs(config: RunConfig, context: RunContext) -> None:
-    """What the driver checks before any worker starts: the model folders, and that the
-    checkpoint a run would resume from was written by a compatible config."""
+    """What the driver checks before any worker starts: the model folders, that the
+    checkpoint a run would resume from was written by a compatible config, and that the
+    run's parts fit the Ray cluster it will start (:mod:`posttrain.config.demands`; a
+    cluster it joins, or one already running in this process, is checked once connected,
+    :meth:`RunContext.check_fits_cluster`)."""
     check_model_folders(config)
+    ray = sys.modules.get("ray")
+    if not (config.cluster.ray_address or os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized())):
+        check_demands_fit(config, run_demands(config, context.host), started_cluster_size(config))
     latest = context.resume_checkpoint()
     if latest is not None:
         check_checkpoint_fits(latest, config)

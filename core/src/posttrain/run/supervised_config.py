@@ -4,7 +4,13 @@ plugin module declaring its section stays light."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
+
+if TYPE_CHECKING:
+    from posttrain.config.demands import Demand
+    from posttrain.config.schema import RunConfig
 
 
 @attrs.define
@@ -23,6 +29,12 @@ class SupervisedConfig:
     val_at_end: bool = True  # validate after the last step (unless it was just validated or the run was stopped)
     export_dir: str | None = None  # write a Hugging Face folder of the final weights here
     loss: str = attrs.field(kw_only=True)  # a name in the loss registry; each section gives its default
+
+    def cluster_demands(self, config: RunConfig) -> list[Demand]:
+        """The policy's workers (:mod:`posttrain.config.demands`)."""
+        from posttrain.config.demands import policy_demand
+
+        return [policy_demand(config.policy)]
 
 
 def check_supervised_config(section: str, options: SupervisedConfig) -> list[str]:

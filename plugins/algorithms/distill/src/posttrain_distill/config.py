@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 import attrs
 
-from posttrain.config.schema import PolicyConfig
+from posttrain.config.demands import Demand, generation_demand, policy_demand
+from posttrain.config.schema import PolicyConfig, RunConfig
 from posttrain.config.validate import where_set
 
 KL = Literal["reverse", "forward", "mixed"]
@@ -44,6 +45,12 @@ class DistillConfig:
     @property
     def samples_per_step(self) -> int:
         return self.num_prompts_per_step * self.num_generations_per_prompt
+
+    def cluster_demands(self, config: RunConfig) -> list[Demand]:
+        """The student's workers, the teacher's and the engines'."""
+        parts = [policy_demand(config.policy), policy_demand(self.teacher, name="teacher", prefix="distill.teacher"),
+                 generation_demand(config)]
+        return [d for d in parts if d is not None]
 
 
 def check_distill_config(options: DistillConfig, config: Any) -> list[str]:

@@ -7,6 +7,8 @@ from typing import Any
 
 import attrs
 
+from posttrain.config.demands import Demand, generation_demand, policy_demand
+from posttrain.config.schema import RunConfig
 from posttrain.config.validate import where_set
 
 
@@ -31,6 +33,13 @@ class EvalConfig:
     # every completion (prompt, conversation, answer, reward, correct) as JSON Lines, under run_dir unless
     # absolute; None: not written
     samples_file: str | None = "samples.jsonl"
+
+    def cluster_demands(self, config: RunConfig) -> list[Demand]:
+        """The engines' workers (beside no policy), and with ``checkpoint`` the policy's,
+        which load its weights into them while they run."""
+        engines = generation_demand(config, beside_policy=False)
+        assert engines is not None  # engines beside no policy always have a group of their own
+        return [engines, *([policy_demand(config.policy)] if self.checkpoint else [])]
 
 
 def check_eval_config(options: EvalConfig, config: Any) -> list[str]:

@@ -8,6 +8,8 @@ from typing import Literal
 
 import attrs
 
+from posttrain.config.demands import Demand, generation_demand, policy_demand
+from posttrain.config.schema import RunConfig
 from posttrain.config.validate import BatchSizeRules
 
 Baseline = Literal["mean", "leave_one_out", "none"]
@@ -288,6 +290,10 @@ class GRPOConfig:
             loss = attrs.evolve(loss, constant_normalizer=max_new_tokens)
         return loss
 
+    def cluster_demands(self, config: RunConfig) -> list[Demand]:
+        """The policy's workers and the engines' (none for engines inside the policy's workers)."""
+        return grpo_demands(config)
+
     def batch_size_rules(self) -> BatchSizeRules:
         """A step's samples make whole optimizer steps: core checks that
         ``policy.train_global_batch_size`` divides them, with its own batch rules."""
@@ -297,3 +303,9 @@ class GRPOConfig:
             f"grpo.num_generations_per_prompt ({self.num_generations_per_prompt})",
             keys=("grpo.num_prompts_per_step", "grpo.num_generations_per_prompt"),
         )
+
+
+def grpo_demands(config: RunConfig) -> list[Demand]:
+    """What a GRPO run holds of the Ray cluster (:mod:`posttrain.config.demands`): the
+    policy's workers and the generation engines'."""
+    return [d for d in (policy_demand(config.policy), generation_demand(config)) if d is not None]

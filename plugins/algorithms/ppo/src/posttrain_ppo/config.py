@@ -7,7 +7,8 @@ from typing import Any, ClassVar
 
 import attrs
 
-from posttrain.config.schema import PolicyConfig
+from posttrain.config.demands import Demand, policy_demand
+from posttrain.config.schema import PolicyConfig, RunConfig
 from posttrain.config.validate import where_set
 
 
@@ -30,6 +31,12 @@ class PPOConfig:
 
     #: Other algorithms' top-level sections a ``ppo`` run reads (``posttrain config show`` lists them).
     reads_sections: ClassVar[tuple[str, ...]] = ("grpo",)
+
+    def cluster_demands(self, config: RunConfig) -> list[Demand]:
+        """GRPO's parts, and the critic's workers."""
+        from posttrain_grpo.config import grpo_demands
+
+        return [*grpo_demands(config), policy_demand(self.critic, name="critic", prefix="ppo.critic")]
 
 
 def check_ppo_config(options: PPOConfig, config: Any) -> list[str]:

@@ -9,9 +9,11 @@ remains of ``policy.num_workers``: :meth:`MegatronConfig.replica_factors` tells 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 import attrs
 
+from posttrain.config.requirements import Requirement
 from posttrain.config.schema import RunConfig
 from posttrain.errors import ConfigError
 
@@ -42,6 +44,10 @@ class MegatronConfig:
       norms and biases too (as the dtensor backend does); megatron's usual choice, False,
       exempts them.
     """
+
+    requires: ClassVar[tuple[Requirement, ...]] = (
+        Requirement("megatron.core", "pip install 'megatron-core>=0.16.1'", distribution="megatron-core", minimum="0.16.1"),
+    )
 
     pipeline_parallel_size: int = 1
     context_parallel_size: int = 1

@@ -5,10 +5,12 @@ Used when ``data_plane.backend: transferqueue``.
 
 from __future__ import annotations
 
+import sys
 from typing import ClassVar
 
 import attrs
 
+from posttrain.config.demands import Demand
 from posttrain.config.requirements import Requirement
 from posttrain.config.schema import RunConfig
 from posttrain.config.validate import where_set
@@ -41,6 +43,24 @@ class TransferQueueConfig:
     storage_capacity: int | None = None
     init_timeout_s: float = 120.0
     namespace: str | None = None
+
+    @property
+    def cpus_needed(self) -> int:
+        """Logical CPUs TransferQueue's actors ask Ray for: the controller and each storage unit take 1."""
+        return 1 + self.num_storage_units
+
+    def cluster_demands(self, config: RunConfig) -> list[Demand]:
+        """TransferQueue's controller and storage units (:mod:`posttrain.config.demands`);
+        none when the Ray cluster this process is connected to runs a controller already (the
+        plane attaches to it)."""
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            from posttrain_transferqueue.runtime import controller_running
+
+            if controller_running():
+                return []
+        return [Demand("TransferQueue", tuple({"CPU": 1.0} for _ in range(self.cpus_needed)),
+                       (f"{SECTION}.num_storage_units",))]
 
 
 def check(options: TransferQueueConfig, config: RunConfig | None = None) -> None:

@@ -42,11 +42,6 @@ def transferqueue_conf(options: TransferQueueConfig) -> dict[str, Any]:
     }
 
 
-def cpus_needed(options: TransferQueueConfig) -> int:
-    """Logical CPUs TransferQueue's actors ask Ray for: the controller and each storage unit take 1."""
-    return 1 + options.num_storage_units
-
-
 def controller_running() -> bool:
     """Whether a TransferQueue controller is alive in the connected Ray cluster."""
     try:
@@ -119,9 +114,9 @@ def _more_cpus(joined: str | None) -> str:
 def _check_cluster_can_hold(options: TransferQueueConfig, joined: str | None) -> None:
     check(options)
     total = ray.cluster_resources().get("CPU", 0.0)
-    if cpus_needed(options) > total + 1e-9:
+    if options.cpus_needed > total + 1e-9:
         raise ConfigError(
-            f"TransferQueue needs {cpus_needed(options)} Ray CPUs (1 controller + {SECTION}.num_storage_units="
+            f"TransferQueue needs {options.cpus_needed} Ray CPUs (1 controller + {SECTION}.num_storage_units="
             f"{options.num_storage_units} storage units, 1 CPU each), but the whole Ray cluster has {total:g}. "
             f"Lower {SECTION}.num_storage_units or {_more_cpus(joined)}."
         )
@@ -136,7 +131,7 @@ def _timeout_message(options: TransferQueueConfig, starting: bool, joined: str |
         )
     resources = ray.cluster_resources().get("CPU", 0.0), ray.available_resources().get("CPU", 0.0)
     return (
-        f"TransferQueue did not start {waited}. It asked Ray for {cpus_needed(options)} CPUs (1 controller + "
+        f"TransferQueue did not start {waited}. It asked Ray for {options.cpus_needed} CPUs (1 controller + "
         f"{options.num_storage_units} storage units, 1 CPU each); the Ray cluster has {resources[0]:g} CPUs, "
         f"{resources[1]:g} free now. Free CPUs held by other worker groups or tasks, lower "
         f"{SECTION}.num_storage_units, or {_more_cpus(joined)}."
