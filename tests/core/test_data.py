@@ -186,6 +186,19 @@ def test_prompt_rows_for_rl(tmp_path, encoder, suffix):
     assert batch["metadata"] == [{"answer": "2", "level": 1}, {"answer": "5", "level": 3}]
 
 
+def test_a_tokenizer_without_a_chat_template_is_named(tmp_path):
+    folder = tmp_path / "no_template"
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(folder)
+    with pytest.raises(ConfigError) as info:
+        ChatEncoder(AutoTokenizer.from_pretrained(folder))
+    assert str(info.value) == (
+        f"the tokenizer '{folder}' has no chat template (its tokenizer_config.json sets no chat_template and it has no "
+        "chat_template.jinja); set data.chat_template to a Jinja template file or the template text"
+    )
+
+
 def test_detect_format_by_keys():
     assert detect_format({"prompt": "p", "chosen": "a", "rejected": "b"}) == "preference"
     assert detect_format({"prompt": "p", "response": "r"}) == "prompt_response"

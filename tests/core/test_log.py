@@ -80,3 +80,37 @@ def test_libraries_are_quiet_below_debug_and_a_variable_already_set_is_kept(monk
     finally:
         configure_logging("info")
     assert library_log_level() == logging.ERROR
+
+
+def _shown(module: str) -> list[str]:
+    """The warnings a call site in ``module`` would show under the filters in force."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.warn_explicit("an optional part is not installed", UserWarning, f"{module}.py", 1, module=module)
+    return [str(w.message) for w in caught]
+
+
+def test_a_library_s_warnings_are_hidden_below_debug_in_the_driver_and_in_workers(monkeypatch):
+    """megatron-core warns at import that Transformer Engine and Apex are missing: below debug
+    a run hides the warnings of such a package (and its submodules only), in the driver by
+    its configured level and in a worker process by library_env's variable."""
+    import warnings
+
+    import posttrain.log as log
+
+    for driver_level, worker_variable, hidden in [("info", None, True), ("debug", None, False),
+                                                  (None, "1", True), (None, None, False)]:
+        monkeypatch.setattr(log, "_CONFIGURED", driver_level is not None)
+        monkeypatch.setattr(log, "_LEVEL", driver_level or "info")
+        if worker_variable is None:
+            monkeypatch.delenv("POSTTRAIN_QUIET_LIBRARIES", raising=False)
+        else:
+            monkeypatch.setenv("POSTTRAIN_QUIET_LIBRARIES", worker_variable)
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            log.quiet_library_warnings("megatron")
+            assert _shown("megatron.core.optimizer") == ([] if hidden else ["an optional part is not installed"])
+            assert _shown("megatron") == _shown("megatron.core.optimizer")
+            assert _shown("megatronic") == ["an optional part is not installed"]  # another package
+    assert log.QUIET_LIBRARY_ENV["POSTTRAIN_QUIET_LIBRARIES"] == "1"  # what a worker below debug is started with

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -21,6 +23,7 @@ import structlog
 
 _FILE: TextIO | None = None
 _LEVEL = "info"
+_CONFIGURED = False  # whether configure_logging ran in this process (the driver)
 
 #: What a process of the run reads at start to print only errors: torch's C++ warnings, the
 #: verbosity of transformers, the Hub's and transformers' progress bars ("Loading weights"),
@@ -30,6 +33,7 @@ QUIET_LIBRARY_ENV: dict[str, str] = {
     "TRANSFORMERS_VERBOSITY": "error",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning",
+    "POSTTRAIN_QUIET_LIBRARIES": "1",  # read by libraries_quiet()
 }
 
 
@@ -37,7 +41,7 @@ def configure_logging(level: str = "info", events_file: str | Path | None = None
     """Route structlog events to stderr (coloured when a terminal) and, when given, as JSON
     to ``events_file``. Safe to call again (the previous file is closed). ``level`` also
     sets what the libraries print (:func:`library_log_level`, :func:`library_env`)."""
-    global _FILE, _LEVEL
+    global _FILE, _LEVEL, _CONFIGURED
     numeric = _numeric_level(level)
     if _FILE is not None:
         _FILE.close()
@@ -45,7 +49,7 @@ def configure_logging(level: str = "info", events_file: str | Path | None = None
     if events_file is not None:
         Path(events_file).parent.mkdir(parents=True, exist_ok=True)
         _FILE = open(events_file, "a", buffering=1)
-    _LEVEL = level.lower()
+    _LEVEL, _CONFIGURED = level.lower(), True
     console = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     as_json = structlog.processors.JSONRenderer()
 
@@ -90,6 +94,25 @@ def library_env(level: str | None = None) -> dict[str, str]:
     if library_log_level(level) < logging.ERROR:
         return {}
     return {key: value for key, value in QUIET_LIBRARY_ENV.items() if key not in os.environ}
+
+
+def libraries_quiet() -> bool:
+    """Whether this process's libraries print only their errors: in the driver, below
+    ``logger.level: debug``; in a worker process, when it was started with
+    :func:`library_env`'s variables (so, below debug too)."""
+    if _CONFIGURED:
+        return library_log_level() >= logging.ERROR
+    return os.environ.get("POSTTRAIN_QUIET_LIBRARIES") == "1"
+
+
+def quiet_library_warnings(*packages: str) -> None:
+    """When :func:`libraries_quiet`, hide from now on the Python warnings that ``packages``
+    and their submodules issue in this process (notices a run cannot act on, e.g. that an
+    optional acceleration is not installed). Call it before importing them: many warn at
+    import."""
+    if libraries_quiet():
+        for package in packages:
+            warnings.filterwarnings("ignore", module=rf"{re.escape(package)}(\.|$)")
 
 
 @contextlib.contextmanager

@@ -83,7 +83,9 @@ class ChatEncoder:
         template = chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
             raise ConfigError(
-                "the tokenizer has no chat template; set data.chat_template to a Jinja template file"
+                f"the tokenizer '{getattr(tokenizer, 'name_or_path', '') or '?'}' has no chat template (its "
+                "tokenizer_config.json sets no chat_template and it has no chat_template.jinja); set "
+                "data.chat_template to a Jinja template file or the template text"
             )
         self.tokenizer = tokenizer
         self.template = template

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from posttrain import hookimpl
+from posttrain.log import quiet_library_warnings
 from posttrain_megatron.config import SECTION, MegatronConfig, validate_policy_config
 
 if TYPE_CHECKING:
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 
 def make_policy(config: RunConfig, cluster: VirtualCluster, *, name: str = "policy", reference: bool = True) -> Policy:
     """Factory of the ``megatron`` backend: start the worker group ``name`` and load the model."""
+    quiet_library_warnings("megatron")  # in the driver too (see the package's module)
     from posttrain_megatron.policy import MegatronPolicy
 
     return MegatronPolicy(config, cluster, name=name, reference=reference)
