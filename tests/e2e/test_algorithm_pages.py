@@ -1,10 +1,11 @@
-"""The PPO and distillation pages' configs and commands, as written, on the default local
-cluster of a 2-core machine (``cluster.num_cpus=2`` on any machine): ``posttrain run ppo
---config ppo.yaml`` (policy, critic, engine, math) and ``posttrain run distill --config
-distill.yaml`` (student, teacher, engine, math) place every worker group and train, with
-only the model folder and the run's length changed. With
+"""The algorithm pages' commands, as written. The PPO and distillation pages' configs and
+commands on the default local cluster of a 2-core machine (``cluster.num_cpus=2`` on any
+machine): ``posttrain run ppo --config ppo.yaml`` (policy, critic, engine, math) and
+``posttrain run distill --config distill.yaml`` (student, teacher, engine, math) place every
+worker group and train, with only the model folder and the run's length changed. With
 engines and environments in processes of their own, the groups asked for one CPU more than
-the two the machine has and the run waited 120 s to be refused."""
+the two the machine has and the run waited 120 s to be refused. The other pages' commands
+train in this process."""
 
 from __future__ import annotations
 
@@ -43,3 +44,32 @@ def test_the_page_runs_as_written_on_two_cores(page, tiny_model_path, tmp_path):
                           env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl", "train")] == [1, 2]
+
+
+#: The other algorithm pages' first ``posttrain run`` command, as written, run in this process on
+#: the session's Ray cluster (the pages' configs fit 2 cores: tests/docs checks every command's
+#: parts against a 2-core machine), with only the model folder, the run's length and where it
+#: writes changed.
+IN_PROCESS = {
+    "algorithms/sft.md": ["sft.max_num_steps=2", "sft.export_dir={out}/hf"],
+    "algorithms/dpo.md": ["dpo.max_num_steps=2"],
+    "algorithms/rm.md": ["rm.max_num_steps=2", "rm.export_dir={out}/hf"],
+    "algorithms/grpo.md": ["grpo.max_num_steps=2", "grpo.val_period=0"],
+}
+
+
+@pytest.mark.parametrize("page", list(IN_PROCESS))
+def test_the_page_s_command_trains_as_written(page, ray_cluster, tiny_model_path, tmp_path, monkeypatch):
+    from posttrain.config import load_config
+    from posttrain.run.context import run_algorithm
+    from tests.docs.commands import parse_posttrain
+
+    command = next(line for b in blocks(page) if b.language == "bash" for line in command_lines(b.text)
+                   if line[:2] == ["posttrain", "run"])
+    parsed = parse_posttrain(command[1:])
+    monkeypatch.chdir(REPO)  # the pages' paths are the repository's
+    shorter = [o.format(out=tmp_path) for o in IN_PROCESS[page]]
+    config = load_config(parsed.config, [*parsed.overrides, f"algorithm={parsed.algorithm}", f"policy.model={tiny_model_path}",
+                                         f"run_dir={tmp_path / 'run'}", "logger.progress_bar=false", *shorter])
+    run_algorithm(config)
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl", "train")] == [1, 2]
