@@ -21,8 +21,13 @@ PROBE = (
     "signal.signal(signal.SIGTERM, mine)  # e.g. a run's graceful stop: ray.init must not replace it\n"
     "init_ray(ClusterConfig(num_cpus=3))\n"
     "init_ray(ClusterConfig(num_cpus=1))  # idempotent: no second cluster\n"
+    "import psutil, time\n"
+    "idle = 0  # worker processes Ray started ahead of need, seen over 3 s (a cluster it starts has none)\n"
+    "for _ in range(30):\n"
+    "    time.sleep(0.1)\n"
+    "    idle = max(idle, sum(p.name().startswith('ray::IDLE') for p in psutil.Process().children(recursive=True)))\n"
     "print(ray.cluster_resources()['CPU'], ray.get_runtime_context().gcs_address, os.environ['RAY_AUTH_MODE'],\n"
-    "      signal.getsignal(signal.SIGTERM) is mine)\n"
+    "      signal.getsignal(signal.SIGTERM) is mine, idle)\n"
     "ray.shutdown()\n"
 )
 
@@ -40,9 +45,9 @@ def _probe(**env: str) -> list[str]:
 def test_init_ray_joins_ray_address_else_starts_a_local_cluster(ray_cluster):
     address = ray_cluster.get_runtime_context().gcs_address
     joined = _probe(RAY_ADDRESS=address, RAY_AUTH_MODE="disabled")
-    assert joined == [str(ray_cluster.cluster_resources()["CPU"]), address, "disabled", "True"]
+    assert joined == [str(ray_cluster.cluster_resources()["CPU"]), address, "disabled", "True", "0"]
     started = _probe()
-    assert started[0] == "3.0" and started[1] != address and started[2:] == ["disabled", "True"]
+    assert started[0] == "3.0" and started[1] != address and started[2:] == ["disabled", "True", "0"]
     init_ray(ClusterConfig(num_cpus=1))  # this process is already connected: nothing changes
     assert ray_cluster.get_runtime_context().gcs_address == address
 

@@ -39,6 +39,12 @@ FOLLOW_POLL_S = 0.05
 #: Ray's switch that hides every GPU from a task or actor that asks for none
 #: (``CUDA_VISIBLE_DEVICES=""``); without it, Ray 2.60 leaves them all visible to such a process.
 HIDE_UNASKED_GPUS_VAR = "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"
+#: Ray's settings for a local cluster a run starts. Ray starts one idle worker process per
+#: logical CPU (up to the cores) as the driver connects, ahead of any task or actor. A run's
+#: actors start in processes of their own runtime environment (their ``resources.env_vars``),
+#: and a one-box run by default has none, so those processes only sat idle: about 80 MB and
+#: half a CPU-second each. Without them an actor's process starts when it is created.
+LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 
 
 def init_ray(config: ClusterConfig) -> bool:
@@ -46,8 +52,9 @@ def init_ray(config: ClusterConfig) -> bool:
     cluster (False when it joined one, or was connected already).
 
     Joins ``config.ray_address`` or ``$RAY_ADDRESS`` when either is set; otherwise starts
-    a local cluster with ``config.num_cpus`` logical CPUs (all cores when None) and no
-    dashboard. ``RAY_AUTH_MODE`` defaults to ``disabled`` (no token file is written).
+    a local cluster with ``config.num_cpus`` logical CPUs (all cores when None), no
+    dashboard, and no idle worker processes started ahead of need (:data:`LOCAL_SYSTEM_CONFIG`).
+    ``RAY_AUTH_MODE`` defaults to ``disabled`` (no token file is written).
 
     Every worker process of the job starts in this process's working directory when that
     directory exists on its node (:func:`enter_driver_directory`), so relative paths in a
@@ -88,6 +95,7 @@ def init_ray(config: ClusterConfig) -> bool:
             num_cpus=config.num_cpus if config.num_cpus is not None else os.cpu_count(),
             num_gpus=config.num_gpus,
             include_dashboard=False,
+            _system_config=LOCAL_SYSTEM_CONFIG,
             **options,
         )
     show_forwarded_output()
