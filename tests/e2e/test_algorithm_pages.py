@@ -73,3 +73,18 @@ def test_the_page_s_command_trains_as_written(page, ray_cluster, tiny_model_path
                                          f"run_dir={tmp_path / 'run'}", "logger.progress_bar=false", *shorter])
     run_algorithm(config)
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl", "train")] == [1, 2]
+
+
+def test_the_eval_page_s_command_evaluates_as_written(ray_cluster, tiny_model_path, tmp_path, monkeypatch):
+    """``posttrain eval MODEL --data ... -n 8 -k 1,4,8``, the page's first command, on the tiny
+    model: every k's pass@k and maj@k are reported."""
+    from posttrain.cli import main
+
+    command = next(line for b in blocks("algorithms/eval.md") if b.language == "bash" for line in command_lines(b.text)
+                   if line[:2] == ["posttrain", "eval"])
+    assert command[2] == "runs/tiny_model", command
+    monkeypatch.chdir(REPO)  # the page's data path is the repository's
+    assert main([*command[1:2], tiny_model_path, *command[3:], "--run-dir", str(tmp_path / "eval")]) == 0
+    (metrics,) = read_metrics(tmp_path / "eval" / "metrics.jsonl", "validation")
+    assert {f"{kind}_at_{k}" for kind in ("pass", "maj") for k in (1, 4, 8)} <= set(metrics), metrics
+    assert ray_cluster.is_initialized()  # the session's cluster is left running
