@@ -5,9 +5,7 @@ progress bar."""
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -143,7 +141,6 @@ class RunContext:
         check before Ray, :func:`check_inputs`, could not know)."""
         import ray
 
-        from posttrain.config.demands import check_demands_fit, run_demands
         from posttrain.distributed.nodes import cluster_address
 
         size = {key: value for key, value in ray.cluster_resources().items() if key in ("CPU", "GPU")}
@@ -323,8 +320,11 @@ def check_inputs(config: RunConfig, context: RunContext) -> None:
     cluster it joins, or one already running in this process, is checked once connected,
     :meth:`RunContext.check_fits_cluster`)."""
     check_model_folders(config)
-    ray = sys.modules.get("ray")
-    if not (config.cluster.ray_address or os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized())):
+    import ray
+
+    from posttrain.distributed.cluster import joined_address
+
+    if not (joined_address(config.cluster) or ray.is_initialized()):
         check_demands_fit(config, run_demands(config, context.host), started_cluster_size(config))
     latest = context.resume_checkpoint()
     if latest is not None:
