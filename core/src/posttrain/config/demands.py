@@ -51,7 +51,14 @@ class Demand:
         return f"{self.part} " + " + ".join(f"{count} x {text}" for text, count in counts.items())
 
 
-def _resource_keys(prefix: str, cpus: float, gpus: float) -> tuple[str, ...]:
+def with_in_policy_workers(config: RunConfig, chosen: bool) -> RunConfig:
+    """``config`` with ``generation.in_policy_workers`` set to ``chosen``."""
+    if config.generation.in_policy_workers is chosen:
+        return config
+    return attrs.evolve(config, generation=attrs.evolve(config.generation, in_policy_workers=chosen))
+
+
+def _resource_keys(prefix: str, gpus: float) -> tuple[str, ...]:
     return (f"{prefix}.num_workers", f"{prefix}.resources.cpus", *((f"{prefix}.resources.gpus",) if gpus > 0 else ()))
 
 
@@ -63,7 +70,7 @@ def policy_demand(section: PolicyConfig, *, name: str = "policy", prefix: str = 
 
     r = section.resources
     shape = Shape(section.num_workers, r.cpus, r.gpus, ranks_per_bundle=section.tensor_parallel_size)
-    return Demand(f"worker group '{name}'", layout(shape).bundles, _resource_keys(prefix, r.cpus, r.gpus))
+    return Demand(f"worker group '{name}'", layout(shape).bundles, _resource_keys(prefix, r.gpus))
 
 
 def generation_demand(config: RunConfig, *, beside_policy: bool = True) -> Demand | None:
@@ -76,7 +83,7 @@ def generation_demand(config: RunConfig, *, beside_policy: bool = True) -> Deman
 
     gen, policy = config.generation, config.policy
     r = gen.resources
-    keys = _resource_keys("generation", r.cpus, r.gpus)
+    keys = _resource_keys("generation", r.gpus)
     if beside_policy and gen.in_policy_workers:
         return None
     if beside_policy and gen.colocated and r.gpus > 0 and policy.resources.gpus > 0:
@@ -90,8 +97,7 @@ def run_demands(config: RunConfig, host: PluginHost) -> list[Demand]:
     """Every part of ``config``'s run that the sections in use declare (see the module doc),
     with ``generation.in_policy_workers`` left null resolved as a run resolves it."""
     if config.generation.in_policy_workers is None:
-        chosen = in_policy_workers_by_default(config, host)
-        config = attrs.evolve(config, generation=attrs.evolve(config.generation, in_policy_workers=chosen))
+        config = with_in_policy_workers(config, in_policy_workers_by_default(config, host))
     names = [config.algorithm or "", f"policy.{config.policy.backend}", f"generation.{config.generation.backend}",
              f"data_plane.{config.data_plane.backend}"]
     demands: list[Demand] = []

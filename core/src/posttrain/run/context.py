@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from posttrain.config.demands import check_demands_fit, run_demands, started_cluster_size
+from posttrain.config.demands import check_demands_fit, run_demands, started_cluster_size, with_in_policy_workers
 from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig
 from posttrain.config.validate import in_policy_workers_by_default, policy_in_driver_by_default, where_set
 from posttrain.errors import ConfigError, RunStopped, WorkerError
@@ -42,13 +42,6 @@ if TYPE_CHECKING:
 #: Seconds :meth:`RunContext.close` waits, in all, for threads still starting parts of a run
 #: that ended during its start-up (their actors were just removed, so they end quickly).
 STARTUP_SETTLE_S = 1.0
-
-
-def _with_in_policy_workers(config: RunConfig, chosen: bool) -> RunConfig:
-    """``config`` with ``generation.in_policy_workers`` set to ``chosen``."""
-    if config.generation.in_policy_workers is chosen:
-        return config
-    return attrs.evolve(config, generation=attrs.evolve(config.generation, in_policy_workers=chosen))
 
 
 def _hosts_engines(policy: Policy) -> bool:
@@ -212,7 +205,7 @@ class RunContext:
         if chosen is None:
             chosen = host is not None and in_policy_workers_by_default(config, self.host)
         if not chosen:
-            return factory(_with_in_policy_workers(config, False), self.cluster)
+            return factory(with_in_policy_workers(config, False), self.cluster)
         if host is None:
             raise ConfigError(
                 "generation.in_policy_workers is true, but this run's generation engines have no policy to run in "
@@ -222,10 +215,10 @@ class RunContext:
         policy = host.wait_value(self.stop.check_startup) if isinstance(host, Started) else host
         if config.generation.in_policy_workers is None:
             if not _hosts_engines(policy):
-                return factory(_with_in_policy_workers(config, False), self.cluster)
+                return factory(with_in_policy_workers(config, False), self.cluster)
             self.log.info("generation engines inside the policy's workers", backend=config.generation.backend,
                           setting="generation.in_policy_workers: null")
-        return factory(_with_in_policy_workers(config, True), self.cluster, host=policy)
+        return factory(with_in_policy_workers(config, True), self.cluster, host=policy)
 
     def build_data_plane(self) -> DataPlane:
         """The ``data_plane.backend`` data plane."""
