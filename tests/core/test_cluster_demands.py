@@ -92,3 +92,35 @@ def test_a_cluster_running_before_the_run_is_checked_once_connected(ray_cluster,
     finally:
         context.close()
     assert ray_cluster.available_resources().get("CPU") == total  # nothing was placed
+
+
+def test_gpus_ray_did_not_find_on_a_cluster_the_run_started_are_named_as_missing(ray_cluster, tmp_path, monkeypatch):
+    """A run that started its own cluster (here: Ray reports it started it) with
+    ``cluster.num_gpus`` null has the GPUs Ray found; asking for more is refused once Ray is
+    up, naming this machine, not a cluster to grow."""
+    import ray
+
+    import posttrain.distributed.cluster as cluster
+
+    config = load_config(EXAMPLE, ["algorithm=sft", "policy.resources.gpus=1", "cluster.use_gpus=true",
+                                   f"run_dir={tmp_path}"])
+    starts = []
+
+    def init_ray(config) -> bool:  # as if the first call had started this cluster
+        starts.append(config)
+        return len(starts) == 1
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: bool(starts))
+    monkeypatch.setattr(cluster, "init_ray", init_ray)
+    context = RunContext(config)
+    try:
+        with pytest.raises(ConfigError) as info:
+            context.start_cluster()
+    finally:
+        context.close()
+    assert str(info.value).startswith(
+        "The run's parts ask Ray for 1 GPUs in all, but Ray found 0 on this machine (cluster.num_gpus: null): worker "
+        "group 'policy' 1 x {CPU: 1, GPU: 1}. They are held together for the whole run, so the last to ask would wait "
+        "for a placement that never comes; no worker was started. Run it on a machine with 1 GPUs, or lower what the "
+        "parts ask for (policy.num_workers, policy.resources.cpus, policy.resources.gpus)."
+    )

@@ -134,7 +134,10 @@ def check_demands_fit(config: RunConfig, demands: Sequence[Demand], size: Mappin
         keys = [key for d in asking for key in d.keys]
         parts = "; ".join(d.describe() for d in asking)
         lower = f"or lower what the parts ask for ({', '.join(dict.fromkeys(keys))})"
-        if joined is None:
+        if joined is None and resource == "GPU" and config.cluster.num_gpus is None:
+            has = f"Ray found {size[resource]:g} on this machine (cluster.num_gpus: null)"
+            fix = f"Run it on a machine with {need:g} GPUs, {lower}."
+        elif joined is None:
             has = f"the Ray cluster the run starts has {size[resource]:g} (cluster.{field})"
             fix = f"Set cluster.{field}: {need:g}{' (logical CPUs may exceed the cores)' if resource == 'CPU' else ''}, {lower}."
         else:

@@ -202,7 +202,8 @@ class VirtualCluster:
     ranks it shares with (its :attr:`Colocated.shape` declared); otherwise, on a cluster of
     several nodes, its workers go to that group's nodes
     (:func:`~posttrain.distributed.placement.follow_nodes`). Either way it waits for that
-    group's placement.
+    group's placement. ``started_ray``: whether the caller connected this process by starting
+    a local cluster (None: the cluster connects it, :func:`init_ray`).
     """
 
     def __init__(
@@ -212,13 +213,14 @@ class VirtualCluster:
         placement_timeout_s: float = 120.0,
         colocate: Mapping[str, str | Colocated] | None = None,
         check: Callable[[], None] | None = None,
+        started_ray: bool | None = None,
     ):
         self.config = config
         self.placement_timeout_s = placement_timeout_s
         self.colocate = {name: c if isinstance(c, Colocated) else Colocated(c) for name, c in (colocate or {}).items()}
         check_node_count(config)
-        #: Whether this cluster started Ray itself (a local, one-node cluster sized by the config).
-        self.started_ray = init_ray(config)
+        #: Whether the run started Ray itself (a local, one-node cluster sized by the config).
+        self.started_ray = init_ray(config) if started_ray is None else started_ray
         #: The nodes alive once the run's nodes had joined.
         self.nodes: list[Node] = wait_for_nodes(
             count=config.num_nodes, timeout_s=config.node_wait_s, count_key="cluster.num_nodes",

@@ -120,9 +120,9 @@ class RunContext:
 
                 check_node_count(self.config.cluster)
                 self.cluster_requested = True
-                self._start_ray()
+                started_ray = self._start_ray()
                 self._cluster = VirtualCluster(self.config.cluster, colocate=colocated_groups(self.config) if colocate else {},
-                                               check=self.stop.check_startup)
+                                               check=self.stop.check_startup, started_ray=started_ray)
                 self.check_fits_cluster()
                 self.check_storage()
         self.stop.check_startup()
@@ -278,16 +278,18 @@ class RunContext:
         for startup in self._startups:
             startup.settle(max(0.0, deadline - time.monotonic()))
 
-    def _start_ray(self) -> None:
+    def _start_ray(self) -> bool:
+        """Connect this process to Ray unless it is; whether the run started a local cluster."""
         import ray
 
         from posttrain.distributed.cluster import init_ray
 
         if ray.is_initialized():
-            return
+            return False
         began = time.perf_counter()
-        init_ray(self.config.cluster)
+        started = init_ray(self.config.cluster)
         self.log.info("Ray started", seconds=round(time.perf_counter() - began, 2))
+        return started
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
