@@ -5,10 +5,12 @@
 randomly initialised model, so no group has all-equal rewards, every advantage is non-zero
 in general, and neither framework can skip work because a group carries no signal.
 
-posttrain runs it in its environment actors: the benchmark makes this module an installed
-plugin of its child processes only (:func:`install_plugin`: a ``.dist-info`` folder with
-the ``posttrain`` entry point on ``PYTHONPATH``, inherited by Ray's workers), so the run
-finds it exactly as it finds a pip-installed environment. With the ``record`` option (a
+It is declared light (:func:`~posttrain.config.environments.runs_in_driver`, as ``math``
+is), so posttrain calls it in the run's driver process, as TRL calls its reward function.
+The benchmark makes this module an installed plugin of its child processes only
+(:func:`install_plugin`: a ``.dist-info`` folder with the ``posttrain`` entry point on
+``PYTHONPATH``, inherited by Ray's workers), so the run finds it exactly as it finds a
+pip-installed environment. With the ``record`` option (a
 file path) every ``step`` call appends one JSON line: the prompts (user messages), the
 completion lengths in generated tokens (from the assistant message's ``token_ids``) and the
 rewards of the batch it scored. TRL's side calls :func:`vowel_share` through
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from posttrain import hookimpl
+from posttrain.config.environments import runs_in_driver
 from posttrain.interfaces import Environment, EnvironmentReturn
 
 NAME = "bench_reward"
@@ -79,9 +82,14 @@ def _all(log: Sequence[Any], role: str) -> list[Any]:
     return [m for m in log if m.get("role") == role]
 
 
+@runs_in_driver  # counts vowels
+def bench_reward_environment(options: Mapping[str, Any]) -> BenchRewardEnvironment:
+    return BenchRewardEnvironment(**dict(options))
+
+
 @hookimpl
 def posttrain_environments() -> Mapping[str, Any]:
-    return {NAME: lambda options: BenchRewardEnvironment(**dict(options))}
+    return {NAME: bench_reward_environment}
 
 
 def install_plugin(folder: Path) -> Path:

@@ -5,6 +5,7 @@ truncation), the context limit, and refit errors."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,7 +47,13 @@ def hf_model(vllm_model_path):
 
 
 @pytest.fixture(scope="module")
-def contract(ray_cluster, vllm_model_path, hf_model):
+def inductor_cache(tmp_path_factory) -> Path:
+    """Where torch's inductor would put what it compiles in the engine's process."""
+    return tmp_path_factory.mktemp("inductor") / "cache"
+
+
+@pytest.fixture(scope="module")
+def contract(ray_cluster, vllm_model_path, hf_model, inductor_cache):
     stop_token = stop_token_for(hf_model, PROMPTS[0], position=3, eos_token_ids=EOS)
     config = RunConfig(
         seed=3,
@@ -54,7 +61,8 @@ def contract(ray_cluster, vllm_model_path, hf_model):
         generation=GenerationConfig(
             backend="vllm", temperature=0.7, max_new_tokens=12, stop_token_ids=[stop_token],
             # vLLM-CPU's own fixed-size setting, which the engine must ignore (test_kv_cache_...)
-            resources=WorkerResources(cpus=1, env_vars={"VLLM_CPU_KVCACHE_SPACE": "1"}),
+            resources=WorkerResources(cpus=1, env_vars={"VLLM_CPU_KVCACHE_SPACE": "1",
+                                                        "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)}),
         ),
         sections={"generation.vllm": VllmGenerationConfig(detokenize=True)},  # stop strings per batch
     )
@@ -95,6 +103,12 @@ def test_release_refit_wake_cycle(contract):
 
 def test_each_call_draws_new_samples(contract):
     contract.check_fresh_samples()
+
+
+def test_an_eager_cpu_engine_compiled_nothing(contract, inductor_cache):
+    """After greedy and sampled calls with logprobs, vLLM's sampler helpers (the rank of
+    each sampled token) ran eagerly: inductor wrote no kernel, and ran no C++ compiler."""
+    assert not inductor_cache.exists() or not any(inductor_cache.rglob("*.so"))
 
 
 def test_context_limit_caps_the_budget_and_refuses_longer_prompts(contract):

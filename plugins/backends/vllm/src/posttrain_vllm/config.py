@@ -36,7 +36,9 @@ class VllmGenerationConfig:
     - ``max_model_len``: tokens per row (prompt + completion); None uses
       ``policy.max_total_sequence_length``.
     - ``enforce_eager``: skip torch.compile and CUDA graphs (much faster start; on CPU
-      compilation adds 8-21% throughput for 10-24 s of start-up).
+      compilation adds 8-21% throughput for 10-24 s of start-up). On CPU nothing in the
+      engine's process is compiled, vLLM's sampler helpers included
+      (:func:`~posttrain_vllm.worker.compile_nothing`).
     - ``gpu_memory_utilization``: fraction of GPU memory the engine may take (GPU only).
     - ``kv_cache_bytes``: the KV cache's size in bytes (vLLM's ``kv_cache_memory_bytes``).
       None: on GPU, what ``gpu_memory_utilization`` leaves; on CPU, room for as many rows as

@@ -70,6 +70,18 @@ CPU_BLOCK_TOKENS = 32
 KV_SPACE_VAR = "VLLM_CPU_KVCACHE_SPACE"
 
 
+def compile_nothing() -> None:
+    """Turn torch.compile off in this (the engine's) process. With ``enforce_eager`` vLLM
+    compiles no model, but its sampler still compiles small helpers of its own with inductor
+    on their first call (the rank of each sampled token, for its logprob). On CPU that ran a
+    C++ compiler in the first run on a machine (2 GB of ``cc1plus`` beside the run, for a
+    kernel that counts), and in every later run inductor's checks of the CPU's instruction set
+    (short-lived ``python -c`` processes of about 80 MB each, 335-439 MB in all, and a ``g++``)."""
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+
+
 class VllmEngineWorker(EngineWorker):
     """``engine_kwargs`` go to ``vllm.LLM`` last (they override the backend's choices).
     ``log_level`` is that of vLLM's logger (as ``VLLM_LOGGING_LEVEL``, which the factory
@@ -107,6 +119,8 @@ class VllmEngineWorker(EngineWorker):
         on_cuda = gpus_given()
         executor, executor_env = ray_executor(device_bundles())
         os.environ.update(executor_env)
+        if not on_cuda and enforce_eager:
+            compile_nothing()
         if not on_cuda:
             shape = AttentionShape.of(model_path)  # its head size was checked with the config
             kv_cache_bytes = kv_cache_bytes or cpu_kv_cache_bytes(shape, dtype, max_model_len, engine_kwargs)
