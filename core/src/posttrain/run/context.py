@@ -279,16 +279,16 @@ class RunContext:
             startup.settle(max(0.0, deadline - time.monotonic()))
 
     def _start_ray(self) -> bool:
-        """Connect this process to Ray unless it is; whether the run started a local cluster."""
+        """Connect this process to Ray unless it is (:func:`~posttrain.distributed.cluster.init_ray`);
+        whether the run started a local cluster."""
         import ray
 
         from posttrain.distributed.cluster import init_ray
 
-        if ray.is_initialized():
-            return False
-        began = time.perf_counter()
+        connected, began = ray.is_initialized(), time.perf_counter()
         started = init_ray(self.config.cluster)
-        self.log.info("Ray started", seconds=round(time.perf_counter() - began, 2))
+        if not connected:
+            self.log.info("Ray started", seconds=round(time.perf_counter() - began, 2))
         return started
 
 
