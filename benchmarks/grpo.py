@@ -18,6 +18,14 @@ Sides (alternating, each in its own process):
   decoding step.
 - ``posttrain-inside``: ``posttrain-hf`` with the engine inside the policy's worker
   (``generation.in_policy_workers``): no engine process, the refit in memory.
+- ``posttrain-exact``: ``posttrain-inside`` with exact logprobs (``generation.exact_logprobs``):
+  the engine reports each sampled token's logprob with the trainer's own arithmetic, so the
+  loss takes them (``rollout_correction: bypass``) and no previous-policy pass runs. Its cost
+  is in the generation stage.
+- ``posttrain-inside-2u``, ``posttrain-exact-2u``: the same two with two optimizer updates
+  per step (each on half of the step's samples). Off policy after the first update, the
+  default then runs a previous-policy pass over the step's samples (the ``logprobs``
+  stage), which exact mode skips: compare these two for the time it saves.
 - ``posttrain-apart``: ``posttrain`` with the engine on its own worker
   (``generation.colocated: false``), synchronous: generation and training take turns.
 - ``posttrain-apart-passive``: ``posttrain-apart`` with ``OMP_WAIT_POLICY=PASSIVE`` in the
@@ -192,14 +200,17 @@ def packed_row_tokens(spec: dict[str, Any]) -> int:
 
 def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, colocated: bool = True,
                    in_policy_workers: bool = False, max_staleness_steps: int = 0, split_cores: bool = False,
-                   passive: bool = False, in_driver: bool | None = None) -> dict[str, Any]:
+                   passive: bool = False, in_driver: bool | None = None, exact: bool = False,
+                   updates: int = 1) -> dict[str, Any]:
     """Run ``warmup + steps`` GRPO steps with ``run_algorithm`` (rollouts from the
     ``generation_backend``: ``vllm``, or ``hf`` decoding all 128 rows as one batch; the engine
     ``colocated`` with the policy or on its own worker, or ``in_policy_workers``; asynchronous with
     ``max_staleness_steps`` >= 1; ``split_cores``: the policy's threads on the first half of
     the cores, the vLLM engine's bound to the second half, for a policy and an engine that
     run at the same time; ``passive``: their OpenMP threads sleep when idle,
-    ``OMP_WAIT_POLICY=PASSIVE``, instead of spinning; ``in_driver``: ``policy.in_driver``); read back the step ends, losses and stage timings from
+    ``OMP_WAIT_POLICY=PASSIVE``, instead of spinning; ``in_driver``: ``policy.in_driver``;
+    ``exact``: ``generation.exact_logprobs``; ``updates``: optimizer updates per step, each on
+    an equal share of the step's samples); read back the step ends, losses and stage timings from
     ``metrics.jsonl`` and what every step generated from the reward environment's record."""
     from posttrain.config import config_from_dict
     from posttrain.data import encoder_from_config
@@ -221,7 +232,8 @@ def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, co
         "cluster": {"num_cpus": threads if split_cores else 2 * threads},
         "policy": {
             "backend": "dtensor", "model": spec["model_dir"], "dtype": "float32", "num_workers": 1,
-            "train_global_batch_size": samples, "train_micro_batch_size": samples, "logprob_micro_batch_size": samples,
+            "train_global_batch_size": samples // updates, "train_micro_batch_size": samples // updates,
+            "logprob_micro_batch_size": samples,
             "max_total_sequence_length": spec["max_len"], "max_grad_norm": 1.0,
             "sequence_packing": {"enabled": True, "max_tokens_per_row": packed_row_tokens(spec)},
             "optimizer": {"name": "adamw", "lr": spec["lr"]}, "scheduler": {"name": "constant"},
@@ -231,7 +243,7 @@ def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, co
         "generation": {
             "backend": generation_backend, "max_new_tokens": spec["max_new_tokens"], "temperature": 1.0, "top_p": 1.0,
             "top_k": None, "ignore_eos": dense, "colocated": colocated,
-            "in_policy_workers": in_policy_workers,
+            "in_policy_workers": in_policy_workers, "exact_logprobs": exact,
             "resources": {"cpus": threads - policy_threads if split_cores else threads, "env_vars": {**engine_env, **wait}},
             **({"hf": {"max_batch_size": samples}} if generation_backend == "hf" else {}),
         },
@@ -430,6 +442,9 @@ WORKLOAD = Workload(
         "posttrain-worker": lambda spec: posttrain_grpo(spec, in_driver=False),
         "posttrain-hf": lambda spec: posttrain_grpo(spec, "hf"),
         "posttrain-inside": lambda spec: posttrain_grpo(spec, "hf", in_policy_workers=True),
+        "posttrain-exact": lambda spec: posttrain_grpo(spec, "hf", in_policy_workers=True, exact=True),
+        "posttrain-inside-2u": lambda spec: posttrain_grpo(spec, "hf", in_policy_workers=True, updates=2),
+        "posttrain-exact-2u": lambda spec: posttrain_grpo(spec, "hf", in_policy_workers=True, exact=True, updates=2),
         "trl-best": lambda spec: trl_grpo(spec, best=True),
         "posttrain-apart": lambda spec: posttrain_grpo(spec, colocated=False),
         "posttrain-apart-passive": lambda spec: posttrain_grpo(spec, colocated=False, passive=True),
