@@ -119,9 +119,9 @@ class VllmEngineWorker(EngineWorker):
         on_cuda = gpus_given()
         executor, executor_env = ray_executor(device_bundles())
         os.environ.update(executor_env)
-        if not on_cuda and enforce_eager:
-            compile_nothing()
         if not on_cuda:
+            if enforce_eager:
+                compile_nothing()
             shape = AttentionShape.of(model_path)  # its head size was checked with the config
             kv_cache_bytes = kv_cache_bytes or cpu_kv_cache_bytes(shape, dtype, max_model_len, engine_kwargs)
             os.environ.pop(KV_SPACE_VAR, None)
