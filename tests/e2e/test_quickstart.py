@@ -1,5 +1,5 @@
-"""``posttrain quickstart``: its task files, its seed option, and a shortened run where every
-stage runs for real with fewer steps."""
+"""``posttrain quickstart``: its task files, its seed option, the full run of seed 0 (its
+outputs and its accuracies), and GRPO with LoRA from that run's SFT model."""
 
 from __future__ import annotations
 
@@ -47,29 +47,6 @@ def test_seed_override_is_refused_with_the_option_to_use(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.ray
-def test_short_quickstart_writes_its_outputs(tmp_path, ray_cluster):
-    from transformers import AutoModelForCausalLM
-
-    from posttrain.run.metrics import read_metrics
-    from posttrain_quickstart.run import run_quickstart
-
-    accuracies = run_quickstart(tmp_path, ["generation.backend=hf"], seed=1, sft_epochs=1, grpo_steps=2)
-
-    assert set(accuracies) == {"before SFT", "after SFT", "after GRPO"}
-    assert all(0.0 <= value <= 1.0 for value in accuracies.values())
-    png = tmp_path / "curves.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final_model")
-    assert model.config.num_hidden_layers == 4
-    train = read_metrics(tmp_path / "grpo" / "metrics.jsonl", phase="train")
-    assert [r["step"] for r in train] == [1, 2]
-    for record in train:
-        assert all(math.isfinite(v) for k, v in record.items() if isinstance(v, float))
-    sft = read_metrics(tmp_path / "sft" / "metrics.jsonl", phase="validation")
-    assert sft and math.isfinite(sft[-1]["loss"])
-
-
 @pytest.fixture(scope="module")
 def default_quickstart(tmp_path_factory, ray_cluster):
     """Seed 0 of the full quickstart: its folder and accuracies."""
@@ -92,6 +69,30 @@ def test_the_default_quickstart_gains_from_grpo(default_quickstart):
     assert accuracies["after SFT"] >= 0.40, accuracies
     # +0.10 is three standard errors (0.031 at most) of one accuracy on 256 problems
     assert accuracies["after GRPO"] - accuracies["after SFT"] >= 0.10, accuracies
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_the_default_quickstart_writes_its_outputs(default_quickstart):
+    """The curves, the final model (the quickstart's 4 layers), GRPO's metrics of every step
+    (finite) and SFT's validation losses, where the README says they are."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.run.metrics import read_metrics
+    from posttrain_quickstart.run import GRPO_STEPS
+
+    folder, accuracies = default_quickstart
+    assert set(accuracies) == {"before SFT", "after SFT", "after GRPO"}
+    png = folder / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    model = AutoModelForCausalLM.from_pretrained(folder / "final_model")
+    assert model.config.num_hidden_layers == 4
+    train = read_metrics(folder / "grpo" / "metrics.jsonl", phase="train")
+    assert [r["step"] for r in train] == list(range(1, GRPO_STEPS + 1))
+    for record in train:
+        assert all(math.isfinite(v) for k, v in record.items() if isinstance(v, float))
+    sft = read_metrics(folder / "sft" / "metrics.jsonl", phase="validation")
+    assert sft and math.isfinite(sft[-1]["loss"])
 
 
 @pytest.mark.slow
