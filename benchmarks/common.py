@@ -129,10 +129,14 @@ def set_eos_rate(model_dir: str | Path, rate: float, contexts: int = 64, length:
     ``b`` is solved (bisection) so that the mean EOS probability over ``contexts`` random
     token sequences of ``length`` tokens (every position) equals ``rate``. Deterministic:
     the same folder and arguments give the same weights. Sampling then stops at EOS with a
-    roughly geometric length distribution (per-token stop probability ``rate``)."""
+    roughly geometric length distribution (per-token stop probability ``rate``). A model whose
+    head is tied to its embedding is refused (the edit needs them apart)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if model.config.tie_word_embeddings:  # zeroing the head's column would zero the embedding's
+        raise SystemExit(f"{model_dir}: the skewed form gives the output head an EOS bias apart from the token "
+                         "embedding, but this model ties the two (tie_word_embeddings); use --form dense")
     eos, d = model.config.eos_token_id, EOS_DIM
     with torch.no_grad():
         model.model.embed_tokens.weight[:, d] = EOS_DIM_VALUE

@@ -56,6 +56,16 @@ def test_eos_rate_edit_gives_the_intended_rate_and_completion_lengths(tmp_path):
     assert common.weights_digest(again) == common.weights_digest(folder)  # deterministic
 
 
+def test_eos_rate_edit_refuses_a_head_tied_to_the_embedding(tmp_path):
+    """Zeroing the head's column of a tied model zeroes the embedding's too, and the bias then
+    divides by zero: the edit once wrote NaN weights and went on (the Qwen3-0.6B shape)."""
+    from posttrain.testing.zoo import build_zoo_model
+
+    folder = build_zoo_model(tmp_path / "model", "llama_tied", tokenizer="character")
+    with pytest.raises(SystemExit, match="ties the two .tie_word_embeddings.; use --form dense"):
+        common.set_eos_rate(folder, grpo.EOS_RATE)
+
+
 def report(prompts, completion_lengths, loss=-0.1, lr=1e-6):
     return {"settings": {"lr": lr}, "losses": [loss],
             "steps": [grpo.grpo_step_record(prompts, completion_lengths)]}
