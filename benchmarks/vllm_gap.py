@@ -150,9 +150,6 @@ def run_engine(model: Path, variant: str, prompts: list[list[int]], folder: Path
 def trainer_scores(model: Path, batches: list[list[list[int]]]) -> list[list[list[float]]]:
     """The ``dtensor`` policy's logprob of every token after the first, of each row of each of
     ``batches`` (one rank, float32, in this process)."""
-    import torch
-
-    from posttrain.batch import Batch
     from posttrain.config.schema import ClusterConfig, PolicyConfig, RunConfig, WorkerResources
     from posttrain.distributed import VirtualCluster
     from posttrain.plugins import plugin_host
@@ -163,36 +160,33 @@ def trainer_scores(model: Path, batches: list[list[list[int]]]) -> list[list[lis
                                                    resources=WorkerResources(cpus=1)))
     cluster = VirtualCluster(ClusterConfig(num_cpus=2))
     policy = plugin_host().policy_backends["dtensor"](config, cluster, name=f"gap-{model.parent.name}")
-    scores = []
     try:
-        for rows in batches:
-            batch = prompt_batch(rows)
-            logprobs = policy.get_logprobs(Batch(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"]))
-            scores.append([logprobs["logprobs"][i, 1:len(row)].to(torch.float64).tolist() for i, row in enumerate(rows)])
+        return [row_scores(policy.get_logprobs(prompt_batch(rows))["logprobs"], rows) for rows in batches]
     finally:
         policy.shutdown()
         cluster.shutdown()
-    return scores
 
 
 def exact_scores(model: Path, batches: list[list[list[int]]]) -> list[list[list[float]]]:
     """Like :func:`trainer_scores`, computed in float64 by transformers (eager attention and
-    experts, each row alone): the logprobs both float32 sides round."""
+    experts, each row alone: :func:`~posttrain.testing.policy.reference_logprobs`): the
+    logprobs both float32 sides round."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64, attn_implementation="eager",
-                                                     experts_implementation="eager").eval()
-    scores = []
+    from posttrain.testing.generation import prompt_batch
+    from posttrain.testing.policy import reference_logprobs, reference_model
+
+    reference = reference_model(model).eval()
     with torch.no_grad():
-        for rows in batches:
-            batch = []
-            for row in rows:
-                ids = torch.tensor([row])
-                logprobs = torch.log_softmax(reference(ids).logits[0, :-1].double(), dim=-1)
-                batch.append(logprobs.gather(1, ids[0, 1:, None])[:, 0].tolist())
-            scores.append(batch)
-    return scores
+        return [row_scores(reference_logprobs(reference, prompt_batch(rows)), rows) for rows in batches]
+
+
+def row_scores(logprobs: Any, rows: list[list[int]]) -> list[list[float]]:
+    """Each row's logprobs after its first token, from ``[B, S]`` ``logprobs`` (position ``t``:
+    the logprob of token ``t``), as float64 lists."""
+    import torch
+
+    return [logprobs[i, 1:len(row)].to(torch.float64).tolist() for i, row in enumerate(rows)]
 
 
 # ----------------------------------------------------------------------------- one model
