@@ -26,14 +26,16 @@ def tiny_model_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def zoo_model(tmp_path_factory):
     """``zoo_model(name)``: the folder of the seeded tiny checkpoint of
-    :mod:`posttrain.testing.zoo` architecture ``name``, built once per session."""
-    from posttrain.testing.zoo import build_zoo_model
+    :mod:`posttrain.testing.zoo` architecture ``name`` (a vision-language one included),
+    built once per session."""
+    from posttrain.testing.zoo import VISION_ARCHITECTURES, build_zoo_model, build_zoo_vlm
 
     built: dict[str, str] = {}
 
     def path(name: str) -> str:
         if name not in built:
-            built[name] = str(build_zoo_model(tmp_path_factory.mktemp(f"zoo_{name}"), name))
+            build = build_zoo_vlm if name in VISION_ARCHITECTURES else build_zoo_model
+            built[name] = str(build(tmp_path_factory.mktemp(f"zoo_{name}"), name))
         return built[name]
 
     return path

@@ -42,13 +42,14 @@ RENDERED = {
     "olmo2": "<|endoftext|><|system|>\nBe brief.\n<|user|>\nWhat is 7 plus 5?\n<|assistant|>\n12<|endoftext|>\n"
     "<|user|>\nAnd 9 times 8?\n<|assistant|>\n72<|endoftext|>",
 }
-RENDERED["chatml_generation"] = RENDERED["chatml"]
+RENDERED["chatml_generation"] = RENDERED["chatml_vision"] = RENDERED["chatml"]
 
 #: The loss tokens' text: the assistant's answers and the tokens that end them (what follows,
 #: up to the next turn, too where the template has no markers and the prefix rule finds the turns).
 MASKED = {
     "chatml": "12<|im_end|>\n72<|im_end|>\n",
     "chatml_generation": "12<|im_end|>72<|im_end|>",
+    "chatml_vision": "12<|im_end|>\n72<|im_end|>\n",
     "llama3": "12<|eot_id|>72<|eot_id|>",
     "gemma2": "12<end_of_turn>\n72<end_of_turn>\n",
     "gemma3": "12<end_of_turn>\n72<end_of_turn>\n",

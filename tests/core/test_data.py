@@ -336,7 +336,7 @@ def test_wrong_type_names_the_key_and_what_was_found(tmp_path, encoder):
         f"{path} row 2: 'chosen' and 'rejected' must both be strings or both be message lists, found int 5 and str 'c'"
     )
     path = write_rows(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": 3}]}])
-    with pytest.raises(DataError, match=r"bad\.jsonl row 1: 'messages'\[0\]\['content'\] must be a string, found int 3"):
+    with pytest.raises(DataError, match=r"bad\.jsonl row 1: 'messages'\[0\]\['content'\] must be a string or a list of parts, found int 3"):
         build_dataset(path, "prompt", encoder)
 
 

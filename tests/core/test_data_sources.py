@@ -283,7 +283,7 @@ def test_a_source_with_its_own_columns_and_data_columns(tmp_path, encoder):
                              "prompt. Did you mean 'question'?"),
     ({"question": "promt"}, "data.train.columns: column 'question' is mapped to 'promt', which no format reads; map "
                             "columns to messages, prompt, response, system, chosen, rejected, answer, task, "
-                            "metadata, tools. Did you mean 'prompt'?"),
+                            "metadata, tools, images. Did you mean 'prompt'?"),
     ({"question": "response", "answer": "response"},
      "data.train.columns: columns 'question' and 'answer' are both mapped to 'response'; map one column to each key"),
     ({"question": "prompt", "answer": "response"},

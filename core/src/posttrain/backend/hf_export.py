@@ -4,13 +4,14 @@ Shared by policy backends: weight export for refitting generation engines goes b
 bucket (:func:`bucket_names`), and a Hugging Face folder is one safetensors shard per
 bucket plus ``model.safetensors.index.json`` (:class:`HFShardWriter`, driven collectively by
 :func:`write_hf_shards`), with the model's
-config, generation config and tokenizer beside them (:func:`write_hf_metadata`).
+config, generation config, tokenizer and processor files beside them (:func:`write_hf_metadata`).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +23,10 @@ if TYPE_CHECKING:
     from transformers import GenerationConfig, PretrainedConfig
 
 INDEX_FILE = "model.safetensors.index.json"
+#: A vision-language model's processor files beside its tokenizer (the image processor's
+#: settings, the processor's own, its chat template when kept apart).
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.json")
 
 
 def bucket_names(sizes: Sequence[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
@@ -103,9 +108,11 @@ def write_hf_metadata(
     tokenizer_source: str,
     dtype: torch.dtype,
     generation_config: GenerationConfig | None = None,
+    model_source: str | None = None,
 ) -> None:
-    """Write ``config.json`` (with ``dtype``), the generation config when given, and the
-    tokenizer loaded from ``tokenizer_source`` into the Hugging Face folder ``path``."""
+    """Write ``config.json`` (with ``dtype``), the generation config when given, the tokenizer
+    loaded from ``tokenizer_source`` and, for a vision-language model, the processor files
+    (:data:`PROCESSOR_FILES`) found there or in ``model_source`` into the Hugging Face folder ``path``."""
     from transformers import AutoTokenizer
 
     config = copy.deepcopy(hf_config)
@@ -114,3 +121,8 @@ def write_hf_metadata(
     if generation_config is not None:
         generation_config.save_pretrained(path)
     AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(path)
+    for name in PROCESSOR_FILES:
+        found = [Path(folder) / name for folder in (tokenizer_source, model_source) if folder]
+        for file in (f for f in found if f.is_file()):
+            shutil.copyfile(file, Path(path) / name)
+            break

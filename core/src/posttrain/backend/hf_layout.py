@@ -25,10 +25,10 @@ def conversion_model(config: Any) -> Any:
     """A transformers causal LM of ``config`` (a ``PretrainedConfig``) on the meta device (no
     memory): what :func:`checkpoint_tensors` needs to know a model's conversions where only
     its config is at hand (a generation engine)."""
-    from transformers import AutoModelForCausalLM
+    from posttrain.models.auto import generative_class
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return generative_class(config).from_config(config)
 
 
 def has_conversions(model: Any) -> bool:

@@ -23,6 +23,10 @@ dataset adds the row.
 Truncation keeps the first ``max_length`` tokens (the end is cut). The mask is cut with the
 tokens, so the loss covers only the assistant tokens that remain; an example left with no
 loss tokens is kept but marked, and the dataset gives it ``sample_mask`` 0.
+
+Images (:mod:`posttrain.data.images`): with a vision-language model's :class:`ImageInputs`,
+each image's placeholder is widened to the image's tokens before truncation, which never
+keeps part of an image: a cut inside one moves to before it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 import attrs
 
 from posttrain.data.formats import Message, RowError
+from posttrain.data.images import ImageInputs, image_parts, message_texts
 from posttrain.errors import ConfigError
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -48,6 +53,7 @@ class Encoded:
     token_mask: list[int]
     truncated: bool = False
     full_length: int = attrs.field(default=attrs.Factory(lambda self: len(self.input_ids), takes_self=True))
+    num_images: int = 0  # the leading images whose tokens the ids hold (all of them unless truncated)
 
     @property
     def num_loss_tokens(self) -> int:
@@ -79,7 +85,10 @@ class ChatEncoder:
     ``chat_template`` came from, for messages (e.g. ``data.chat_template``); without a
     template, the tokenizer's own is used and named by the tokenizer's folder."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None = None, *, source: str | None = None):
+    def __init__(
+        self, tokenizer: Any, chat_template: str | None = None, *, source: str | None = None,
+        images: ImageInputs | None = None,
+    ):
         template = chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
             raise ConfigError(
@@ -89,6 +98,8 @@ class ChatEncoder:
             )
         self.tokenizer = tokenizer
         self.template = template
+        #: A vision-language model's image inputs; None for a text-only model.
+        self.images = images
         #: Where the template comes from, as messages name it.
         self.source = (source or "the given chat template") if chat_template else (
             f"the chat template of the tokenizer '{getattr(tokenizer, 'name_or_path', '') or '?'}'"
@@ -102,13 +113,15 @@ class ChatEncoder:
 
     def encode(
         self, messages: Sequence[Message], *, loss_from: int = 0, max_length: int | None = None,
-        tools: Sequence[Any] | None = None,
+        tools: Sequence[Any] | None = None, image_tokens: Sequence[int] = (),
     ) -> Encoded:
         """Tokenise a whole conversation (with ``tools`` rendered by the template); mask the
-        assistant turns at index ``loss_from`` and after.
+        assistant turns at index ``loss_from`` and after. ``image_tokens``: the tokens of each
+        of the conversation's images, in order (:meth:`ImageInputs.tokens`).
 
         ``loss_from`` > 0 leaves earlier assistant turns (part of a preference prompt) unmasked.
         """
+        self._check_images(messages, image_tokens)
         self._check_roles(messages, tools)
         if self.marks_generation:
             ids, mask = self._render(messages, assistant_mask=True, tools=tools)
@@ -119,13 +132,43 @@ class ChatEncoder:
             prompt_ids = self._render(messages[:loss_from], add_generation_prompt=True)[0]
             boundary = _common_prefix_length(prompt_ids, ids)
             mask[:boundary] = [0] * boundary
-        return _truncate(ids, mask, max_length)
+        return self._truncate(ids, mask, max_length, image_tokens)
 
     def encode_prompt(self, messages: Sequence[Message], *, max_length: int | None = None) -> Encoded:
         """Tokenise a prompt followed by the generation prompt (the assistant turn header); no loss tokens."""
+        self._check_images(messages, ())
         self._check_roles(messages)
         ids = self._render(messages, add_generation_prompt=True)[0]
         return _truncate(ids, [0] * len(ids), max_length)
+
+    def _check_images(self, messages: Sequence[Message], image_tokens: Sequence[int]) -> None:
+        """Refuse image parts for a text-only model, and (for now) in prompts to generate from."""
+        if not image_parts(messages):
+            return
+        if self.images is None:
+            name = getattr(self.tokenizer, "name_or_path", "") or "?"
+            raise ConfigError(
+                f"the row has images, but the model of '{name}' is a text-only model (its config.json has no "
+                "vision_config); set policy.model to a vision-language model, or leave the images out of the data"
+            )
+        if not image_tokens:
+            raise ConfigError(
+                "the row's prompt has images; generation from image prompts is not supported yet: image rows are "
+                "read for SFT (messages and prompt_response rows)"
+            )
+
+    def _truncate(self, ids: list[int], mask: list[int], max_length: int | None, image_tokens: Sequence[int]) -> Encoded:
+        """The images' placeholders widened, then :func:`_truncate`, the cut moved to before
+        an image it would split."""
+        if self.images is None or not image_tokens:
+            return _truncate(ids, mask, max_length)
+        ids, mask = self.images.widen(ids, mask, image_tokens)
+        if max_length is not None and len(ids) > max_length:
+            placeholder = self.images.placeholder_id
+            while max_length > 0 and ids[max_length] == placeholder and ids[max_length - 1] == placeholder:
+                max_length -= 1
+        out = _truncate(ids, mask, max_length)
+        return attrs.evolve(out, num_images=self.images.kept_images(out.input_ids, image_tokens))
 
     def _prefix_mask(self, messages: Sequence[Message], ids: list[int], tools: Sequence[Any] | None = None) -> list[int]:
         """Assistant turn ``i`` spans from the end of ``messages[:i]`` rendered with the
@@ -152,12 +195,12 @@ class ChatEncoder:
     def _check_roles(self, messages: Sequence[Message], tools: Sequence[Any] | None = None) -> None:
         """On the first message of each role with text: that the template writes its text
         (stripped), else a :class:`RowError` naming the role and the template."""
-        new = [m for m in messages if m["role"] not in self._rendered_roles and str(m.get("content") or "").strip()]
+        new = [m for m in messages if m["role"] not in self._rendered_roles and "".join(message_texts(m)).strip()]
         if not new:
             return
         text = self._apply(messages, tokenize=False, tools=tools)
         for message in new:
-            if message["content"].strip() not in text:
+            if any(part.strip() not in text for part in message_texts(message)):
                 roles = ", ".join(dict.fromkeys(m["role"] for m in messages))
                 raise RowError(
                     f"{self.source} does not render the '{message['role']}' message of this conversation (roles: "

@@ -16,6 +16,10 @@ float32 [B, S] (1 on loss tokens, aligned with the token it scores) and ``sample
 float32 [B]. ``sample_mask`` is 0 for an example that truncation left with no loss
 tokens (for a pair: when either side has none) and for a truncated prompt.
 
+Image rows (:mod:`posttrain.data.images`, SFT): the example keeps its images' encoded bytes
+(an ``images`` column) and the batch gains the per-sample ``pixel_values`` and
+``image_grid_thw`` lists the vision-language model takes.
+
 Examples are stored tokenised in a Hugging Face ``datasets.Dataset`` (Arrow, in memory),
 so a large dataset costs a few bytes per token rather than a Python object per token.
 """
@@ -44,6 +48,7 @@ from posttrain.data.formats import (
     detect_format,
     parse_row,
 )
+from posttrain.data.images import ImageInputs, image_references, read_image
 from posttrain.data.sources import RowSource, open_source
 from posttrain.errors import ConfigError, DataError, did_you_mean
 from posttrain.log import get_logger
@@ -79,11 +84,12 @@ class LoadReport:
 class TokenizedDataset:
     """Encoded examples of one kind; :meth:`collate` makes a :class:`Batch` of any of them."""
 
-    def __init__(self, table: Any, kind: str, pad_token_id: int, report: LoadReport):
+    def __init__(self, table: Any, kind: str, pad_token_id: int, report: LoadReport, images: ImageInputs | None = None):
         self.table = table  # datasets.Dataset
         self.kind = kind
         self.pad_token_id = pad_token_id
         self.report = report
+        self.images = images  # a vision-language model's image inputs: the batches of image rows get pixels
 
     def __len__(self) -> int:
         return len(self.table)
@@ -121,7 +127,7 @@ class TokenizedDataset:
 
     def collate(self, indices: Sequence[int]) -> Batch:
         """The examples at ``indices`` as a batch (preference: 2 rows per example)."""
-        return collate_rows(self.kind, self.rows(indices), self.pad_token_id)
+        return collate_rows(self.kind, self.rows(indices), self.pad_token_id, self.images)
 
     def set_default_task(self, task: str) -> None:
         """Give ``task`` to the prompt rows that name none."""
@@ -129,10 +135,13 @@ class TokenizedDataset:
         self.table = self.table.remove_columns("task").add_column("task", tasks)
 
 
-def collate_rows(kind: str, cols: Mapping[str, Sequence[Any]], pad_token_id: int) -> Batch:
+def collate_rows(
+    kind: str, cols: Mapping[str, Sequence[Any]], pad_token_id: int, images: ImageInputs | None = None
+) -> Batch:
     """A batch of ``kind`` from stored columns (:meth:`TokenizedDataset.rows`): padded ids and
     masks; for prompts also the decoded ``messages``, ``answer``, ``metadata``, and ``task``,
-    ``origin`` and, when the columns hold it, ``source``."""
+    ``origin`` and, when the columns hold it, ``source``; with ``images``, the image fields
+    (:data:`~posttrain.data.images.IMAGE_FIELDS`) of the ``images`` column."""
     if kind == "preference":
         chosen = zip(cols["chosen_input_ids"], cols["chosen_token_mask"], strict=True)
         rejected = zip(cols["rejected_input_ids"], cols["rejected_token_mask"], strict=True)
@@ -142,6 +151,8 @@ def collate_rows(kind: str, cols: Mapping[str, Sequence[Any]], pad_token_id: int
         seqs = list(zip(cols["input_ids"], cols["token_mask"], strict=True))
         sample_mask = cols["sample_mask"]
     batch = _pad(seqs, sample_mask, pad_token_id)
+    if images is not None and "images" in cols:
+        batch.update(images.model_inputs(cols["images"]))
     if kind == "prompt":
         for name in ("messages", "answer", "metadata"):
             batch[name] = [json.loads(v) for v in cols[name]]
@@ -180,7 +191,7 @@ def build_dataset(
     rows = source if isinstance(source, RowSource) else open_source(source)
     plan = plan_columns(rows, kind)
     label = rows.label
-    builder = _TableBuilder(kind)
+    builder = _TableBuilder(kind, images=encoder.images is not None)
     skipped: list[str] = []
     num_rows = num_truncated = num_without_loss = longest_without_loss = 0
     for number, row in rows:
@@ -193,7 +204,7 @@ def build_dataset(
             if fmt == "auto":
                 fmt = _detect(label, kind, number, row)
             example = parse_row(row, fmt)
-            columns, truncated, full_length = _encode(example, encoder, max_length)
+            columns, truncated, full_length = _encode(example, encoder, max_length, rows.folder)
         except RowError as exc:
             message = f"{label} row {number}: {exc}"
             if not skip_malformed:
@@ -221,7 +232,7 @@ def build_dataset(
             f"the first: {skipped[0]}"
         )
     _log_report(report)
-    return TokenizedDataset(builder.finish(), kind, encoder.pad_token_id, report)
+    return TokenizedDataset(builder.finish(), kind, encoder.pad_token_id, report, encoder.images)
 
 
 def _detect(label: str, kind: str, number: int, row: Any) -> str:
@@ -241,13 +252,19 @@ def _detect(label: str, kind: str, number: int, row: Any) -> str:
     return fmt
 
 
-def _encode(example: Any, encoder: ChatEncoder, max_length: int | None) -> tuple[dict[str, Any], bool, int]:
+def _encode(
+    example: Any, encoder: ChatEncoder, max_length: int | None, folder: str | None = None
+) -> tuple[dict[str, Any], bool, int]:
     """The stored columns of one example, whether truncation cut it, and its tokens before
-    truncation (the longer side of a pair)."""
+    truncation (the longer side of a pair). Relative image paths are read from ``folder``."""
     if isinstance(example, SFTExample):
-        enc = encoder.encode(example.messages, max_length=max_length, tools=example.tools)
-        return {"input_ids": enc.input_ids, "token_mask": enc.token_mask,
-                "sample_mask": int(enc.num_loss_tokens > 0)}, enc.truncated, enc.full_length
+        images = [read_image(ref, folder) for ref in image_references(example.messages, example.images)]
+        tokens = [encoder.images.tokens(g) for g in encoder.images.grids(images)] if images and encoder.images else ()
+        enc = encoder.encode(example.messages, max_length=max_length, tools=example.tools, image_tokens=tokens)
+        columns = {"input_ids": enc.input_ids, "token_mask": enc.token_mask, "sample_mask": int(enc.num_loss_tokens > 0)}
+        if encoder.images is not None:
+            columns["images"] = images[:enc.num_images]
+        return columns, enc.truncated, enc.full_length
     if isinstance(example, PreferenceExample):
         pair: list[Encoded] = [
             encoder.encode([*example.prompt, *completion], loss_from=len(example.prompt), max_length=max_length)
@@ -268,7 +285,7 @@ def _encode(example: Any, encoder: ChatEncoder, max_length: int | None) -> tuple
 class _TableBuilder:
     """Accumulate encoded columns and build the Arrow-backed dataset in chunks."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, *, images: bool = False):
         import datasets
 
         seq = getattr(datasets, "List", None) or datasets.Sequence
@@ -281,6 +298,8 @@ class _TableBuilder:
             "prompt": {"input_ids": ids, "token_mask": mask, "messages": text, "answer": text, "metadata": text,
                        "task": text},
         }[kind]
+        if images and kind == "sft":
+            per_kind["images"] = seq(datasets.Value("binary"))
         self.features = datasets.Features({**per_kind, **common})
         self.columns: dict[str, list[Any]] = {name: [] for name in self.features}
         self.parts: list[Any] = []

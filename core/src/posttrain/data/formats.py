@@ -15,6 +15,10 @@ Formats (``data.format``):
   ``{"prompt": str}``, with optional ``answer`` (any JSON value), ``task`` (environment
   name), ``metadata`` (object) and ``system``. Every other key is kept in the metadata.
 
+A message's ``content`` is a string or, for a vision-language model, a list of ``text`` and
+``image`` parts (:mod:`posttrain.data.images`); ``messages`` and ``prompt_response`` rows may
+carry an ``images`` list for image parts that name no image of their own.
+
 A key whose value is null counts as missing (Arrow writes nulls for absent keys in
 parquet), and null-valued keys inside messages are dropped.
 """
@@ -29,7 +33,8 @@ import attrs
 FORMATS = ("messages", "prompt_response", "preference", "prompt")
 
 #: Every key a format reads; ``data.columns`` renames dataset columns to these.
-ROW_KEYS = ("messages", "prompt", "response", "system", "chosen", "rejected", "answer", "task", "metadata", "tools")
+ROW_KEYS = ("messages", "prompt", "response", "system", "chosen", "rejected", "answer", "task", "metadata", "tools",
+            "images")
 
 #: What each kind of dataset (what an algorithm consumes) accepts.
 KIND_FORMATS: dict[str, tuple[str, ...]] = {
@@ -40,6 +45,8 @@ KIND_FORMATS: dict[str, tuple[str, ...]] = {
 
 Message = dict[str, Any]
 _PROMPT_KEYS = ("messages", "prompt", "system", "task", "metadata")
+#: The kinds of parts a message's content list may hold.
+PART_TYPES = ("text", "image")
 
 
 class RowError(ValueError):
@@ -50,6 +57,7 @@ class RowError(ValueError):
 class SFTExample:
     messages: list[Message]
     tools: list[dict[str, Any]] | None = None  # rendered by the chat template (apply_chat_template tools=)
+    images: list[Any] | None = None  # the row's images column: for image parts that name no image
 
 
 @attrs.frozen
@@ -111,14 +119,21 @@ def _parse_messages(row: Mapping[str, Any]) -> SFTExample:
     tools = row.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)):
         raise RowError(f"'tools' must be a list of JSON schemas (objects), found {_describe(tools)}")
-    return SFTExample(messages, [dict(t) for t in tools] if tools else None)
+    return SFTExample(messages, [dict(t) for t in tools] if tools else None, _images(row))
 
 
 def _parse_prompt_response(row: Mapping[str, Any]) -> SFTExample:
     need = "prompt_response rows need 'prompt' and 'response'"
     prompt = _prompt(row, _require(row, "prompt", need))
     response = _string(_require(row, "response", need), "response")
-    return SFTExample([*prompt, {"role": "assistant", "content": response}])
+    return SFTExample([*prompt, {"role": "assistant", "content": response}], images=_images(row))
+
+
+def _images(row: Mapping[str, Any]) -> list[Any] | None:
+    images = row.get("images")
+    if images is not None and not isinstance(images, list):
+        raise RowError(f"'images' must be a list of images (paths, bytes or image values), found {_describe(images)}")
+    return list(images) if images else None
 
 
 def _parse_preference(row: Mapping[str, Any]) -> PreferenceExample:
@@ -225,10 +240,23 @@ def _messages(value: Any, key: str) -> list[Message]:
         if not isinstance(message.get("role"), str):
             raise RowError(f"{where} needs a string 'role', found {_describe(message.get('role'))}")
         content = message.get("content")
-        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
-            raise RowError(f"{where}['content'] must be a string, found {_describe(content)}")
+        if isinstance(content, list):
+            message["content"] = [_part(part, f"{where}['content'][{j}]") for j, part in enumerate(content)]
+        elif not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+            raise RowError(f"{where}['content'] must be a string or a list of parts, found {_describe(content)}")
         out.append(message)
     return out
+
+
+def _part(part: Any, where: str) -> dict[str, Any]:
+    """One part of a content list: ``{"type": "text", "text": str}`` or ``{"type": "image", ...}``."""
+    if not isinstance(part, Mapping) or part.get("type") not in PART_TYPES:
+        found = part.get("type") if isinstance(part, Mapping) else part
+        raise RowError(f"{where} must be an object with 'type' one of {', '.join(PART_TYPES)}, found {_describe(found)}")
+    part = {k: v for k, v in part.items() if v is not None}
+    if part["type"] == "text" and not isinstance(part.get("text"), str):
+        raise RowError(f"{where} is a text part; its 'text' must be a string, found {_describe(part.get('text'))}")
+    return part
 
 
 def _strip_prefix(messages: list[Message], prompt: list[Message]) -> list[Message]:

@@ -79,6 +79,7 @@ class MixedDataset:
         self.shares: tuple[Share, ...] = tuple(shares)
         self.kind = parts[0].kind
         self.pad_token_id = parts[0].pad_token_id
+        self.images = parts[0].images
         weighted = [share for share in shares if share.weighted]
         # the sum of linear pieces is positive everywhere when it is at every point where a piece begins
         for batch in sorted({0.0, *(b for share in weighted for b, _ in share.schedule or ())}):
@@ -128,7 +129,7 @@ class MixedDataset:
         return out
 
     def collate(self, indices: Sequence[int]) -> Batch:
-        return collate_rows(self.kind, self.rows(indices), self.pad_token_id)
+        return collate_rows(self.kind, self.rows(indices), self.pad_token_id, self.images)
 
     # ------------------------------------------------------------------ epochs
 

@@ -6,6 +6,7 @@ from posttrain.config.schema import DataSource, RunConfig
 from posttrain.config.validate import where_set
 from posttrain.data.chat import ChatEncoder, load_tokenizer, read_chat_template
 from posttrain.data.dataset import TokenizedDataset, build_dataset
+from posttrain.data.images import ImageInputs
 from posttrain.data.lengths import check_lengths
 from posttrain.data.loader import StatefulDataLoader
 from posttrain.data.mixture import MixedDataset, Share, source_tag
@@ -15,12 +16,13 @@ from posttrain.log import get_logger
 
 
 def encoder_from_config(config: RunConfig) -> ChatEncoder:
-    """The chat encoder of the policy's tokenizer, with ``data.chat_template`` when set."""
+    """The chat encoder of the policy's tokenizer, with ``data.chat_template`` when set, and the
+    image inputs of a vision-language ``policy.model``."""
     tokenizer = load_tokenizer(config.policy.tokenizer or config.policy.model)
     value = config.data.chat_template
     template = read_chat_template(value) if value else None
     source = f"data.chat_template ('{value}')" if value and "{" not in value else "data.chat_template"
-    return ChatEncoder(tokenizer, template, source=source)
+    return ChatEncoder(tokenizer, template, source=source, images=ImageInputs.from_model(config.policy.model, tokenizer))
 
 
 def dataset_from_config(

@@ -53,6 +53,7 @@ class RowSource:
     set_at: str | None = None
     rename: Mapping[str, str] = attrs.field(factory=dict)
     rename_key: str = "data.columns"
+    folder: str | None = None  # a local file's folder: where relative image paths are read from
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         return self.read()
@@ -136,7 +137,7 @@ def _open_path(source: DataSource, at: _Where) -> RowSource:
                     f"{at.field(name)}: {path} is a file, which has no {name}s ({name} applies to dataset folders "
                     "and Hub datasets); remove it"
                 )
-        return RowSource(str(path), read_columns(path), lambda: read_rows(path))
+        return RowSource(str(path), read_columns(path), lambda: read_rows(path), folder=str(path.parent))
     if not path.is_dir():
         raise DataError(_missing(path, source, at))
     import datasets

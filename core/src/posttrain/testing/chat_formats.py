@@ -3,7 +3,7 @@
 :func:`build_chat_tokenizer` trains a byte-level BPE (the kind GPT-2, Llama 3, Qwen and OLMo
 ship) on :data:`CORPUS` with the ``tokenizers`` library, then adds a family's special tokens
 after the learned vocabulary and its chat template: :data:`FORMATS` holds ChatML (Qwen 2 and,
-with ``{% generation %}`` markers, Qwen 3), Llama 3's headers, Gemma 2's and Gemma 3's turns,
+with ``{% generation %}`` markers, Qwen 3; with image parts, Qwen-VL), Llama 3's headers, Gemma 2's and Gemma 3's turns,
 Phi-3's role tags, Mistral's ``[INST]`` and OLMo 2's (Tulu) tags. Nothing is downloaded; the
 same arguments give the same tokenizer on every machine.
 
@@ -86,6 +86,16 @@ _CHATML = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 _CHATML_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+#: Qwen-VL's ChatML: a message's content is text or a list of parts, each image part written
+#: as the vision tokens around one image placeholder (the processor widens it to the image's tokens).
+_CHATML_VISION = (
+    "{%- macro render(content) %}{%- if content is string %}{{- content }}{%- else %}"
+    "{%- for part in content %}{%- if part['type'] == 'image' %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}{%- endfor %}{%- endif %}{%- endmacro %}"
+    + _CHATML.replace("message['content']", "render(message['content'])")
+)
+_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
 
 _LLAMA3 = (
     "{{- bos_token }}"
@@ -161,6 +171,11 @@ FORMATS: dict[str, ChatFormat] = {
         template=_CHATML.replace(
             "__ASSISTANT__", "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
         ),
+    ),
+    "chatml_vision": ChatFormat(
+        (*_CHATML_TOKENS, *_VISION_TOKENS), eos="<|im_end|>", pad="<|endoftext|>", stops=("<|im_end|>", "<|endoftext|>"),
+        qwen_split=True,
+        template=_CHATML_VISION.replace("__ASSISTANT__", "{{- render(message['content']) + '<|im_end|>' }}"),
     ),
     "llama3": ChatFormat(
         ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",

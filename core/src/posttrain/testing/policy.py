@@ -87,20 +87,27 @@ def contract_batch(lengths: tuple[int, ...] = LENGTHS, *, seed: int = 0, dropped
 def reference_model(model_path: str | Path, dtype: torch.dtype = torch.float64) -> Any:
     """The Hugging Face model at ``model_path`` in ``dtype`` with eager attention (and, in a
     mixture of experts, transformers' loop over the experts: its grouped kernel has no float64)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="eager",
+    from posttrain.models.auto import generative_class
+
+    return generative_class(AutoConfig.from_pretrained(model_path)).from_pretrained(model_path, dtype=dtype, attn_implementation="eager",
                                                 experts_implementation="eager")
 
 
 def reference_logprobs(model: Any, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-    """[B, S] in the model's dtype: each sample run alone (no padding), the full
-    ``log_softmax(logits / temperature)``; 0 at position 0, on padding and where
-    ``token_mask`` is 0 (when the batch has one)."""
-    out = torch.zeros(batch["input_ids"].shape, dtype=next(model.parameters()).dtype)
+    """[B, S] in the model's dtype: each sample run alone (no padding, with its images when
+    the batch has image fields), the full ``log_softmax(logits / temperature)``; 0 at position
+    0, on padding and where ``token_mask`` is 0 (when the batch has one)."""
+    dtype = next(model.parameters()).dtype
+    out = torch.zeros(batch["input_ids"].shape, dtype=dtype)
     for i, n in enumerate(batch["input_lengths"].tolist()):
         ids = batch["input_ids"][i : i + 1, :n]
-        logp = (model(ids).logits[0, :-1] / temperature).log_softmax(-1)
+        images = {}
+        if "image_grid_thw" in batch and len(batch["image_grid_thw"][i]):
+            images = dict(pixel_values=batch["pixel_values"][i].to(dtype), image_grid_thw=batch["image_grid_thw"][i],
+                          mm_token_type_ids=(ids == model.config.image_token_id).int())
+        logp = (model(ids, **images).logits[0, :-1] / temperature).log_softmax(-1)
         out[i, 1:n] = logp.gather(-1, ids[0, 1:, None])[:, 0]
     if "token_mask" in batch:
         out = out * batch["token_mask"].to(out.dtype)

@@ -217,22 +217,27 @@ def zoo_config(name: str, *, tokenizer: str = "chat", **overrides: Any):
     return config
 
 
+def _seeded_model(config: Any, seed: int) -> Any:
+    """A float32 model of ``config`` with weights drawn from ``seed``, the global RNG left as it was."""
+    from posttrain.models.auto import generative_class
+
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        return generative_class(config).from_config(config, dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(state)
+
+
 def build_zoo_model(path: str | Path, name: str, *, seed: int = 0, tokenizer: str = "chat", **overrides: Any) -> Path:
     """Write a seeded random model of architecture ``name`` and its ``tokenizer`` (see
     :func:`zoo_tokenizer`) to ``path`` as a Hugging Face folder; return it. Its generation
     config stops at the family's end-of-turn and end-of-text tokens. The same arguments give
     the same weights."""
-    from transformers import AutoModelForCausalLM
-
     path = Path(path)
     tok = zoo_tokenizer(name, tokenizer)
     config = zoo_config(name, tokenizer=tokenizer, **overrides)
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    finally:
-        torch.random.set_rng_state(state)
+    model = _seeded_model(config, seed)
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.bos_token_id = config.bos_token_id
     model.generation_config.eos_token_id = _stop_ids(name, tokenizer, tok)
@@ -240,3 +245,81 @@ def build_zoo_model(path: str | Path, name: str, *, seed: int = 0, tokenizer: st
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path
+
+
+# ------------------------------------------------------------------ vision-language models
+
+#: Side, in pixels, of a vision patch; a merged group of 2 x 2 patches is one image token.
+PATCH = 14
+#: The images the zoo's processors take are resized to at most this many pixels (16 image tokens).
+MAX_IMAGE_PIXELS = (4 * PATCH * 2) ** 2
+
+
+def _qwen_vl(config_cls: Any, vision: dict[str, Any], **kw: Any):
+    text = {**_COMMON, "head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                             "mrope_section": [4, 6, 6]}}
+    text.update({k: kw.pop(k) for k in list(kw) if k in ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")})
+    return config_cls(text_config=text, vision_config={"depth": 1, "hidden_size": _COMMON["hidden_size"],
+                                                       "patch_size": PATCH, "spatial_merge_size": 2, **vision}, **kw)
+
+
+def _qwen2_vl(**kw: Any):
+    from transformers import Qwen2VLConfig
+
+    return _qwen_vl(Qwen2VLConfig, {"embed_dim": 32, "num_heads": 2, "mlp_ratio": 2}, **kw)
+
+
+def _qwen2_5_vl(**kw: Any):
+    from transformers import Qwen2_5_VLConfig
+
+    vision = {"intermediate_size": 64, "num_heads": 2, "out_hidden_size": _COMMON["hidden_size"],
+              "window_size": 2 * PATCH * 2, "fullatt_block_indexes": [0]}
+    return _qwen_vl(Qwen2_5_VLConfig, {**vision, "hidden_size": 32}, **kw)
+
+
+#: Vision-language architecture name -> config builder: a vision tower of one block before
+#: the language model of :data:`ARCHITECTURES`' size (its tokenizer: :data:`VISION_CHAT_FORMATS`).
+VISION_ARCHITECTURES: dict[str, Callable[..., Any]] = {
+    "qwen2_vl": _qwen2_vl,
+    "qwen2_5_vl": _qwen2_5_vl,
+}
+#: Vision-language architecture name -> its family's chat format (with image parts).
+VISION_CHAT_FORMATS: dict[str, str] = {"qwen2_vl": "chatml_vision", "qwen2_5_vl": "chatml_vision"}
+
+
+def build_zoo_vlm(path: str | Path, name: str, *, seed: int = 0) -> Path:
+    """Write a seeded random vision-language model of architecture ``name``
+    (:data:`VISION_ARCHITECTURES`) to ``path`` as a Hugging Face folder with the family's
+    tokenizer and chat template and its image processor (:func:`image_processor`). The same arguments give the same weights."""
+    from posttrain.testing.chat_formats import FORMATS, build_chat_tokenizer
+
+    if name not in VISION_ARCHITECTURES:
+        raise KeyError(f"unknown zoo vision-language architecture {name!r}; known: {', '.join(VISION_ARCHITECTURES)}")
+    path = Path(path)
+    fmt = VISION_CHAT_FORMATS[name]
+    tok = build_chat_tokenizer(fmt)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")}
+    config = VISION_ARCHITECTURES[name](
+        vocab_size=-(-len(tok) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, image_token_id=ids["<|image_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )
+    model = _seeded_model(config, seed)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = [tok.convert_tokens_to_ids(t) for t in FORMATS[fmt].stops]
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    image_processor(config).save_pretrained(path)
+    return path
+
+
+def image_processor(config: Any) -> Any:
+    """The family's image processor for a model ``config``: the PIL one (torchvision's needs a
+    CUDA build here), images resized to at most :data:`MAX_IMAGE_PIXELS`."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    merge = config.vision_config.spatial_merge_size
+    return Qwen2VLImageProcessorPil(
+        patch_size=PATCH, merge_size=merge, size={"shortest_edge": (PATCH * merge) ** 2, "longest_edge": MAX_IMAGE_PIXELS},
+    )

@@ -134,6 +134,12 @@ def dt():
     )
 
 
+@pytest.fixture
+def policy(setup, dt):
+    """The module's policy (its ``setup`` fixture's) with the initial weights and default batching restored."""
+    return dt.restore(setup["policy"], setup["initial_ckpt"])
+
+
 @pytest.fixture(scope="session")
 def virtual_cluster(ray_cluster):
     from posttrain.config.schema import ClusterConfig

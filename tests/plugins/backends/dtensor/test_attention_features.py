@@ -43,11 +43,6 @@ def setup(request, zoo_model, virtual_cluster, dt, tmp_path_factory):
     policy.shutdown()
 
 
-@pytest.fixture
-def policy(setup, dt):
-    return dt.restore(setup["policy"], setup["initial_ckpt"])
-
-
 def _loss(model, batch: Batch) -> float:
     """The batch's token NLL (:class:`TokenNLL`) under ``model``, each sample alone."""
     mask = batch["token_mask"].double() * batch["sample_mask"].double()[:, None]

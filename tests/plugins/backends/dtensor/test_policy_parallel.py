@@ -47,11 +47,6 @@ def setup(request, tiny_model_path, virtual_cluster, dt, tmp_path_factory):
     policy.shutdown()
 
 
-@pytest.fixture
-def policy(setup, dt):
-    return dt.restore(setup["policy"], setup["initial_ckpt"])
-
-
 def _check_step(policy, setup, dt, grad_tol: float) -> None:
     metrics = policy.train(setup["batch"], dt.nll)
     grads = dt.sgd_grads(setup["initial_weights"], dt.full_weights(policy), lr=1.0)

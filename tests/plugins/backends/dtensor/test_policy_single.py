@@ -40,12 +40,6 @@ def setup(tiny_model_path, virtual_cluster, dt, tmp_path_factory):
     policy.shutdown()
 
 
-@pytest.fixture
-def policy(setup, dt):
-    """The module's policy with the initial weights and default batching restored."""
-    return dt.restore(setup["policy"], setup["initial_ckpt"])
-
-
 def _step_grads(policy, setup, dt) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     metrics = policy.train(setup["batch"], dt.nll)
     return metrics, dt.sgd_grads(setup["initial_weights"], dt.full_weights(policy), lr=1.0)

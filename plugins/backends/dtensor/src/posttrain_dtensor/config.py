@@ -118,12 +118,13 @@ def check_model(config: RunConfig) -> None:
     if not (Path(p.model) / "config.json").is_file():
         return
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
+    from posttrain.models.auto import generative_class
     from posttrain_dtensor.parallel import check_model_fits, decoder_layers
 
     model_config = AutoConfig.from_pretrained(p.model)
     check_model_fits(model_config, p.tensor_parallel_size)
     if p.head == "lm" and (p.num_workers > 1 or p.dtype != "float32"):
         with torch.device("meta"):
-            decoder_layers(AutoModelForCausalLM.from_config(model_config))
+            decoder_layers(generative_class(model_config).from_config(model_config))

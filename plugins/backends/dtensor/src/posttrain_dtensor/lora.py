@@ -127,11 +127,14 @@ def linear_names(lm: nn.Module) -> list[str]:
 def check_targets(config: RunConfig) -> None:
     """:func:`attach_adapters` on a weightless (meta-device) copy of ``policy.model``, for its
     errors before any worker starts."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from posttrain.models.auto import generative_class
 
     read_model_config(config.policy.model, "policy.model")  # a clear error before transformers' own
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.policy.model))
+        model_config = AutoConfig.from_pretrained(config.policy.model)
+        lm = generative_class(model_config).from_config(model_config)
     attach_adapters(lm, config)
 
 

@@ -71,11 +71,14 @@ class CausalLMHead(nn.Module):
         position_ids: torch.Tensor | None,
         head: Head,
         segment_bounds: torch.Tensor | None = None,
+        **inputs: torch.Tensor,
     ) -> object:
-        """``segment_bounds``: packed rows' ``cu_seqlens`` for the segment attention kernel."""
+        """``segment_bounds``: packed rows' ``cu_seqlens`` for the segment attention kernel;
+        ``inputs``: a vision-language model's image inputs (:mod:`posttrain_dtensor.vision`)."""
         extra = {} if segment_bounds is None else {"cu_seq_lens_q": segment_bounds}
         out = self.lm.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+            **extra, **inputs,
         )
         return head(out.last_hidden_state, self.output_weight())
 
@@ -167,14 +170,24 @@ def sum_gradients(modules: list[nn.Module], group: dist.ProcessGroup) -> None:
 
 
 def decoder_layers(lm: nn.Module) -> nn.ModuleList:
-    layers = getattr(lm.base_model, "layers", None)
+    """The decoder layers of a causal LM, or of a vision-language model's language model."""
+    base = lm.base_model
+    layers = getattr(getattr(base, "language_model", base), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ConfigError(
             f"policy.model: cannot find the decoder layers of model type '{lm.config.model_type}' (expected a "
-            "ModuleList at base_model.layers, as Llama, Qwen, Mistral, Gemma, Phi-3 and OLMo 2 have), which FSDP "
-            "shards one by one; train it on one rank in float32 (policy.num_workers=1, policy.dtype=float32)"
+            "ModuleList at base_model.layers, as Llama, Qwen, Mistral, Gemma, Phi-3 and OLMo 2 have, or at "
+            "base_model.language_model.layers, as Qwen-VL has), which FSDP shards one by one; train it on one "
+            "rank in float32 (policy.num_workers=1, policy.dtype=float32)"
         )
     return layers
+
+
+def vision_blocks(lm: nn.Module) -> list[nn.Module]:
+    """The blocks of a vision-language model's vision tower (Qwen-VL's ``visual.blocks``), each an
+    FSDP unit of its own; none for a causal LM."""
+    blocks = getattr(getattr(lm.base_model, "visual", None), "blocks", None)
+    return list(blocks) if isinstance(blocks, nn.ModuleList) else []
 
 
 def apply_fsdp(
@@ -185,13 +198,13 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
 ) -> CausalLMHead:
-    """Shard each decoder layer, then the root, over ``dp_mesh``; return the root.
+    """Shard each vision block and decoder layer, then the root, over ``dp_mesh``; return the root.
 
     Gradients are summed, not averaged, over data-parallel ranks: every rank's loss is
     already normalised by the global token or sequence count.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for layer in decoder_layers(lm):
+    for layer in [*vision_blocks(lm), *decoder_layers(lm)]:
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     root = CausalLMHead(lm)
     fully_shard(root, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

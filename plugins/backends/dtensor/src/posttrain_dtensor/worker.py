@@ -76,6 +76,7 @@ from posttrain_dtensor.parallel import (
 )
 from posttrain_dtensor.rows import ModelRows, exact_rows, microbatch_rows
 from posttrain_dtensor.segment_attention import EXACT_SEGMENT_SDPA, SEGMENT_SDPA
+from posttrain_dtensor.vision import image_model_inputs
 from posttrain_dtensor.weights import AdapterWeights, FullWeights, MergedWeights, WeightView
 
 
@@ -156,7 +157,9 @@ class DTensorPolicyWorker(PolicyWorker):
         return MergedWeights(lm, self.adapter_scales)
 
     def _build_model(self, config: RunConfig, options: DTensorConfig) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        from posttrain.models.auto import generative_class, is_vision_language
 
         policy = config.policy
         read_model_config(policy.model, "policy.model")  # a clear error before transformers' own
@@ -166,13 +169,16 @@ class DTensorPolicyWorker(PolicyWorker):
         # sdpa runs as segment attention: packed rows need bounds, not an O(width^2) mask
         segments = EXACT_SEGMENT_SDPA if self.exact else SEGMENT_SDPA
         kernel = segments if options.attn_implementation == "sdpa" else options.attn_implementation
+        model_config = AutoConfig.from_pretrained(policy.model)
+        if is_vision_language(model_config):  # the segment kernel is the language model's; the vision tower keeps its own
+            kernel = {"text_config": kernel, "vision_config": options.attn_implementation, "": options.attn_implementation}
         load = dict(dtype=torch.float32, attn_implementation=kernel,
                     **({"experts_implementation": EXPERTS_IMPLEMENTATION} if self.exact else {}))
         if policy.head == "value":
             lm = AutoModelForSequenceClassification.from_pretrained(policy.model, num_labels=1, **load)
             lm.config.architectures = [type(lm).__name__]  # what the exported folder loads as
         else:
-            lm = AutoModelForCausalLM.from_pretrained(policy.model, **load)
+            lm = generative_class(model_config).from_pretrained(policy.model, **load)
         if policy.lora.enabled:
             torch.manual_seed(config.seed)  # the same adapters on every rank, whatever loading drew
             layers = attach_adapters(lm, config)
@@ -207,10 +213,14 @@ class DTensorPolicyWorker(PolicyWorker):
         )
         return rows.to(self.device)
 
-    def _forward(self, rows: ModelRows, head: Callable[[torch.Tensor, torch.Tensor], Any], routes: torch.Tensor | None = None) -> Any:
-        """The model on ``rows`` through ``head``; with ``routes`` (per-sample [b, S, layers, k],
-        ``policy.moe``) its routers are given them: counted, and used with routing replay. They
-        stay set for the backward pass (a checkpointed layer recomputes its forward there)."""
+    def _forward(
+        self, mb: Batch, rows: ModelRows, head: Callable[[torch.Tensor, torch.Tensor], Any],
+        routes: torch.Tensor | None = None,
+    ) -> Any:
+        """The model on ``rows`` (of microbatch ``mb``, whose images it is given) through
+        ``head``; with ``routes`` (per-sample [b, S, layers, k], ``policy.moe``) its routers are
+        given them: counted, and used with routing replay. They stay set for the backward pass
+        (a checkpointed layer recomputes its forward there)."""
         self._require_on_device("a forward pass")
         if self.routers is not None:
             laid_out = None
@@ -218,7 +228,9 @@ class DTensorPolicyWorker(PolicyWorker):
                 laid_out = rows.lay_out(routes.to(self.device), NO_ROUTE)
                 laid_out = torch.where(rows.valid[..., None, None], laid_out, NO_ROUTE).flatten(0, 1)
             self.routers.set(laid_out, apply=self.replay_routes)
-        return self.model(rows.input_ids, rows.attention_mask, rows.position_ids, head, rows.segment_bounds)
+        images = image_model_inputs(mb, rows, self.model.lm)
+        positions = images.pop("position_ids", rows.position_ids)
+        return self.model(rows.input_ids, rows.attention_mask, positions, head, rows.segment_bounds, **images)
 
     def _microbatch_logprobs(self, mb: Batch, batching: Batching) -> torch.Tensor:
         """Logprobs [b, S] of a microbatch on the device (of ``logits / self.temperature``),
@@ -227,7 +239,7 @@ class DTensorPolicyWorker(PolicyWorker):
         rows = exact_rows(mb["input_ids"], mb["input_lengths"], mask).to(self.device) if self.exact else self._rows(mb, batching)
         chunk, temperature, softcap = self.config.policy.logprob_chunk_size, self.temperature, self.logit_softcap
         min_rows = MIN_ROWS if self.exact else 0
-        values = self._forward(rows, lambda h, w: sequence_logprobs(
+        values = self._forward(mb, rows, lambda h, w: sequence_logprobs(
             h, w, rows.input_ids, rows.predicted, chunk, temperature, softcap=softcap, min_rows=min_rows
         ), mb[ROUTES_FIELD] if ROUTES_FIELD in mb else None)
         keep = loss_positions(mb["input_lengths"], rows.width, mask)
@@ -237,7 +249,7 @@ class DTensorPolicyWorker(PolicyWorker):
         """Value-head outputs [b, S] of a microbatch on the device, in float32, 0 on padding."""
         rows = self._rows(mb, batching)
         # [.., H] @ [H]: a new tensor; FSDP2 warns when the root module returns a view (e.g. of a [.., 1] product)
-        values = self._forward(rows, lambda h, w: h.float() @ w.float()[0])
+        values = self._forward(mb, rows, lambda h, w: h.float() @ w.float()[0])
         keep = torch.arange(rows.width)[None, :] < mb["input_lengths"][:, None]
         return torch.where(keep.to(self.device), rows.to_samples(values), 0.0)
 
@@ -249,7 +261,7 @@ class DTensorPolicyWorker(PolicyWorker):
         ids = rows.lay_out(ids)
         chunk, temperature, softcap = self.config.policy.logprob_chunk_size, self.temperature, self.logit_softcap
         values = self._forward(
-            rows, lambda h, w: sequence_logprobs(h, w, ids, rows.predicted, chunk, temperature, softcap=softcap)
+            mb, rows, lambda h, w: sequence_logprobs(h, w, ids, rows.predicted, chunk, temperature, softcap=softcap)
         )
         keep = loss_positions(mb["input_lengths"], rows.width, mb["token_mask"] if "token_mask" in mb else None)
         return torch.where(keep.to(self.device)[..., None], rows.to_samples(values), 0.0)
@@ -296,7 +308,8 @@ class DTensorPolicyWorker(PolicyWorker):
         self.model.eval()
         with torch.no_grad():
             for idx in work.microbatches:
-                rows = self._rows(shard.select(idx), work.batching)
+                mb = shard.select(idx)
+                rows = self._rows(mb, work.batching)
 
                 def head(h: torch.Tensor, w: torch.Tensor, rows: ModelRows = rows) -> tuple[torch.Tensor, ...]:
                     vals, ids = topk_logits(h[rows.valid], w, k, chunk, softcap=softcap)
@@ -307,7 +320,7 @@ class DTensorPolicyWorker(PolicyWorker):
                     out[2][rows.valid] = vals / temperature - lse[:, None]
                     return tuple(out)
 
-                vals, ids, lps = self._forward(rows, head)
+                vals, ids, lps = self._forward(mb, rows, head)
                 values[idx] = rows.to_samples(vals).float().cpu()
                 indices[idx] = rows.to_samples(ids).cpu()
                 logprobs[idx] = rows.to_samples(lps).float().cpu()
@@ -448,7 +461,7 @@ class DTensorPolicyWorker(PolicyWorker):
 
         if write_hf_shards(path, sizes, gather, shard_bytes, writer=self.rank == 0):
             write_hf_metadata(path, lm.config, policy.tokenizer or policy.model, self.compute_dtype,
-                              getattr(lm, "generation_config", None))
+                              getattr(lm, "generation_config", None), model_source=policy.model)
         dist.barrier()
 
     # ------------------------------------------------------------------ placement

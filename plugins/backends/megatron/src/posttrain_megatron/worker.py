@@ -364,7 +364,7 @@ class MegatronPolicyWorker(PolicyWorker):
             if Path(policy.model, "generation_config.json").is_file() else None
         )
         write_hf_metadata(path, AutoConfig.from_pretrained(policy.model), policy.tokenizer or policy.model,
-                          self.compute_dtype, generation)
+                          self.compute_dtype, generation, model_source=policy.model)
 
     # ------------------------------------------------------------------ placement
 

@@ -1,0 +1,26 @@
+"""Which transformers auto class builds a model folder's generative model.
+
+A causal LM loads with ``AutoModelForCausalLM``. A vision-language model (its config has a
+``vision_config``: Qwen2-VL, Qwen2.5-VL, Gemma 3, ...) loads with
+``AutoModelForImageTextToText``: the vision tower, the language model and its head, under
+the names its checkpoint uses. Both give the output embedding (``get_output_embeddings``)
+and a ``base_model`` whose forward returns the final hidden states.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def is_vision_language(config: Any) -> bool:
+    """Whether ``config`` (a ``PretrainedConfig`` or a parsed ``config.json``) describes a
+    vision-language model: one with a ``vision_config``."""
+    found = config.get("vision_config") if isinstance(config, dict) else getattr(config, "vision_config", None)
+    return found is not None
+
+
+def generative_class(config: Any) -> Any:
+    """The auto class for the generative model of ``config`` (a ``PretrainedConfig``)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM

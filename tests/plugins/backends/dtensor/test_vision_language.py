@@ -1,0 +1,92 @@
+"""Vision-language models on the dtensor backend: tiny Qwen2-VL and Qwen2.5-VL checkpoints
+(:func:`posttrain.testing.zoo.build_zoo_model`) on rows whose user turn holds an image of
+coloured squares (:mod:`posttrain.testing.shapes`), some rows without one.
+
+At one rank and with FSDP over two ranks, padded and packed, the policy's logprobs and its
+step-0 loss and gradients equal transformers' eager float64 forward of each sample alone with
+its image (gradients within 1e-5 of their scale: the merger's bias gradient reaches 4); the Hugging Face export loads with ``AutoModelForImageTextToText``. SGD with lr=1: a
+step's weight change is the gradient.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from posttrain.config.schema import SequencePackingConfig
+from posttrain.data.chat import ChatEncoder, load_tokenizer
+from posttrain.data.dataset import build_dataset
+from posttrain.data.images import ImageInputs
+from posttrain.testing.policy import reference_logprobs, reference_model, reference_step
+from posttrain.testing.shapes import write_counting_rows
+from posttrain_dtensor.policy import DTensorPolicy
+
+pytestmark = pytest.mark.ray
+
+ARCHITECTURES = ("qwen2_vl", "qwen2_5_vl")
+WORKERS = {"one_rank": 1, "fsdp_dp2": 2}
+PACKING = SequencePackingConfig(enabled=True, max_tokens_per_row=96)
+
+
+def image_batch(model: str, data: str):
+    """Eight rows: six with an image (of different sizes), two with the text alone."""
+    tokenizer = load_tokenizer(model)
+    dataset = build_dataset(data, "sft", ChatEncoder(tokenizer, images=ImageInputs.from_model(model, tokenizer)))
+    return dataset.collate(range(8))
+
+
+@pytest.fixture(scope="module")
+def counting_rows(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shapes")
+    path = write_counting_rows(folder, 8)
+    lines = path.read_text().splitlines()
+    for n in (1, 4):  # text alone: the image part left out
+        row = json.loads(lines[n])
+        row["messages"][0]["content"] = row["messages"][0]["content"][1:]
+        lines[n] = json.dumps(row)
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=[(a, layout) for a in ARCHITECTURES for layout in WORKERS],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def setup(request, virtual_cluster, dt, counting_rows, zoo_model, tmp_path_factory):
+    arch, layout = request.param
+    path = zoo_model(arch)
+    config = dt.policy_config(path, num_workers=WORKERS[layout], max_total_sequence_length=96)
+    policy = DTensorPolicy(config, virtual_cluster, name=f"policy-{arch}-{layout}")
+    initial_ckpt = str(tmp_path_factory.mktemp(f"{arch}-{layout}") / "step_0")
+    policy.save_checkpoint(initial_ckpt)
+    batch = image_batch(path, counting_rows)
+    ref_loss, ref_grads = reference_step(path, batch)
+    yield dict(policy=policy, path=path, initial_ckpt=initial_ckpt, initial_weights=dt.full_weights(policy),
+               batch=batch, ref_loss=ref_loss, ref_grads=ref_grads)
+    policy.shutdown()
+
+
+def test_the_batch_holds_images_and_text_only_rows(setup):
+    grids = setup["batch"]["image_grid_thw"]
+    assert [len(g) for g in grids] == [1, 0, 1, 1, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_logprobs_equal_transformers_forward_with_the_images(policy, setup, packed):
+    if packed:
+        policy.config.policy.sequence_packing = PACKING
+    got = policy.get_logprobs(setup["batch"])["logprobs"]
+    want = reference_logprobs(reference_model(setup["path"]), setup["batch"])
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_step_zero_loss_and_gradients_equal_transformers(policy, setup, dt, packed):
+    if packed:
+        policy.config.policy.sequence_packing = PACKING
+    metrics = policy.train(setup["batch"], dt.nll)
+    grads = dt.sgd_grads(setup["initial_weights"], dt.full_weights(policy), lr=1.0)
+    assert metrics["loss"] == pytest.approx(setup["ref_loss"], abs=1e-5)
+    for name, want in setup["ref_grads"].items():  # float32 against float64: 1e-5 of the larger gradients' scale
+        assert float((grads[name] - want).abs().max()) < 1e-5 * max(1.0, float(want.abs().max())), name
+    assert any("visual" in name and g.abs().max() > 0 for name, g in grads.items())
