@@ -196,6 +196,9 @@ class PolicyConfig:
     sequence_packing: SequencePackingConfig = attrs.field(factory=SequencePackingConfig)  # several samples per row
     dynamic_batching: DynamicBatchingConfig = attrs.field(factory=DynamicBatchingConfig)  # microbatches by token budget
     lora: LoraConfig = attrs.field(factory=LoraConfig)  # low-rank adapters instead of full fine-tuning
+    # a vision-language model's vision tower (and the merger that feeds the language model): false trains it with
+    # the language model; true keeps it as loaded (no gradients, no optimizer state)
+    freeze_vision_tower: bool = False
     moe: MoEConfig = attrs.field(factory=MoEConfig)  # mixture-of-experts options: routing replay
     resources: WorkerResources = attrs.field(factory=WorkerResources)  # what each policy worker asks Ray for
     # run the single policy worker inside the driver's process instead of a Ray actor (backends that declare it:

@@ -24,3 +24,11 @@ def generative_class(config: Any) -> Any:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
+def vision_tower(model: Any) -> list[Any]:
+    """The vision tower of a transformers vision-language ``model`` (with the merger that
+    projects its features into the language model: Qwen-VL's ``visual``, LLaVA-style
+    ``vision_tower`` and ``multi_modal_projector``), as a list of modules; empty for a causal LM."""
+    base = model.base_model
+    return [m for name in ("visual", "vision_tower", "multi_modal_projector") if (m := getattr(base, name, None)) is not None]

@@ -15,6 +15,7 @@ from typing import Any
 
 from posttrain.config.schema import RunConfig
 from posttrain.errors import ConfigError
+from posttrain.models.auto import is_vision_language
 
 #: Single-file and index names of Hugging Face weights, in the order transformers prefers them.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -37,6 +38,12 @@ def check_model_folders(config: RunConfig) -> None:
             f"{key} asks for the experts each token was routed to, but {model_key} '{config.policy.model}' "
             f"({model_config.get('model_type', 'no model_type')}) is not a mixture of experts: its config.json "
             f"gives none of {', '.join(EXPERT_COUNT_KEYS)}. Set {key} to its default for a dense model"
+        )
+    if config.policy.freeze_vision_tower and not is_vision_language(model_config):
+        raise ConfigError(
+            f"policy.freeze_vision_tower is true, but {model_key} '{config.policy.model}' "
+            f"({model_config.get('model_type', 'no model_type')}) has no vision tower: its config.json has no "
+            "vision_config. Leave policy.freeze_vision_tower false for a text-only model"
         )
     generation_model = config.generation.model
     if generation_model and generation_model != config.policy.model:

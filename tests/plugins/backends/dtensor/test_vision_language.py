@@ -1,10 +1,11 @@
 """Vision-language models on the dtensor backend: tiny Qwen2-VL and Qwen2.5-VL checkpoints
-(:func:`posttrain.testing.zoo.build_zoo_model`) on rows whose user turn holds an image of
+(:func:`posttrain.testing.zoo.build_zoo_vlm`) on rows whose user turn holds an image of
 coloured squares (:mod:`posttrain.testing.shapes`), some rows without one.
 
 At one rank and with FSDP over two ranks, padded and packed, the policy's logprobs and its
 step-0 loss and gradients equal transformers' eager float64 forward of each sample alone with
-its image (gradients within 1e-5 of their scale: the merger's bias gradient reaches 4); the Hugging Face export loads with ``AutoModelForImageTextToText``. SGD with lr=1: a
+its image (gradients within 1e-5 of their scale: the merger's bias gradient reaches 4). A
+frozen vision tower keeps its weights; LoRA adapts the language model alone. SGD with lr=1: a
 step's weight change is the gradient.
 """
 
@@ -15,7 +16,7 @@ import json
 import pytest
 import torch
 
-from posttrain.config.schema import SequencePackingConfig
+from posttrain.config.schema import LoraConfig, SequencePackingConfig
 from posttrain.data.chat import ChatEncoder, load_tokenizer
 from posttrain.data.dataset import build_dataset
 from posttrain.data.images import ImageInputs
@@ -90,3 +91,47 @@ def test_step_zero_loss_and_gradients_equal_transformers(policy, setup, dt, pack
     for name, want in setup["ref_grads"].items():  # float32 against float64: 1e-5 of the larger gradients' scale
         assert float((grads[name] - want).abs().max()) < 1e-5 * max(1.0, float(want.abs().max())), name
     assert any("visual" in name and g.abs().max() > 0 for name, g in grads.items())
+
+
+def one_step(virtual_cluster, dt, path: str, batch, name: str, **policy) -> tuple[dict, dict, DTensorPolicy]:
+    """The exported weights before and after one SGD step on ``batch`` of a policy built with
+    ``policy`` options, and the policy (shut down by the caller)."""
+    config = dt.policy_config(path, max_total_sequence_length=96, **policy)
+    trained = DTensorPolicy(config, virtual_cluster, name=name)
+    before = dt.full_weights(trained)
+    trained.train(batch, dt.nll)
+    return before, dt.full_weights(trained), trained
+
+
+def test_a_frozen_vision_tower_keeps_its_weights_while_the_language_model_learns(virtual_cluster, dt, zoo_model,
+                                                                                counting_rows):
+    path = zoo_model("qwen2_vl")
+    before, after, policy = one_step(virtual_cluster, dt, path, image_batch(path, counting_rows), "policy-frozen-vision",
+                                     freeze_vision_tower=True)
+    policy.shutdown()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed == {name for name in before if not name.startswith("model.visual.")}
+
+
+def test_lora_adapts_the_language_model_only(virtual_cluster, dt, zoo_model, counting_rows, tmp_path):
+    """All-linear adapters go on the language model's layers (Qwen2.5-VL's vision MLP has
+    layers of the same names, gate/up/down_proj): step 0 is the base model, a step changes
+    the merged language model and leaves the vision tower as it was."""
+    path = zoo_model("qwen2_5_vl")
+    batch = image_batch(path, counting_rows)
+    lora = LoraConfig(enabled=True, rank=4)
+    config = dt.policy_config(path, max_total_sequence_length=96, lora=lora)
+    policy = DTensorPolicy(config, virtual_cluster, name="policy-vlm-lora")
+    try:
+        got = policy.get_logprobs(batch)["logprobs"]
+        torch.testing.assert_close(got.double(), reference_logprobs(reference_model(path), batch), rtol=0, atol=1e-5)
+        before = dt.full_weights(policy)
+        policy.train(batch, dt.nll)
+        after = dt.full_weights(policy)
+        policy.export_hf(str(tmp_path / "adapter"))
+    finally:
+        policy.shutdown()
+    targets = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    assert targets and all(".language_model." in target for target in targets)
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed and not any(name.startswith("model.visual.") for name in changed)

@@ -36,6 +36,7 @@ from torch import nn
 from posttrain.config.schema import LoraConfig, RunConfig
 from posttrain.config.validate import where_set
 from posttrain.errors import ConfigError
+from posttrain.models.auto import vision_tower
 from posttrain.models.folder import read_model_config
 
 if TYPE_CHECKING:
@@ -71,7 +72,8 @@ def attach_adapters(lm: nn.Module, config: RunConfig) -> dict[str, nn.Module]:
     other parameter; return the adapted layers by module path. ``all-linear`` adapts the
     linear layers but the output head, by name (:func:`linear_names`): the packed experts of a
     mixture of experts are parameters, not linear layers, and stay frozen (peft's own
-    ``all-linear`` would wrap them). Raises :class:`ConfigError` when ``target_modules``
+    ``all-linear`` would wrap them). A vision-language model's vision tower is never adapted:
+    the targets are its language model's layers. Raises :class:`ConfigError` when ``target_modules``
     matches nothing, the output head, or a module that is not linear."""
     import peft
 
@@ -80,7 +82,9 @@ def attach_adapters(lm: nn.Module, config: RunConfig) -> dict[str, nn.Module]:
     head = lm.get_output_embeddings()
     names = linear_names(lm)
     targets = names if options.target_modules == "all-linear" else options.target_modules
-    matched = {path: module for path, module in lm.named_modules() if path and _targeted(targets, path)}
+    vision = {id(m) for tower in vision_tower(lm) for m in tower.modules()}  # a VLM's: never adapted
+    matched = {path: module for path, module in lm.named_modules()
+               if path and id(module) not in vision and _targeted(targets, path)}
     if not matched:
         raise ConfigError(
             f"{key}: {options.target_modules!r} matches no module of the model '{config.policy.model}'. Its linear "
@@ -101,7 +105,7 @@ def attach_adapters(lm: nn.Module, config: RunConfig) -> dict[str, nn.Module]:
                 f"{key}: {options.target_modules!r} matches '{path}', a {type(module).__name__}; the dtensor backend "
                 f"adapts linear layers only: {', '.join(names)}.{where_set(config, key)}"
             )
-    peft.inject_adapter_in_model(peft_config(options, targets), lm, adapter_name=ADAPTER)
+    peft.inject_adapter_in_model(peft_config(options, list(matched)), lm, adapter_name=ADAPTER)
     return lora_layers(lm)
 
 
@@ -114,9 +118,12 @@ def _targeted(targets: list[str] | str, path: str) -> bool:
 
 
 def _linear_paths(lm: nn.Module) -> Iterator[str]:
-    """The module paths of the causal LM's linear layers but its output head."""
+    """The module paths of the causal LM's linear layers but its output head (of a
+    vision-language model: its language model's, not its vision tower's)."""
     head = lm.get_output_embeddings()
-    return (name for name, module in lm.named_modules() if isinstance(module, nn.Linear) and module is not head)
+    vision = {id(m) for tower in vision_tower(lm) for m in tower.modules()}
+    return (name for name, module in lm.named_modules()
+            if isinstance(module, nn.Linear) and module is not head and id(module) not in vision)
 
 
 def linear_names(lm: nn.Module) -> list[str]:

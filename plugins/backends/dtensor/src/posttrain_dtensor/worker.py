@@ -159,7 +159,7 @@ class DTensorPolicyWorker(PolicyWorker):
     def _build_model(self, config: RunConfig, options: DTensorConfig) -> torch.nn.Module:
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
-        from posttrain.models.auto import generative_class, is_vision_language
+        from posttrain.models.auto import generative_class, is_vision_language, vision_tower
 
         policy = config.policy
         read_model_config(policy.model, "policy.model")  # a clear error before transformers' own
@@ -179,6 +179,9 @@ class DTensorPolicyWorker(PolicyWorker):
             lm.config.architectures = [type(lm).__name__]  # what the exported folder loads as
         else:
             lm = generative_class(model_config).from_pretrained(policy.model, **load)
+        if policy.freeze_vision_tower:
+            for module in vision_tower(lm):
+                module.requires_grad_(False)
         if policy.lora.enabled:
             torch.manual_seed(config.seed)  # the same adapters on every rank, whatever loading drew
             layers = attach_adapters(lm, config)
