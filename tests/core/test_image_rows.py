@@ -164,9 +164,12 @@ def test_a_text_only_model_given_image_rows_says_so(tiny_model_path, images):
     )
 
 
-def test_image_prompts_are_refused_until_generation_takes_images(encoder, images):
-    row = {"messages": [{"role": "user", "content": [{"type": "image", "image": "pics/small.png"}]}]}
+def test_prompt_rows_carry_their_images_to_the_batch(encoder, images):
+    row = {"messages": [{"role": "user", "content": [{"type": "image", "image": "pics/wide.png"},
+                                                     {"type": "text", "text": "How many?"}]}], "answer": 2}
     path = write_jsonl(images / "prompts.jsonl", [row])
-    with pytest.raises(ConfigError, match="row 1: the row's prompt has images; generation from image prompts is not "
-                                          "supported yet"):
-        build_dataset(path, "prompt", encoder)
+    batch = build_dataset(path, "prompt", encoder).collate([0])
+    ids = batch["input_ids"][0]
+    assert int((ids == encoder.images.placeholder_id).sum()) == 12
+    assert encoder.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    assert batch["image_grid_thw"][0].tolist() == [[1, 6, 8]] and batch["messages"][0] == row["messages"]

@@ -32,6 +32,9 @@ class GenerationRequest:
     temperature: float
     top_p: float
     top_k: int | None
+    #: A vision-language model's prompt images, per row: pixel values [patches, features] and
+    #: patch grids [images, 3] (no rows for a text prompt); None when no prompt has images.
+    images: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -44,6 +47,7 @@ class GenerationRequest:
             seeds=self.seeds[start:stop],
             max_new_tokens=self.max_new_tokens[start:stop],
             stop_strings=self.stop_strings[start:stop],
+            images=self.images[start:stop] if self.images is not None else None,
         )
 
 

@@ -30,6 +30,7 @@ from posttrain.backend.sampling import sample_seeds
 from posttrain.backend.weight_sync import BroadcastEndpoint
 from posttrain.batch import Batch, padded_tensor
 from posttrain.config.schema import GenerationConfig, RunConfig, WorkerResources
+from posttrain.data.images import sample_images
 from posttrain.distributed import VirtualCluster, WorkerGroup
 from posttrain.errors import ConfigError, DataError
 from posttrain.interfaces.generation import ROUTES_FIELD, Generation
@@ -129,7 +130,8 @@ def build_request(
     ``context_length`` (named by ``context_key`` in the error for a prompt that does not
     fit). A row's stop strings are the config's followed by its own (``stop_strings``
     field), without repeats; stop tokens are the config's followed by the EOS ids (unless
-    ``ignore_eos``: then the config's alone).
+    ``ignore_eos``: then the config's alone). A batch with image fields
+    (:data:`~posttrain.data.images.IMAGE_FIELDS`) gives each row its images.
     """
     prompts = prompt_lists(batch)
     budgets = []
@@ -142,6 +144,7 @@ def build_request(
             )
         budgets.append(min(generation.max_new_tokens, room))
     row_stops = batch["stop_strings"] if "stop_strings" in batch else [None] * len(prompts)
+    images = [sample_images(batch, i) for i in range(len(prompts))] if "image_grid_thw" in batch else None
     return GenerationRequest(
         prompts=prompts,
         seeds=list(seeds),
@@ -151,6 +154,7 @@ def build_request(
         temperature=0.0 if greedy else generation.temperature,
         top_p=generation.top_p,
         top_k=generation.top_k,
+        images=images,
     )
 
 

@@ -121,7 +121,7 @@ class ChatEncoder:
 
         ``loss_from`` > 0 leaves earlier assistant turns (part of a preference prompt) unmasked.
         """
-        self._check_images(messages, image_tokens)
+        self._check_images(messages)
         self._check_roles(messages, tools)
         if self.marks_generation:
             ids, mask = self._render(messages, assistant_mask=True, tools=tools)
@@ -134,27 +134,23 @@ class ChatEncoder:
             mask[:boundary] = [0] * boundary
         return self._truncate(ids, mask, max_length, image_tokens)
 
-    def encode_prompt(self, messages: Sequence[Message], *, max_length: int | None = None) -> Encoded:
-        """Tokenise a prompt followed by the generation prompt (the assistant turn header); no loss tokens."""
-        self._check_images(messages, ())
+    def encode_prompt(
+        self, messages: Sequence[Message], *, max_length: int | None = None, image_tokens: Sequence[int] = ()
+    ) -> Encoded:
+        """Tokenise a prompt followed by the generation prompt (the assistant turn header); no
+        loss tokens. ``image_tokens`` as for :meth:`encode`."""
+        self._check_images(messages)
         self._check_roles(messages)
         ids = self._render(messages, add_generation_prompt=True)[0]
-        return _truncate(ids, [0] * len(ids), max_length)
+        return self._truncate(ids, [0] * len(ids), max_length, image_tokens)
 
-    def _check_images(self, messages: Sequence[Message], image_tokens: Sequence[int]) -> None:
-        """Refuse image parts for a text-only model, and (for now) in prompts to generate from."""
-        if not image_parts(messages):
-            return
-        if self.images is None:
+    def _check_images(self, messages: Sequence[Message]) -> None:
+        """Refuse image parts for a text-only model."""
+        if image_parts(messages) and self.images is None:
             name = getattr(self.tokenizer, "name_or_path", "") or "?"
             raise ConfigError(
                 f"the row has images, but the model of '{name}' is a text-only model (its config.json has no "
                 "vision_config); set policy.model to a vision-language model, or leave the images out of the data"
-            )
-        if not image_tokens:
-            raise ConfigError(
-                "the row's prompt has images; generation from image prompts is not supported yet: image rows are "
-                "read for SFT (messages and prompt_response rows)"
             )
 
     def _truncate(self, ids: list[int], mask: list[int], max_length: int | None, image_tokens: Sequence[int]) -> Encoded:

@@ -16,7 +16,7 @@ float32 [B, S] (1 on loss tokens, aligned with the token it scores) and ``sample
 float32 [B]. ``sample_mask`` is 0 for an example that truncation left with no loss
 tokens (for a pair: when either side has none) and for a truncated prompt.
 
-Image rows (:mod:`posttrain.data.images`, SFT): the example keeps its images' encoded bytes
+Image rows (:mod:`posttrain.data.images`, SFT and prompts): the example keeps its images' encoded bytes
 (an ``images`` column) and the batch gains the per-sample ``pixel_values`` and
 ``image_grid_thw`` lists the vision-language model takes.
 
@@ -258,8 +258,7 @@ def _encode(
     """The stored columns of one example, whether truncation cut it, and its tokens before
     truncation (the longer side of a pair). Relative image paths are read from ``folder``."""
     if isinstance(example, SFTExample):
-        images = [read_image(ref, folder) for ref in image_references(example.messages, example.images)]
-        tokens = [encoder.images.tokens(g) for g in encoder.images.grids(images)] if images and encoder.images else ()
+        images, tokens = _images(example.messages, example.images, encoder, folder)
         enc = encoder.encode(example.messages, max_length=max_length, tools=example.tools, image_tokens=tokens)
         columns = {"input_ids": enc.input_ids, "token_mask": enc.token_mask, "sample_mask": int(enc.num_loss_tokens > 0)}
         if encoder.images is not None:
@@ -276,10 +275,25 @@ def _encode(
                    "sample_mask": int(c.num_loss_tokens > 0 and r.num_loss_tokens > 0)}
         return columns, c.truncated or r.truncated, max(c.full_length, r.full_length)
     assert isinstance(example, PromptExample)
-    enc = encoder.encode_prompt(example.messages, max_length=max_length)
-    return {"input_ids": enc.input_ids, "token_mask": enc.token_mask, "sample_mask": int(not enc.truncated),
-            "messages": json.dumps(example.messages), "answer": json.dumps(example.answer, default=str),
-            "metadata": json.dumps(example.metadata, default=str), "task": example.task}, enc.truncated, enc.full_length
+    images, tokens = _images(example.messages, example.images, encoder, folder)
+    enc = encoder.encode_prompt(example.messages, max_length=max_length, image_tokens=tokens)
+    columns = {"input_ids": enc.input_ids, "token_mask": enc.token_mask, "sample_mask": int(not enc.truncated),
+               "messages": json.dumps(example.messages), "answer": json.dumps(example.answer, default=str),
+               "metadata": json.dumps(example.metadata, default=str), "task": example.task}
+    if encoder.images is not None:
+        columns["images"] = images[:enc.num_images]
+    return columns, enc.truncated, enc.full_length
+
+
+def _images(
+    messages: Sequence[Any], row_images: Sequence[Any] | None, encoder: ChatEncoder, folder: str | None
+) -> tuple[list[bytes], list[int]]:
+    """The encoded bytes of a conversation's images and the tokens each becomes (none for a
+    text-only model: its encoder refuses image parts)."""
+    images = [read_image(ref, folder) for ref in image_references(messages, row_images)]
+    if not images or encoder.images is None:
+        return images, []
+    return images, [encoder.images.tokens(grid) for grid in encoder.images.grids(images)]
 
 
 class _TableBuilder:
@@ -298,7 +312,7 @@ class _TableBuilder:
             "prompt": {"input_ids": ids, "token_mask": mask, "messages": text, "answer": text, "metadata": text,
                        "task": text},
         }[kind]
-        if images and kind == "sft":
+        if images and kind in ("sft", "prompt"):
             per_kind["images"] = seq(datasets.Value("binary"))
         self.features = datasets.Features({**per_kind, **common})
         self.columns: dict[str, list[Any]] = {name: [] for name in self.features}

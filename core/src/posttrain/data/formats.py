@@ -16,8 +16,8 @@ Formats (``data.format``):
   name), ``metadata`` (object) and ``system``. Every other key is kept in the metadata.
 
 A message's ``content`` is a string or, for a vision-language model, a list of ``text`` and
-``image`` parts (:mod:`posttrain.data.images`); ``messages`` and ``prompt_response`` rows may
-carry an ``images`` list for image parts that name no image of their own.
+``image`` parts (:mod:`posttrain.data.images`); ``messages``, ``prompt_response`` and ``prompt``
+rows may carry an ``images`` list for image parts that name no image of their own.
 
 A key whose value is null counts as missing (Arrow writes nulls for absent keys in
 parquet), and null-valued keys inside messages are dropped.
@@ -44,7 +44,7 @@ KIND_FORMATS: dict[str, tuple[str, ...]] = {
 }
 
 Message = dict[str, Any]
-_PROMPT_KEYS = ("messages", "prompt", "system", "task", "metadata")
+_PROMPT_KEYS = ("messages", "prompt", "system", "task", "metadata", "images")
 #: The kinds of parts a message's content list may hold.
 PART_TYPES = ("text", "image")
 
@@ -77,6 +77,7 @@ class PromptExample:
     answer: Any = None
     metadata: dict[str, Any] = attrs.field(factory=dict)
     task: str | None = None
+    images: list[Any] | None = None  # the row's images column: for image parts that name no image
 
 
 Example = SFTExample | PreferenceExample | PromptExample
@@ -184,7 +185,7 @@ def _parse_prompt(row: Mapping[str, Any]) -> PromptExample:
     if metadata is not None and not isinstance(metadata, Mapping):
         raise RowError(f"'metadata' must be an object, found {_describe(metadata)}")
     extra = {k: v for k, v in row.items() if k not in _PROMPT_KEYS and v is not None}
-    return PromptExample(messages, row.get("answer"), {**(metadata or {}), **extra}, task)
+    return PromptExample(messages, row.get("answer"), {**(metadata or {}), **extra}, task, _images(row))
 
 
 _PARSERS = {

@@ -34,6 +34,15 @@ from posttrain.errors import ConfigError
 IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
 
 
+def sample_images(fields: Mapping[str, Any], i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``i``'s pixel values [patches, features] and patch grids [images, 3] from the
+    :data:`IMAGE_FIELDS` of ``fields`` (a batch), listed or stacked: the grids' nonzero rows
+    are the images, whose patches lead the pixel rows."""
+    grid = fields["image_grid_thw"][i]
+    grid = grid[grid.prod(-1) > 0]
+    return fields["pixel_values"][i][: int(grid.prod(-1).sum())], grid
+
+
 def image_parts(messages: Sequence[Message]) -> list[dict[str, Any]]:
     """The image parts of ``messages``' contents, in order."""
     return [part for m in messages if isinstance(m.get("content"), list)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import attrs
 
 from posttrain.batch import Batch
+from posttrain.data.images import IMAGE_FIELDS, ImageInputs
 from posttrain.interfaces import Environment, Generation
 from posttrain.run.rollout import run_rollout
 
@@ -33,7 +34,8 @@ class Rollout(Protocol):
 class PromptRollout:
     """A :class:`Rollout` through ``generation`` and ``environments``: conversations of at
     most ``max_turns`` turns and ``max_total_length`` tokens, rendered with ``chat_template``
-    (None: the tokenizer's); a row without a ``task`` goes to ``default_task``."""
+    (None: the tokenizer's); a row without a ``task`` goes to ``default_task``; a
+    vision-language model's ``images`` widen the prompts' image placeholders."""
 
     generation: Generation
     environments: Mapping[str, Environment]
@@ -42,9 +44,11 @@ class PromptRollout:
     max_turns: int = 1
     chat_template: str | None = None
     default_task: str | None = None
+    images: ImageInputs | None = None
 
     def __call__(self, prompts: Batch, *, greedy: bool, repeats: int) -> tuple[Batch, dict[str, float]]:
-        samples = prompts.fields([name for name in PROMPT_FIELDS if name not in OPTIONAL_FIELDS or name in prompts])
+        names = [name for name in PROMPT_FIELDS if name not in OPTIONAL_FIELDS or name in prompts]
+        samples = prompts.fields([*names, *(IMAGE_FIELDS if "image_grid_thw" in prompts else ())])
         samples["task"] = [task or self.default_task for task in samples["task"]]
         return run_rollout(
             samples.repeat_interleave(repeats),
@@ -55,6 +59,7 @@ class PromptRollout:
             max_turns=self.max_turns,
             greedy=greedy,
             chat_template=self.chat_template,
+            images=self.images,
         )
 
 

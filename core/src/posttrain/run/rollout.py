@@ -46,6 +46,11 @@ sample is logged with its data row (the samples' ``origin``). When more than
 ``environments.<name>.max_failed_fraction`` of a rollout's samples of an environment failed,
 the rollout raises :class:`~posttrain.run.environments.EnvironmentFailed`.
 
+Images. Samples of a vision-language model's image prompts carry their images
+(:data:`~posttrain.data.images.IMAGE_FIELDS`): the prompt's image placeholders are widened to
+each image's tokens (:class:`~posttrain.data.images.ImageInputs`), every ``generate`` call gets
+the images of its rows, and the training batch keeps them. Observations are text.
+
 Weight versions. When the generation backend reports which weights generated each row
 (``weight_versions``), every generated token keeps that version (a conversation's turns may
 come from different versions when weights change between turns).
@@ -53,6 +58,7 @@ come from different versions when weights change between turns).
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -62,6 +68,7 @@ import torch
 
 from posttrain.backend.routing import NO_ROUTE, padded_routes
 from posttrain.batch import Batch, padded_tensor
+from posttrain.data.images import ImageInputs, sample_images
 from posttrain.errors import ConfigError
 from posttrain.interfaces import Environment, EnvironmentReturn, Generation, Message
 from posttrain.interfaces.generation import ROUTES_FIELD
@@ -82,6 +89,7 @@ def run_rollout(
     max_turns: int = 1,
     greedy: bool = False,
     chat_template: str | None = None,
+    images: ImageInputs | None = None,
 ) -> tuple[Batch, dict[str, float]]:
     """Roll out every sample; return the training batch and the rollout metrics.
 
@@ -89,7 +97,8 @@ def run_rollout(
     ``messages`` (the prompt message log), ``task`` (the environment's name) and
     ``metadata`` (a dict for the environment); an optional ``answer`` list is put into each
     sample's metadata under ``"answer"`` unless the metadata has one; an optional ``origin``
-    list names each sample's data row for messages (e.g. ``train.jsonl row 3``).
+    list names each sample's data row for messages (e.g. ``train.jsonl row 3``); with a
+    vision-language model's ``images``, the image fields hold each sample's images.
     ``chat_template`` overrides the tokenizer's.
 
     The batch (B samples, S = the longest sequence) holds ``input_ids`` int64 [B, S]
@@ -106,7 +115,8 @@ def run_rollout(
     weights that generated token t at position t, -1 on tokens not generated); when the
     generation reported them, ``routed_experts`` int16 [B, S, layers, k] (the experts token t
     went through in the engine's last forward over it, -1 where it ran none); for each reward
-    part ``name`` an environment reported, ``reward/<name>`` float32 [B].
+    part ``name`` an environment reported, ``reward/<name>`` float32 [B]; for image samples,
+    the image fields.
 
     Metrics: ``rollout/mean_turns``, ``rollout/mean_generated_tokens`` (per sample),
     ``rollout/generated_tokens`` (total), ``rollout/mean_generated_tokens_per_turn``,
@@ -121,7 +131,7 @@ def run_rollout(
     """
     if max_turns < 1:
         raise ConfigError(f"max_turns must be at least 1, got {max_turns}")
-    chat = ChatFormat(tokenizer, chat_template)
+    chat = ChatFormat(tokenizer, chat_template, images)
     conversations = _start_conversations(samples, environments, chat, max_total_length)
     errors: dict[str, int] = defaultdict(int)
     timeouts: dict[str, int] = defaultdict(int)
@@ -152,6 +162,7 @@ def run_rollout(
                 conversation.add_environment_step(step.result, k, chat, max_total_length, last_turn=turn == max_turns)
 
     batch = training_batch(conversations, chat.pad_token_id, with_versions=versions_known)
+    batch.update(image_fields(conversations, always=images is not None))
     metrics = rollout_metrics(batch)
     for task, indices in _by_task(conversations).items():
         failures = [(c.origin, c.failed) for c in (conversations[i] for i in indices) if c.failed is not None]
@@ -178,9 +189,10 @@ _PROBE = "\u2063posttrain-probe\u2063"  # text no real message contains
 class ChatFormat:
     """Token ids of a conversation as the chat template formats it."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None = None):
+    def __init__(self, tokenizer: Any, chat_template: str | None = None, images: ImageInputs | None = None):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.images = images
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
             raise ConfigError("the tokenizer has neither a pad token nor an EOS token to pad batches with")
@@ -204,6 +216,13 @@ class ChatFormat:
 
     def prompt_ids(self, messages: Sequence[Message], tools: Sequence[Any] | None = None) -> list[int]:
         return self.encode(self.render(messages, generation_prompt=True, tools=tools))
+
+    def widen_images(self, token_ids: list[int], grids: torch.Tensor) -> list[int]:
+        """``token_ids`` with each image placeholder widened to the tokens of its image (patch
+        ``grids`` [images, 3], in order)."""
+        if self.images is None or not len(grids):
+            return token_ids
+        return self.images.widen(token_ids, [0] * len(token_ids), [self.images.tokens(g) for g in grids.tolist()])[0]
 
     def bridge_ids(
         self, messages: Sequence[Message], generated: Sequence[int], observations: Sequence[Message],
@@ -251,6 +270,9 @@ class Conversation:
     #: int16 [len(token_ids), layers, k]: the experts each token went through in the engine (-1 on
     #: tokens it did not run), when the generation reports them (``routed_experts``)
     routes: torch.Tensor | None = None
+    #: The prompt's images as the model takes them: pixel values [patches, features] and patch
+    #: grids [images, 3] (:data:`~posttrain.data.images.IMAGE_FIELDS`); None for text samples.
+    images: tuple[torch.Tensor, torch.Tensor] | None = None
     stop_strings: list[str] | None = None
     answer: str | None = None
     reward: float = 0.0
@@ -334,6 +356,7 @@ def _start_conversations(
     answers = samples["answer"] if "answer" in samples else [None] * len(messages)
     origins = samples["origin"] if "origin" in samples else [f"sample {i}" for i in range(len(messages))]
     sources = samples["source"] if "source" in samples else [None] * len(messages)
+    images = [sample_images(samples, i) for i in range(len(messages))] if "image_grid_thw" in samples else None
     conversations = []
     tools_of: dict[str, list[Any]] = {}
     prompt_ids: dict[tuple[Any, ...], list[int]] = {}  # a prompt repeated for its group is encoded once
@@ -348,12 +371,15 @@ def _start_conversations(
             meta = {**meta, "answer": answer}
         if task not in tools_of:
             tools_of[task] = list(environments[task].tool_schemas())
-        key = (task, *((m["role"], m["content"]) for m in prompt))  # what the rendering reads
+        key = (task, *((m["role"], json.dumps(m["content"])) for m in prompt))  # what the rendering reads
         if key not in prompt_ids:
             prompt_ids[key] = chat.prompt_ids(prompt, tools_of[task])
         token_ids = list(prompt_ids[key])
+        own = images[i] if images is not None and len(images[i][1]) else None
+        if own is not None:
+            token_ids = chat.widen_images(token_ids, own[1])
         conversation = Conversation([dict(m) for m in prompt], task, meta, token_ids, prompt_length=len(token_ids),
-                                     tools=tools_of[task], origin=origin, source=source)
+                                     tools=tools_of[task], origin=origin, source=source, images=own)
         if len(token_ids) >= max_total_length:  # no room to generate anything
             conversation.done = conversation.truncated = True
         conversations.append(conversation)
@@ -394,7 +420,19 @@ def generation_batch(active: Sequence[Conversation], pad_token_id: int) -> Batch
     )
     if any(c.stop_strings for c in active):
         batch["stop_strings"] = [c.stop_strings for c in active]
+    batch.update(image_fields(active))
     return batch
+
+
+def image_fields(conversations: Sequence[Conversation], *, always: bool = False) -> dict[str, list[torch.Tensor]]:
+    """The image fields of ``conversations``: none when no conversation has images, unless
+    ``always`` (a vision-language model's batch: every pass reads them)."""
+    if all(c.images is None for c in conversations) and not always:
+        return {}
+    features = next((c.images[0].shape[1] for c in conversations if c.images is not None), 0)
+    empty = (torch.zeros(0, features), torch.zeros(0, 3, dtype=torch.long))
+    own = [c.images if c.images is not None else empty for c in conversations]
+    return {"pixel_values": [pixels for pixels, _ in own], "image_grid_thw": [grid for _, grid in own]}
 
 
 def training_batch(conversations: Sequence[Conversation], pad_token_id: int, *, with_versions: bool) -> Batch:

@@ -1,7 +1,8 @@
 """Images of coloured squares to count, drawn locally with PIL: data for vision-language tests.
 
 :func:`write_counting_rows` writes PNG files and a JSON Lines file of SFT conversations (a user
-turn with the image and the question, the assistant's answer: the count). The same arguments
+turn with the image and the question, the assistant's answer: the count) or of prompts for
+GRPO (the count the answer the ``math`` environment checks). The same arguments
 give the same files.
 """
 
@@ -33,9 +34,13 @@ def draw_squares(rng: random.Random, count: int, colour: str) -> object:
     return image
 
 
-def write_counting_rows(folder: str | Path, rows: int, *, seed: int = 0, max_count: int = 4) -> Path:
+def write_counting_rows(
+    folder: str | Path, rows: int, *, seed: int = 0, max_count: int = 4, prompts: bool = False
+) -> Path:
     """Write ``rows`` SFT rows (``train.jsonl``, image paths relative to it) and their images
-    (``images/<n>.png``) under ``folder``; return the JSON Lines file."""
+    (``images/<n>.png``) under ``folder``; return the JSON Lines file. With ``prompts``: prompt
+    rows instead (``prompts.jsonl``), the count as the ``answer`` for the ``math`` environment,
+    and the last row's question without its image."""
     folder = Path(folder)
     (folder / "images").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -44,8 +49,13 @@ def write_counting_rows(folder: str | Path, rows: int, *, seed: int = 0, max_cou
         count, colour = rng.randint(1, max_count), rng.choice(COLOURS)
         draw_squares(rng, count, colour).save(folder / "images" / f"{n}.png")
         user = [{"type": "image", "image": f"images/{n}.png"}, {"type": "text", "text": QUESTION.format(colour=colour)}]
-        lines.append(json.dumps({"messages": [{"role": "user", "content": user},
-                                              {"role": "assistant", "content": str(count)}]}))
-    path = folder / "train.jsonl"
+        if prompts:
+            content = user[1:] if n == rows - 1 else user
+            lines.append(json.dumps({"messages": [{"role": "user", "content": content}], "answer": count,
+                                     "task": "math"}))
+        else:
+            lines.append(json.dumps({"messages": [{"role": "user", "content": user},
+                                                  {"role": "assistant", "content": str(count)}]}))
+    path = folder / ("prompts.jsonl" if prompts else "train.jsonl")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from posttrain.data import dataloader_from_config, dataset_from_config, encoder_from_config, require_dataset
+from posttrain.errors import ConfigError
 from posttrain.interfaces import Algorithm, PlaneSamples
 from posttrain.run.checkpoint import TrainingState
 from posttrain.run.context import RunContext
@@ -83,6 +84,11 @@ class DistillRun(LoopSteps):
         self.environment_plugins = environment_plugins
         check_teacher(config)  # before data is read or any worker starts
         encoder = encoder_from_config(config)
+        if encoder.images is not None:
+            raise ConfigError(
+                f"policy.model: '{config.policy.model}' is a vision-language model; distillation does not yet give its "
+                "teacher and student the images of their rows. Distil a text model, or train this one with sft or grpo"
+            )
         self.tokenizer, self.chat_template = encoder.tokenizer, encoder.template
         train_set = require_dataset(config, "train", "prompt", encoder)
         val_set = dataset_from_config(config, "validation", "prompt", encoder)

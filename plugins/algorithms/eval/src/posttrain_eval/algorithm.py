@@ -70,7 +70,7 @@ class Eval(Algorithm):
                 load_checkpoint_weights(context, generation.value, options.checkpoint, step)
             rollout = PromptRollout(
                 generation.value, environments.value, encoder.tokenizer, config.policy.max_total_sequence_length,
-                options.max_rollout_turns, encoder.template, default_task,
+                options.max_rollout_turns, encoder.template, default_task, encoder.images,
             )
             generation.value.set_sampling_seed(config.seed)
             generation.value.prepare_for_generation()

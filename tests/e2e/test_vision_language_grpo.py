@@ -1,0 +1,77 @@
+"""GRPO on image prompts: a tiny Qwen2-VL (:func:`posttrain.testing.zoo.build_zoo_vlm`) asked to
+count coloured squares (:mod:`posttrain.testing.shapes`), the count checked by the math
+environment; the dtensor policy and the hf engine in Ray actors.
+
+The engine generates from each prompt's image, and the trainer scores the sampled tokens with
+the same image: its logprobs are the engine's to within 0.1% in probability
+(``token_mult_prob_error``) at every step, which a trainer given no image (or another one)
+misses by far. A vLLM engine is refused before Ray starts, naming the hf one."""
+
+from __future__ import annotations
+
+import pytest
+
+from posttrain.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    GenerationConfig,
+    LoggerConfig,
+    OptimizerConfig,
+    PolicyConfig,
+    RunConfig,
+    WorkerResources,
+)
+from posttrain.errors import ConfigError
+from posttrain.run.context import run_algorithm
+from posttrain.run.metrics import read_metrics
+from posttrain.testing.shapes import write_counting_rows
+from posttrain_grpo.config import GRPOConfig
+
+pytestmark = pytest.mark.ray
+
+GROUP = 4
+PROMPTS = 2
+
+
+def grpo_config(model: str, prompts: str, run_dir, **generation) -> RunConfig:
+    samples = GROUP * PROMPTS
+    return RunConfig(
+        seed=0,
+        run_dir=str(run_dir),
+        algorithm="grpo",
+        policy=PolicyConfig(model=model, train_global_batch_size=samples, train_micro_batch_size=samples,
+                            logprob_micro_batch_size=samples, max_total_sequence_length=96,
+                            optimizer=OptimizerConfig(lr=1e-3), resources=WorkerResources(cpus=1)),
+        generation=GenerationConfig(max_new_tokens=6, resources=WorkerResources(cpus=1), **generation),
+        data=DataConfig(train=prompts, validation=prompts, shuffle=False),
+        environments={"math": {"num_workers": 1}},
+        checkpointing=CheckpointConfig(save_period=100),
+        logger=LoggerConfig(progress_bar=False),
+        sections={"grpo": GRPOConfig(num_prompts_per_step=PROMPTS, num_generations_per_prompt=GROUP, max_num_steps=2,
+                                     val_period=2, max_val_samples=4)},
+    )
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    return str(write_counting_rows(tmp_path_factory.mktemp("shapes"), 8, seed=3, prompts=True))
+
+
+def test_the_trainer_scores_the_engines_samples_with_their_images(zoo_model, prompts, ray_cluster, tmp_path):
+    run_algorithm(grpo_config(zoo_model("qwen2_vl"), prompts, tmp_path / "run"))
+    train = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
+    assert [r["step"] for r in train] == [1, 2]
+    for record in train:
+        assert 1.0 <= record["token_mult_prob_error"] < 1.001
+    validation = read_metrics(tmp_path / "run" / "metrics.jsonl", "validation")
+    assert [r["step"] for r in validation] == [2] and 0.0 <= validation[0]["accuracy"] <= 1.0
+
+
+def test_a_vllm_engine_is_refused_before_ray_starts(zoo_model, prompts, tmp_path):
+    path = zoo_model("qwen2_vl")
+    with pytest.raises(ConfigError) as info:
+        run_algorithm(grpo_config(path, prompts, tmp_path / "run", backend="vllm"))
+    assert str(info.value) == (
+        f"policy.model: '{path}' is a vision-language model (qwen2_vl), and the vllm generation backend generates "
+        "from text prompts only; use generation.backend: hf, which generates from image prompts."
+    )
