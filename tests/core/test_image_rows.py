@@ -173,3 +173,24 @@ def test_prompt_rows_carry_their_images_to_the_batch(encoder, images):
     assert int((ids == encoder.images.placeholder_id).sum()) == 12
     assert encoder.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
     assert batch["image_grid_thw"][0].tolist() == [[1, 6, 8]] and batch["messages"][0] == row["messages"]
+
+
+def test_both_rows_of_a_preference_pair_get_the_prompts_images(encoder, images):
+    prompt = [{"role": "user", "content": [{"type": "image", "image": "pics/wide.png"},
+                                           {"type": "text", "text": "How many?"}]}]
+    path = write_jsonl(images / "pairs.jsonl", [
+        {"prompt": prompt, "chosen": "2", "rejected": "3"},
+        {"prompt": "How many?", "chosen": "0", "rejected": "1"},
+    ])
+    batch = build_dataset(path, "preference", encoder).collate([0, 1])
+    assert [g.tolist() for g in batch["image_grid_thw"]] == [[[1, 6, 8]], [[1, 6, 8]], [], []]
+    placeholders = (batch["input_ids"] == encoder.images.placeholder_id).sum(1).tolist()
+    assert placeholders == [12, 12, 0, 0]
+
+
+def test_an_image_in_a_preference_completion_is_refused(encoder, images):
+    chosen = [{"role": "assistant", "content": [{"type": "image", "image": "pics/small.png"}]}]
+    path = write_jsonl(images / "pairs.jsonl", [{"prompt": "Draw one.", "chosen": chosen,
+                                                 "rejected": [{"role": "assistant", "content": "no"}]}])
+    with pytest.raises(DataError, match="row 1: 'chosen' or 'rejected' holds an image part; images go in the prompt"):
+        build_dataset(path, "preference", encoder)

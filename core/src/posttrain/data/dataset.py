@@ -16,9 +16,9 @@ float32 [B, S] (1 on loss tokens, aligned with the token it scores) and ``sample
 float32 [B]. ``sample_mask`` is 0 for an example that truncation left with no loss
 tokens (for a pair: when either side has none) and for a truncated prompt.
 
-Image rows (:mod:`posttrain.data.images`, SFT and prompts): the example keeps its images' encoded bytes
-(an ``images`` column) and the batch gains the per-sample ``pixel_values`` and
-``image_grid_thw`` lists the vision-language model takes.
+Image rows (:mod:`posttrain.data.images`): the example keeps its images' encoded bytes (an
+``images`` column; a pair keeps its prompt's once, and how many each side kept) and the batch
+gains the per-sample ``pixel_values`` and ``image_grid_thw`` lists the vision-language model takes.
 
 Examples are stored tokenised in a Hugging Face ``datasets.Dataset`` (Arrow, in memory),
 so a large dataset costs a few bytes per token rather than a Python object per token.
@@ -48,7 +48,7 @@ from posttrain.data.formats import (
     detect_format,
     parse_row,
 )
-from posttrain.data.images import ImageInputs, image_references, read_image
+from posttrain.data.images import ImageInputs, image_parts, image_references, read_image
 from posttrain.data.sources import RowSource, open_source
 from posttrain.errors import ConfigError, DataError, did_you_mean
 from posttrain.log import get_logger
@@ -152,7 +152,12 @@ def collate_rows(
         sample_mask = cols["sample_mask"]
     batch = _pad(seqs, sample_mask, pad_token_id)
     if images is not None and "images" in cols:
-        batch.update(images.model_inputs(cols["images"]))
+        if kind == "preference":  # each pair's rows: the prompt's images each side kept
+            rows = [own[:n] for own, c, r in zip(cols["images"], cols["chosen_images"], cols["rejected_images"],
+                                                 strict=True) for n in (c, r)]
+        else:
+            rows = list(cols["images"])
+        batch.update(images.model_inputs(rows))
     if kind == "prompt":
         for name in ("messages", "answer", "metadata"):
             batch[name] = [json.loads(v) for v in cols[name]]
@@ -265,14 +270,21 @@ def _encode(
             columns["images"] = images[:enc.num_images]
         return columns, enc.truncated, enc.full_length
     if isinstance(example, PreferenceExample):
+        if image_parts(example.chosen) or image_parts(example.rejected):
+            raise RowError("'chosen' or 'rejected' holds an image part; images go in the prompt, which both share")
+        images, tokens = _images(example.prompt, example.images, encoder, folder)
         pair: list[Encoded] = [
-            encoder.encode([*example.prompt, *completion], loss_from=len(example.prompt), max_length=max_length)
+            encoder.encode([*example.prompt, *completion], loss_from=len(example.prompt), max_length=max_length,
+                           image_tokens=tokens)
             for completion in (example.chosen, example.rejected)
         ]
         c, r = pair
         columns = {"chosen_input_ids": c.input_ids, "chosen_token_mask": c.token_mask,
                    "rejected_input_ids": r.input_ids, "rejected_token_mask": r.token_mask,
                    "sample_mask": int(c.num_loss_tokens > 0 and r.num_loss_tokens > 0)}
+        if encoder.images is not None:  # one copy of the prompt's images; each side keeps its leading ones
+            columns.update(images=images[:max(c.num_images, r.num_images)], chosen_images=c.num_images,
+                           rejected_images=r.num_images)
         return columns, c.truncated or r.truncated, max(c.full_length, r.full_length)
     assert isinstance(example, PromptExample)
     images, tokens = _images(example.messages, example.images, encoder, folder)
@@ -312,8 +324,10 @@ class _TableBuilder:
             "prompt": {"input_ids": ids, "token_mask": mask, "messages": text, "answer": text, "metadata": text,
                        "task": text},
         }[kind]
-        if images and kind in ("sft", "prompt"):
+        if images:
             per_kind["images"] = seq(datasets.Value("binary"))
+            if kind == "preference":
+                per_kind.update(chosen_images=datasets.Value("int32"), rejected_images=datasets.Value("int32"))
         self.features = datasets.Features({**per_kind, **common})
         self.columns: dict[str, list[Any]] = {name: [] for name in self.features}
         self.parts: list[Any] = []

@@ -16,8 +16,8 @@ Formats (``data.format``):
   name), ``metadata`` (object) and ``system``. Every other key is kept in the metadata.
 
 A message's ``content`` is a string or, for a vision-language model, a list of ``text`` and
-``image`` parts (:mod:`posttrain.data.images`); ``messages``, ``prompt_response`` and ``prompt``
-rows may carry an ``images`` list for image parts that name no image of their own.
+``image`` parts (:mod:`posttrain.data.images`; in a preference row, in its prompt); a row may
+carry an ``images`` list for image parts that name no image of their own.
 
 A key whose value is null counts as missing (Arrow writes nulls for absent keys in
 parquet), and null-valued keys inside messages are dropped.
@@ -67,6 +67,7 @@ class PreferenceExample:
     prompt: list[Message]
     chosen: list[Message]
     rejected: list[Message]
+    images: list[Any] | None = None  # the row's images column: for image parts that name no image
 
 
 @attrs.frozen
@@ -146,7 +147,7 @@ def _parse_preference(row: Mapping[str, Any]) -> PreferenceExample:
     rejected = _require(row, "rejected", need)
     if isinstance(chosen, str) and isinstance(rejected, str):
         prompt = _prompt(row, _require(row, "prompt", need))
-        return PreferenceExample(prompt, [_assistant(chosen)], [_assistant(rejected)])
+        return PreferenceExample(prompt, [_assistant(chosen)], [_assistant(rejected)], _images(row))
     if not (isinstance(chosen, list) and isinstance(rejected, list)):
         raise RowError(
             "'chosen' and 'rejected' must both be strings or both be message lists, "
@@ -168,7 +169,7 @@ def _parse_preference(row: Mapping[str, Any]) -> PreferenceExample:
     for key, completion in (("chosen", chosen_msgs), ("rejected", rejected_msgs)):
         if not any(m["role"] == "assistant" for m in completion):
             raise RowError(f"'{key}' has no assistant turn after the prompt")
-    return PreferenceExample(prompt, chosen_msgs, rejected_msgs)
+    return PreferenceExample(prompt, chosen_msgs, rejected_msgs, _images(row))
 
 
 def _parse_prompt(row: Mapping[str, Any]) -> PromptExample:
