@@ -9,7 +9,8 @@ import pytest
 from posttrain.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
-ALGORITHM = {"sft.yaml": "sft", "dpo.yaml": "dpo", "rm.yaml": "rm", "grpo_math_tiny.yaml": "grpo", "grpo_math_1b_gpu.yaml": "grpo"}
+ALGORITHM = {"sft.yaml": "sft", "dpo.yaml": "dpo", "rm.yaml": "rm", "grpo_math_tiny.yaml": "grpo", "grpo_math_1b_gpu.yaml": "grpo",
+             "vlm_counting_sft.yaml": "sft", "vlm_counting_grpo.yaml": "grpo"}
 REQUIRED = ["policy.model=/models/any", "data.train=/data/train.jsonl", "data.validation=/data/val.jsonl"]
 
 

@@ -194,3 +194,19 @@ def test_an_image_in_a_preference_completion_is_refused(encoder, images):
                                                  "rejected": [{"role": "assistant", "content": "no"}]}])
     with pytest.raises(DataError, match="row 1: 'chosen' or 'rejected' holds an image part; images go in the prompt"):
         build_dataset(path, "preference", encoder)
+
+
+def test_a_family_whose_image_processor_gives_no_patch_grid_is_refused(model, tmp_path):
+    """LLaVA-style: a CLIP image processor (a fixed token count per image, no merge size)."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model, folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "CLIPImageProcessor"}))
+    with pytest.raises(ConfigError) as info:
+        ImageInputs.from_model(str(folder), load_tokenizer(str(folder)))
+    assert str(info.value) == (
+        f"policy.model: '{folder}' is a qwen2_vl vision-language model; image rows are read for models whose image "
+        "processor gives patch grids (image_grid_thw) and whose config names its image token (image_token_id): "
+        "Qwen2-VL and Qwen2.5-VL"
+    )

@@ -52,3 +52,19 @@ def test_the_default_run_checks_every_architecture_and_every_path():
     covered = {arch for archs in matrix.COVERING_CELLS.values() for arch in archs}
     assert covered == set(matrix.ROWS)
     assert matrix.cells_to_run("sft", full=True) == list(matrix.ROWS)
+
+
+def test_every_vision_language_cell_that_works_names_a_test_that_runs_the_architecture():
+    """A "works" cell's test exists, and its module names the architecture (its parametrization
+    or the model it builds); the rows are the zoo's vision-language architectures."""
+    from posttrain.testing.zoo import VISION_ARCHITECTURES
+
+    assert list(matrix.VISION_ROWS) == list(VISION_ARCHITECTURES)
+    assert set(matrix.VISION_CELLS) == set(matrix.VISION_PATHS)
+    for path_id, column in matrix.VISION_PATHS.items():
+        file, function = column.test.split("::")
+        source = (REPO / file).read_text()
+        tests = {node.name for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
+        assert function in tests, f"{path_id}: {column.test} does not exist"
+        for arch in matrix.VISION_CELLS[path_id]:
+            assert f'"{arch}"' in source or "ARCHITECTURES" in source, f"{path_id}: {file} never runs {arch}"

@@ -118,6 +118,85 @@ COVERING_CELLS: dict[str, tuple[str, ...]] = {
 }
 
 
+@attrs.frozen
+class VisionColumn:
+    """A path of vision-language models: its heading, the test that checks it (``file::function``,
+    run in the default test run on the architectures :data:`VISION_CELLS` names) and what it checks."""
+
+    heading: str
+    test: str
+    checks: str
+
+
+_VLM_DTENSOR = "tests/plugins/backends/dtensor/test_vision_language.py"
+#: Path id -> column, in the page's order.
+VISION_PATHS: dict[str, VisionColumn] = {
+    "sft": VisionColumn("SFT (dtensor)", f"{_VLM_DTENSOR}::test_step_zero_loss_and_gradients_equal_transformers",
+                        "rows with images of different sizes and rows without one: logprobs equal transformers' "
+                        "forward of each sample alone with its image (1e-5), and so do the step-0 loss and every "
+                        "gradient (within 1e-5 of the gradient's scale), padded and packed"),
+    "fsdp2": VisionColumn("FSDP dp=2", f"{_VLM_DTENSOR}::test_step_zero_loss_and_gradients_equal_transformers",
+                          "as SFT, over two data-parallel ranks, each vision block and decoder layer sharded"),
+    "frozen": VisionColumn("frozen vision tower",
+                           f"{_VLM_DTENSOR}::test_a_frozen_vision_tower_keeps_its_weights_while_the_language_model_learns",
+                           "after a step the vision tower's weights are as loaded and every other weight moved"),
+    "lora": VisionColumn("LoRA", f"{_VLM_DTENSOR}::test_lora_adapts_the_language_model_only",
+                         "all-linear adapters on the language model only: step 0 is the base model, a step leaves "
+                         "the vision tower as it was"),
+    "hf": VisionColumn("hf generation", "tests/plugins/backends/hf/test_vision_generation.py::"
+                       "test_each_rows_tokens_and_logprobs_are_transformers_forward_with_its_image",
+                       "batched prompts with and without images: each row's logprobs are transformers' forward of "
+                       "the row alone with its image (1e-5)"),
+    "grpo": VisionColumn("GRPO (hf engine)", "tests/e2e/test_vision_language_grpo.py::"
+                         "test_the_trainer_scores_the_engines_samples_with_their_images",
+                         "the trainer's logprobs of the engine's samples are the engine's to within 0.1% in "
+                         "probability (token_mult_prob_error) at every step; with no image they miss by a factor of 28"),
+    "dpo": VisionColumn("DPO", "tests/plugins/algorithms/dpo/test_vision_language_dpo.py::"
+                        "test_the_first_loss_is_ln2_and_every_pair_ends_preferring_its_chosen_answer",
+                        "image preference pairs: the first loss is ln 2, and after 8 steps every pair prefers its "
+                        "chosen answer"),
+    "export": VisionColumn("HF export", "tests/plugins/algorithms/sft/test_vision_language_sft.py::"
+                           "test_the_export_loads_with_transformers_classes_and_gives_the_trainers_loss",
+                           "after SFT the folder loads with AutoModelForImageTextToText and its image processor and "
+                           "gives the trainer's final validation loss (1e-4)"),
+}
+#: Vision-language zoo architecture -> the row's label.
+VISION_ROWS: dict[str, str] = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"}
+#: Path id -> the architectures its test runs; a cell of another architecture is "not tested".
+VISION_CELLS: dict[str, tuple[str, ...]] = {
+    "sft": ("qwen2_vl", "qwen2_5_vl"),
+    "fsdp2": ("qwen2_vl", "qwen2_5_vl"),
+    "frozen": ("qwen2_vl", "qwen2_5_vl"),
+    "lora": ("qwen2_vl", "qwen2_5_vl"),
+    "hf": ("qwen2_vl", "qwen2_5_vl"),
+    "grpo": ("qwen2_vl",),
+    "dpo": ("qwen2_vl",),
+    "export": ("qwen2_vl",),
+}
+
+
+def vision_section() -> list[str]:
+    """The page's lines on vision-language models (:data:`VISION_PATHS`, :data:`VISION_CELLS`)."""
+    header = "| architecture | " + " | ".join(c.heading for c in VISION_PATHS.values()) + " |"
+    rows = [f"| {label} | " + " | ".join("works" if arch in VISION_CELLS[p] else "not tested" for p in VISION_PATHS)
+            + " |" for arch, label in VISION_ROWS.items()]
+    return [
+        "## Vision-language models",
+        "",
+        "Tiny random checkpoints of `posttrain.testing.zoo.build_zoo_vlm` (transformers' own config class, a "
+        "vision tower of one block), on image rows of [Vision-language models](vision.md). **works**: the test "
+        "named below runs the path on the architecture in the default test run; **not tested**: no test does.",
+        "",
+        header,
+        "|---|" + "---|" * len(VISION_PATHS),
+        *rows,
+        "",
+        *[f"- **{c.heading}** (`{c.test.split('::')[1]}` in `{c.test.split('::')[0]}`): {c.checks}."
+          for c in VISION_PATHS.values()],
+        "",
+    ]
+
+
 def cells_to_run(path_id: str, *, full: bool) -> list[str]:
     """The architectures whose ``path_id`` cell a test run checks."""
     return list(ROWS) if full else [arch for arch in ROWS if arch in COVERING_CELLS[path_id]]
@@ -226,6 +305,7 @@ def render(results: dict[str, Any]) -> str:
         "against the same records. To record new results: `POSTTRAIN_RECORD_MATRIX=1 pytest",
         "tests/e2e/test_model_matrix.py`, then `python tests/e2e/model_matrix.py`.",
         "",
+        *vision_section(),
     ]
     return "\n".join(lines)
 

@@ -54,7 +54,7 @@ def grpo_config(model: str, prompts: str, run_dir, **generation) -> RunConfig:
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
-    return str(write_counting_rows(tmp_path_factory.mktemp("shapes"), 8, seed=3, prompts=True))
+    return str(write_counting_rows(tmp_path_factory.mktemp("shapes"), 8, seed=3, prompts=True, text_rows=1))
 
 
 def test_the_trainer_scores_the_engines_samples_with_their_images(zoo_model, prompts, ray_cluster, tmp_path):

@@ -1,6 +1,8 @@
-"""The hf engine on a vision-language model (tiny Qwen2-VL), without Ray: prompts with images
+"""The hf engine on vision-language models (tiny Qwen2-VL and Qwen2.5-VL), without Ray: prompts with images
 of different sizes, and one without, batched and left-padded. Each row's sampled tokens and
-their logprobs are what transformers' forward of that row alone, with its image, gives."""
+their logprobs are what transformers' forward of that row alone, with its image, gives. A
+placeholder token the model generates is text: prefilled again (the next turn of a
+conversation), it gives the logprobs its decoding gave."""
 
 from __future__ import annotations
 
@@ -15,11 +17,11 @@ from posttrain.testing.shapes import write_counting_rows
 from posttrain_hf.worker import HFEngineWorker
 
 
-@pytest.fixture(scope="module")
-def prompts(zoo_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def prompts(request, zoo_model, tmp_path_factory):
     """Three prompt rows: two images of different sizes, then the question alone."""
-    path = zoo_model("qwen2_vl")
-    rows = write_counting_rows(tmp_path_factory.mktemp("shapes"), 3, seed=4, prompts=True)
+    path = zoo_model(request.param)
+    rows = write_counting_rows(tmp_path_factory.mktemp("shapes"), 3, seed=6, prompts=True, text_rows=1)
     tokenizer = load_tokenizer(path)
     dataset = build_dataset(str(rows), "prompt", ChatEncoder(tokenizer, images=ImageInputs.from_model(path, tokenizer)))
     batch = dataset.collate(range(3))
@@ -46,3 +48,31 @@ def test_each_rows_tokens_and_logprobs_are_transformers_forward_with_its_image(p
             logits = model(input_ids=ids, **extra).logits[0, len(prompt) - 1:-1]
         want = logits.log_softmax(-1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(completion.logprobs), want, rtol=0, atol=1e-5)
+
+
+def test_a_generated_image_placeholder_is_text_when_prefilled_again(prompts):
+    """Its logit raised, ``<|image_pad|>`` is what greedy decoding picks: the
+    second call prefills the prompt and the first three of them, and decodes the rest with the
+    logprobs the first call's decoding gave."""
+    path, batch = prompts
+    engine = HFEngineWorker(model_path=path, dtype="float32", max_batch_size=4, attn_implementation="sdpa")
+    placeholder = engine.model.config.image_token_id
+
+    def tilt(module, args, logits):  # the placeholder's logit raised by 8: likeliest, not certain
+        logits[..., placeholder] += 8.0
+        return logits
+
+    engine.model.lm_head.register_forward_hook(tilt)
+    prompt = batch["input_ids"][0, :batch["input_lengths"][0]].tolist()
+    images = [sample_images(batch, 0)]
+
+    def greedy(tokens: list[int], n: int):
+        request = GenerationRequest(prompts=[tokens], seeds=[0], max_new_tokens=[n], stop_strings=[[]],
+                                    stop_token_ids=[], temperature=0.0, top_p=1.0, top_k=None, images=images)
+        return engine.generate(request)[0]
+
+    first = greedy(prompt, 6)
+    assert placeholder in first.token_ids[:3], "the tilted model should generate the placeholder early"
+    again = greedy(prompt + first.token_ids[:3], 3)
+    assert again.token_ids == first.token_ids[3:]
+    torch.testing.assert_close(torch.tensor(again.logprobs), torch.tensor(first.logprobs[3:]), rtol=0, atol=1e-5)

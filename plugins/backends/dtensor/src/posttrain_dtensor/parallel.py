@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from posttrain.backend.vision import embed_with_images
 from posttrain.errors import ConfigError
 from posttrain_dtensor.lora import plan_key_matches, tensor_parallel_plan
 
@@ -71,14 +72,19 @@ class CausalLMHead(nn.Module):
         position_ids: torch.Tensor | None,
         head: Head,
         segment_bounds: torch.Tensor | None = None,
-        **inputs: torch.Tensor,
+        **images: torch.Tensor,
     ) -> object:
         """``segment_bounds``: packed rows' ``cu_seqlens`` for the segment attention kernel;
-        ``inputs``: a vision-language model's image inputs (:mod:`posttrain_dtensor.vision`)."""
+        ``images``: a vision-language model's ``pixel_values``, ``image_grid_thw`` and
+        ``image_mask`` (:mod:`posttrain_dtensor.vision`), embedded here, where FSDP has
+        gathered the vision tower and the embedding."""
         extra = {} if segment_bounds is None else {"cu_seq_lens_q": segment_bounds}
+        if images:
+            embeds = embed_with_images(self.lm, input_ids, images["pixel_values"], images["image_grid_thw"],
+                                       images["image_mask"])
+            extra["inputs_embeds"], input_ids = embeds, None
         out = self.lm.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-            **extra, **inputs,
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra
         )
         return head(out.last_hidden_state, self.output_weight())
 

@@ -15,6 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 from posttrain.backend.generation_group import Completion, GenerationRequest
 from posttrain.backend.routing import Routers
 from posttrain.backend.sampling import sampling_logprobs
+from posttrain.backend.vision import embed_with_images, image_token_mask, mrope_positions
 from posttrain.errors import WorkerError
 from posttrain_hf.attention import takes_ready_step_masks
 from posttrain_hf.stop_strings import StopStringMatcher
@@ -51,22 +52,21 @@ def decode(
         attention[row, width - len(prompt) :] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     input_ids, attention, positions = input_ids.to(device), attention.to(device), positions.to(device)
-    images = image_inputs(model, input_ids, attention, request.images)
-    if images:  # M-RoPE: image tokens advance the positions by patch rows and columns, not one by one
-        positions = images.pop("position_ids")
+    prompt = {"input_ids": input_ids}
+    if request.images is not None and any(len(grid) for _, grid in request.images):
+        prompt, positions = image_prompt(model, input_ids, attention, request.images)
 
     greedy = request.temperature == 0
     sampler = None if greedy else RowSampler(request.seeds, device, max_steps=max(request.max_new_tokens))
     stop_ids = torch.tensor(sorted(set(request.stop_token_ids)), dtype=torch.long, device=device)
     cache = DynamicCache(config=model.config)
     logits = model(
-        input_ids=input_ids,
+        **prompt,
         attention_mask=attention,
         position_ids=positions,
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
-        **images,
     ).logits[:, -1]
     routes = _prefill_routes(routers, request.prompts, width)
     next_position = positions.amax(dim=(0, 2)) + 1 if positions.dim() == 3 else positions[:, -1] + 1
@@ -115,21 +115,20 @@ def decode(
                        torch.cat(routes[row]) if routers is not None else None) for row in range(num_rows)]
 
 
-def image_inputs(
+def image_prompt(
     model: PreTrainedModel, input_ids: torch.Tensor, attention: torch.Tensor,
-    images: list[tuple[torch.Tensor, torch.Tensor]] | None,
-) -> dict[str, torch.Tensor]:
-    """The prefill's image inputs for left-padded ``input_ids`` of a vision-language model:
-    the rows' pixel values and patch grids in row order, ``mm_token_type_ids`` (1 on image
-    tokens) and the M-RoPE ``position_ids`` [3, rows, width]; none when no row has an image."""
-    if images is None or not any(len(grid) for _, grid in images):
-        return {}
+    images: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The prefill's input of left-padded ``input_ids`` of a vision-language model, each row
+    with its ``images`` (pixel values, patch grids): the embeddings with the images' features
+    on the image tokens (:mod:`posttrain.backend.vision`), and the M-RoPE positions
+    [3, rows, width] by which decoding goes on."""
     device = input_ids.device
+    mask = image_token_mask(input_ids, [grid.to(device) for _, grid in images], model)
     grids = torch.cat([grid for _, grid in images]).to(device)
-    token_types = (input_ids == model.config.image_token_id).int()
-    positions, _ = model.base_model.get_rope_index(input_ids, token_types, image_grid_thw=grids, attention_mask=attention)
-    return {"pixel_values": torch.cat([pixels for pixels, _ in images]).to(device, model.dtype),
-            "image_grid_thw": grids, "mm_token_type_ids": token_types, "position_ids": positions}
+    pixels = torch.cat([pixels for pixels, _ in images]).to(device)
+    embeds = embed_with_images(model, input_ids, pixels, grids, mask)
+    return {"inputs_embeds": embeds}, mrope_positions(model, input_ids, mask, grids, attention)
 
 
 def _prefill_routes(routers: Routers | None, prompts: list[list[int]], width: int) -> list[list[torch.Tensor]]:
