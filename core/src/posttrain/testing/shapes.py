@@ -71,7 +71,7 @@ EXAMPLE_SIDES = (56,)
 EXAMPLE_COLOURS = ("red",)
 #: The counting example's files under its root -> rows, seed (each file's images in a folder beside it).
 EXAMPLE_FILES = {"sft/train/train.jsonl": (512, 1), "sft/val/val.jsonl": (64, 2),
-                 "grpo/prompts/prompts.jsonl": (512, 3), "grpo/val/val.jsonl": (64, 4)}
+                 "grpo/prompts/prompts.jsonl": (512, 3), "grpo/val/val.jsonl": (256, 4)}
 
 
 def write_counting_example(root: str | Path = "runs/vlm_counting") -> Path:
