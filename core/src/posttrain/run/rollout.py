@@ -376,11 +376,13 @@ def _start_conversations(
             prompt_ids[key] = chat.prompt_ids(prompt, tools_of[task])
         token_ids = list(prompt_ids[key])
         own = images[i] if images is not None and len(images[i][1]) else None
-        if own is not None:
+        # a prompt whose images the data's length limit cut: fewer images than placeholders
+        cut = chat.images is not None and token_ids.count(chat.images.placeholder_id) != (len(own[1]) if own else 0)
+        if own is not None and not cut:
             token_ids = chat.widen_images(token_ids, own[1])
         conversation = Conversation([dict(m) for m in prompt], task, meta, token_ids, prompt_length=len(token_ids),
-                                     tools=tools_of[task], origin=origin, source=source, images=own)
-        if len(token_ids) >= max_total_length:  # no room to generate anything
+                                     tools=tools_of[task], origin=origin, source=source, images=None if cut else own)
+        if cut or len(token_ids) >= max_total_length:  # no room to generate anything (a cut prompt: longer still)
             conversation.done = conversation.truncated = True
         conversations.append(conversation)
     return conversations

@@ -9,11 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.backend.generation_group import GenerationRequest
+from posttrain.backend.generation_group import GenerationRequest, assemble_output, build_request
+from posttrain.batch import Batch
+from posttrain.config.schema import GenerationConfig
 from posttrain.data.chat import ChatEncoder, load_tokenizer
 from posttrain.data.dataset import build_dataset
-from posttrain.data.images import ImageInputs, sample_images
+from posttrain.data.images import IMAGE_FIELDS, ImageInputs, sample_images
+from posttrain.interfaces import Generation
+from posttrain.run.rollout import run_rollout
 from posttrain.testing.shapes import write_counting_rows
+from posttrain_env_math.math_env import MathEnvironment, MathOptions
 from posttrain_hf.worker import HFEngineWorker
 
 
@@ -76,3 +81,48 @@ def test_a_generated_image_placeholder_is_text_when_prefilled_again(prompts):
     again = greedy(prompt + first.token_ids[:3], 3)
     assert again.token_ids == first.token_ids[3:]
     torch.testing.assert_close(torch.tensor(again.logprobs), torch.tensor(first.logprobs[3:]), rtol=0, atol=1e-5)
+
+
+class EngineGeneration(Generation):
+    """The hf engine behind the Generation interface, as its worker group drives it (greedy)."""
+
+    def __init__(self, engine: HFEngineWorker, eos_token_ids: list[int]):
+        self.engine, self.eos_token_ids = engine, eos_token_ids
+        self.calls = 0
+
+    def generate(self, batch, *, greedy: bool = False):
+        self.calls += 1
+        request = build_request(batch, GenerationConfig(max_new_tokens=3), seeds=range(len(batch)), context_length=256,
+                                context_key="policy.max_total_sequence_length", eos_token_ids=self.eos_token_ids,
+                                greedy=True)
+        return assemble_output(request.prompts, self.engine.generate(request), self.engine.pad_token_id)
+
+    def weight_endpoint(self):
+        raise NotImplementedError("rollouts never refit")
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_a_rollout_keeps_each_samples_images_and_skips_a_prompt_the_data_cut(prompts):
+    """Through the rollout loop: prompts widened as the dataset widened them, the images in the
+    training batch; a prompt whose image the data's length limit cut (its images fewer than its
+    placeholders) ends before any generation, as a prompt too long to answer does."""
+    path, batch = prompts
+    tokenizer = load_tokenizer(path)
+    images = ImageInputs.from_model(path, tokenizer)
+    samples = batch.fields(["messages", "task", "metadata", "answer", *IMAGE_FIELDS])
+    cut = batch.fields(["messages", "task", "metadata", "answer", *IMAGE_FIELDS]).select([1])
+    cut["pixel_values"], cut["image_grid_thw"] = [torch.zeros(0, 1176)], [torch.zeros(0, 3, dtype=torch.long)]
+    samples = Batch.concat([samples, cut])
+    engine = HFEngineWorker(model_path=path, dtype="float32", max_batch_size=4, attn_implementation="sdpa")
+    generation = EngineGeneration(engine, [tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    math = MathEnvironment(MathOptions(timeout_s=10, num_workers=1))
+    out, _ = run_rollout(samples, generation, {"math": math}, tokenizer, max_total_length=96, images=images)
+    math.shutdown()
+    for i in range(3):
+        prompt = int(out["prompt_lengths"][i])
+        assert out["input_ids"][i, :prompt].tolist() == batch["input_ids"][i, :batch["input_lengths"][i]].tolist()
+        assert out["image_grid_thw"][i].tolist() == batch["image_grid_thw"][i].tolist()
+        assert int(out["response_lengths"][i]) > 0
+    assert int(out["response_lengths"][3]) == 0 and bool(out["truncated"][3]) and len(out["image_grid_thw"][3]) == 0
