@@ -146,3 +146,29 @@ def test_ppo_logs_identical_metrics_with_either_plane(ray_cluster, tiny_model_pa
         assert expected["critic/grad_norm"] > 0 and expected["ppo/values_mean"] != 0
     assert fetched and all(not (fields & PER_TOKEN_FIELDS) for fields in fetched), fetched
     assert not controller_running()
+
+
+@pytest.mark.slow  # two GRPO runs of a vision-language model: about 40 s on 2 shared cores
+def test_image_samples_log_identical_metrics_with_either_plane(ray_cluster, zoo_model, tmp_path, monkeypatch):
+    """Image prompts (tiny Qwen2-VL): the images travel with their samples through
+    TransferQueue to two data-parallel policy workers, and the driver reads none back."""
+    from posttrain.testing.shapes import write_counting_rows
+    from tests.e2e.test_vision_language_grpo import grpo_config as image_grpo_config
+
+    prompts = str(write_counting_rows(tmp_path / "shapes", 8, seed=3, prompts=True, text_rows=1))
+
+    def config(plane: str) -> RunConfig:
+        base = image_grpo_config(zoo_model("qwen2_vl"), prompts, tmp_path / ("tq" if plane == "transferqueue" else plane))
+        half = base.policy.train_global_batch_size // 2
+        policy = attrs.evolve(base.policy, num_workers=2, train_micro_batch_size=half, logprob_micro_batch_size=half,
+                              resources=WorkerResources(cpus=0.25))
+        generation = attrs.evolve(base.generation, resources=WorkerResources(cpus=0.5))
+        return attrs.evolve(base, policy=policy, generation=generation, data_plane=DataPlaneConfig(backend=plane))
+
+    run_algorithm(config("memory"))
+    fetched = record_driver_reads(monkeypatch)
+    run_algorithm(config("transferqueue"))
+    for expected, found in both_runs(tmp_path):
+        assert untimed(found) == untimed(expected), f"step {expected['step']}"
+    image_fields = {"pixel_values", "image_grid_thw"}
+    assert fetched and all(not (fields & (PER_TOKEN_FIELDS | image_fields)) for fields in fetched), fetched
