@@ -134,7 +134,9 @@ VISION_PATHS: dict[str, VisionColumn] = {
     "sft": VisionColumn("SFT (dtensor)", f"{_VLM_DTENSOR}::test_step_zero_loss_and_gradients_equal_transformers",
                         "rows with images of different sizes and rows without one: logprobs equal transformers' "
                         "forward of each sample alone with its image (1e-5), and so do the step-0 loss and every "
-                        "gradient (within 1e-5 of the gradient's scale), padded and packed"),
+                        "gradient (within 1e-5 of the gradient's scale), padded and packed; packed rows give the "
+                        "padded rows' logprobs and gradients to float32 rounding "
+                        "(test_packed_rows_give_the_padded_rows_logprobs_and_gradients)"),
     "fsdp2": VisionColumn("FSDP dp=2", f"{_VLM_DTENSOR}::test_step_zero_loss_and_gradients_equal_transformers",
                           "as SFT, over two data-parallel ranks, each vision block and decoder layer sharded"),
     "frozen": VisionColumn("frozen vision tower",
