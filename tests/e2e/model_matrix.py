@@ -139,6 +139,11 @@ VISION_PATHS: dict[str, VisionColumn] = {
                         "(test_packed_rows_give_the_padded_rows_logprobs_and_gradients)"),
     "fsdp2": VisionColumn("FSDP dp=2", f"{_VLM_DTENSOR}::test_step_zero_loss_and_gradients_equal_transformers",
                           "as SFT, over two data-parallel ranks, each vision block and decoder layer sharded"),
+    "tp2": VisionColumn("tensor parallel 2",
+                        f"{_VLM_DTENSOR}::test_tensor_parallel_splits_the_language_model_and_keeps_the_vision_tower_whole",
+                        "two ranks (two key-value heads): the language model split by its text config's plan, the "
+                        "vision tower whole; logprobs, step-0 loss and every gradient equal transformers' float64 "
+                        "forward"),
     "frozen": VisionColumn("frozen vision tower",
                            f"{_VLM_DTENSOR}::test_a_frozen_vision_tower_keeps_its_weights_while_the_language_model_learns",
                            "after a step the vision tower's weights are as loaded and every other weight moved"),
@@ -168,6 +173,7 @@ VISION_ROWS: dict[str, str] = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL
 VISION_CELLS: dict[str, tuple[str, ...]] = {
     "sft": ("qwen2_vl", "qwen2_5_vl"),
     "fsdp2": ("qwen2_vl", "qwen2_5_vl"),
+    "tp2": ("qwen2_vl",),
     "frozen": ("qwen2_vl", "qwen2_5_vl"),
     "lora": ("qwen2_vl", "qwen2_5_vl"),
     "hf": ("qwen2_vl", "qwen2_5_vl"),

@@ -255,9 +255,9 @@ PATCH = 14
 MAX_IMAGE_PIXELS = (4 * PATCH * 2) ** 2
 
 
-def _qwen_vl(config_cls: Any, vision: dict[str, Any], **kw: Any):
+def _qwen_vl(config_cls: Any, vision: dict[str, Any], text: dict[str, Any] | None = None, **kw: Any):
     text = {**_COMMON, "head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                             "mrope_section": [4, 6, 6]}}
+                                                             "mrope_section": [4, 6, 6]}, **(text or {})}
     text.update({k: kw.pop(k) for k in list(kw) if k in ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")})
     return config_cls(text_config=text, vision_config={"depth": 1, "hidden_size": _COMMON["hidden_size"],
                                                        "patch_size": PATCH, "spatial_merge_size": 2, **vision}, **kw)
@@ -287,10 +287,11 @@ VISION_ARCHITECTURES: dict[str, Callable[..., Any]] = {
 VISION_CHAT_FORMATS: dict[str, str] = {"qwen2_vl": "chatml_vision", "qwen2_5_vl": "chatml_vision"}
 
 
-def build_zoo_vlm(path: str | Path, name: str, *, seed: int = 0) -> Path:
+def build_zoo_vlm(path: str | Path, name: str, *, seed: int = 0, text: dict[str, Any] | None = None) -> Path:
     """Write a seeded random vision-language model of architecture ``name``
     (:data:`VISION_ARCHITECTURES`) to ``path`` as a Hugging Face folder with the family's
-    tokenizer and chat template and its image processor (:func:`image_processor`). The same arguments give the same weights."""
+    tokenizer and chat template and its image processor (:func:`image_processor`); ``text``
+    overrides fields of its language model's config. The same arguments give the same weights."""
     from posttrain.testing.chat_formats import FORMATS, build_chat_tokenizer
 
     if name not in VISION_ARCHITECTURES:
@@ -302,7 +303,7 @@ def build_zoo_vlm(path: str | Path, name: str, *, seed: int = 0) -> Path:
     config = VISION_ARCHITECTURES[name](
         vocab_size=-(-len(tok) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, image_token_id=ids["<|image_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"], text=text,
     )
     model = _seeded_model(config, seed)
     model.generation_config.pad_token_id = tok.pad_token_id

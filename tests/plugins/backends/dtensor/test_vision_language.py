@@ -23,6 +23,7 @@ from posttrain.data.dataset import build_dataset
 from posttrain.data.images import ImageInputs
 from posttrain.testing.policy import reference_logprobs, reference_model, reference_step
 from posttrain.testing.shapes import write_counting_rows
+from posttrain.testing.zoo import build_zoo_vlm
 from posttrain_dtensor.policy import DTensorPolicy
 
 pytestmark = pytest.mark.ray
@@ -180,3 +181,28 @@ def test_packed_rows_give_the_padded_rows_logprobs_and_gradients(policy, setup, 
     packed_grads = dt.sgd_grads(setup["initial_weights"], dt.full_weights(policy), lr=1.0)
     for name, want in padded_grads.items():
         assert float((packed_grads[name] - want).abs().max()) <= 5e-6 * max(1.0, float(want.abs().max())), name
+
+
+def test_tensor_parallel_splits_the_language_model_and_keeps_the_vision_tower_whole(virtual_cluster, dt,
+                                                                                    counting_rows, tmp_path):
+    """Two tensor-parallel ranks (a Qwen2-VL with two key-value heads, so both head counts
+    split): the language model follows its text config's plan, the vision tower is whole on
+    each rank; logprobs, the step-0 loss and every gradient equal transformers' float64
+    forward, as at one rank."""
+    path = str(build_zoo_vlm(tmp_path / "qwen2_vl_kv2", "qwen2_vl", text={"num_key_value_heads": 2}))
+    batch = image_batch(path, counting_rows)
+    ref_loss, ref_grads = reference_step(path, batch)
+    config = dt.policy_config(path, max_total_sequence_length=96, num_workers=2, tensor_parallel_size=2)
+    policy = DTensorPolicy(config, virtual_cluster, name="policy-vlm-tp2")
+    try:
+        assert policy.info()["tensor_parallel_size"] == 2
+        got = policy.get_logprobs(batch)["logprobs"]
+        initial = dt.full_weights(policy)
+        metrics = policy.train(batch, dt.nll)
+        grads = dt.sgd_grads(initial, dt.full_weights(policy), lr=1.0)
+    finally:
+        policy.shutdown()
+    torch.testing.assert_close(got.double(), reference_logprobs(reference_model(path), batch), rtol=2e-6, atol=1e-5)
+    assert metrics["loss"] == pytest.approx(ref_loss, abs=1e-5)
+    for name, want in ref_grads.items():
+        assert float((grads[name] - want).abs().max()) < 1e-5 * max(1.0, float(want.abs().max())), name

@@ -110,14 +110,11 @@ def check_exact_logprobs(config: RunConfig, options: DTensorConfig) -> None:
 
 
 def check_vision_language(config: RunConfig, model_type: str) -> None:
-    """Refuse what the backend does not yet do with a vision-language ``policy.model``: split
-    it over tensor-parallel ranks, or score its rows as exact logprobs lay them out."""
+    """Refuse what the backend does not yet do with a vision-language ``policy.model``: score
+    its rows as exact logprobs lay them out."""
     from posttrain.config.validate import where_set
 
     unsupported = [
-        (config.policy.tensor_parallel_size > 1, "policy.tensor_parallel_size",
-         "splits its layers over tensor-parallel ranks; set policy.tensor_parallel_size: 1 (FSDP over "
-         "policy.num_workers shards it)"),
         (config.generation.exact_logprobs, "generation.exact_logprobs",
          "scores its image rows as exact logprobs lay them out; set generation.exact_logprobs: false"),
     ]

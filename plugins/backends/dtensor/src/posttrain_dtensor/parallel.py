@@ -117,6 +117,7 @@ def check_model_fits(config: object, tp_size: int) -> None:
             "head does not apply; use a model whose logits are lm_head(hidden), soft-capped or not"
         )
     if tp_size > 1:
+        config = config.get_text_config()  # a vision-language model's language model is what is split
         for key in ("num_attention_heads", "num_key_value_heads"):
             heads = getattr(config, key, None)
             if heads is not None and heads % tp_size:
@@ -150,18 +151,27 @@ def check_tensor_parallel(config: object) -> None:
 
 
 def apply_tensor_parallel(lm: nn.Module, tp_mesh: DeviceMesh, *, adapters: bool = False) -> list[nn.Module]:
-    """Shard ``lm``'s decoder over ``tp_mesh`` following its ``base_model_tp_plan`` (with
+    """Shard ``lm``'s decoder (:func:`split_decoder`) over ``tp_mesh`` following its (text
+    config's) ``base_model_tp_plan`` (with
     ``adapters``, as :func:`posttrain_dtensor.lora.tensor_parallel_plan` extends it to the
     LoRA layers; the plan was checked by :func:`check_tensor_parallel`). Returns the modules
     whose parameters' gradients :func:`sum_gradients` must sum over the ranks."""
-    plan = dict(lm.config.base_model_tp_plan)
+    decoder = split_decoder(lm)
+    plan = dict(lm.config.get_text_config().base_model_tp_plan)
     summed = [name for name, style in plan.items() if style == "replicated_with_grad_allreduce"]
     plan = {name: style for name, style in plan.items() if style in TP_STYLES}
     if adapters:
-        plan = tensor_parallel_plan(lm.base_model, plan)
-    parallelize_module(lm.base_model, tp_mesh, {name: TP_STYLES[style]() for name, style in plan.items()})
-    return [module for path, module in lm.base_model.named_modules()
+        plan = tensor_parallel_plan(decoder, plan)
+    parallelize_module(decoder, tp_mesh, {name: TP_STYLES[style]() for name, style in plan.items()})
+    return [module for path, module in decoder.named_modules()
             if any(plan_key_matches(pattern, path) for pattern in summed)]
+
+
+def split_decoder(lm: nn.Module) -> nn.Module:
+    """The module a tensor-parallel plan's paths are relative to: the causal LM's base model,
+    or a vision-language model's language model (its vision tower stays whole on every rank)."""
+    language_model = getattr(lm.base_model, "language_model", None)
+    return lm.base_model if language_model is None else language_model
 
 
 def sum_gradients(modules: list[nn.Module], group: dist.ProcessGroup) -> None:
@@ -177,8 +187,7 @@ def sum_gradients(modules: list[nn.Module], group: dist.ProcessGroup) -> None:
 
 def decoder_layers(lm: nn.Module) -> nn.ModuleList:
     """The decoder layers of a causal LM, or of a vision-language model's language model."""
-    base = lm.base_model
-    layers = getattr(getattr(base, "language_model", base), "layers", None)
+    layers = getattr(split_decoder(lm), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ConfigError(
             f"policy.model: cannot find the decoder layers of model type '{lm.config.model_type}' (expected a "
