@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quickstart_rl  # noqa: E402
+from report import mean_sd  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "learning" / "loss_variants.json"  # rendered into loss-reference.md, not docs/benchmarks.md
 
@@ -63,10 +63,6 @@ def table(results: dict[str, Any]) -> str:
     for row in rows:
         lines.append(f"| {row['seed']} | {row['after SFT']:.3f} | "
                      + " | ".join(f"{row[name]['accuracy']:.3f}" for name in names) + " |")
-
-    def mean_sd(values: list[float], sign: str = "") -> str:
-        mean = f"{statistics.mean(values):{sign}.3f}"
-        return f"{mean} ± {statistics.stdev(values):.3f}" if len(values) > 1 else mean
 
     lines.append(f"| mean ± sd | {mean_sd([r['after SFT'] for r in rows])} | "
                  + " | ".join(mean_sd([r[name]["accuracy"] for r in rows]) for name in names) + " |")

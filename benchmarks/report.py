@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -91,6 +92,13 @@ def table(record: Mapping[str, Any]) -> str:
             previous = label
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def mean_sd(values: Sequence[float], sign: str = "") -> str:
+    """``mean ± sd`` of per-seed results to 3 decimals (the mean alone for one value); ``sign``
+    ``"+"`` writes the mean's sign, for gains. The learning tables' last rows."""
+    mean = f"{statistics.mean(values):{sign}.3f}"
+    return f"{mean} ± {statistics.stdev(values):.3f}" if len(values) > 1 else mean
 
 
 def _commands(runs: Sequence[Mapping[str, Any]]) -> str:

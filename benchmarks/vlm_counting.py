@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from report import mean_sd  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "learning" / "vlm_counting.json"  # rendered into docs/vision.md
 CONFIGS = REPO / "examples" / "configs"
 
@@ -69,10 +71,6 @@ def table(results: dict[str, Any]) -> str:
         gain = row["after GRPO"] - row["after SFT"]
         lines.append(f"| {row['seed']} | {row['after SFT']:.3f} | {row['after GRPO']:.3f} | {gain:+.3f} | "
                      f"{row['sft seconds']:.0f} | {row['grpo seconds']:.0f} |")
-
-    def mean_sd(values: list[float], sign: str = "") -> str:
-        mean = f"{statistics.mean(values):{sign}.3f}"
-        return f"{mean} ± {statistics.stdev(values):.3f}" if len(values) > 1 else mean
 
     gains = [r["after GRPO"] - r["after SFT"] for r in rows]
     lines.append(f"| mean ± sd | {mean_sd([r['after SFT'] for r in rows])} | "
