@@ -19,6 +19,17 @@ def is_vision_language(config: Any) -> bool:
     return found is not None
 
 
+def attention_implementation(config: Any, language_model: Any, vision_tower: str) -> Any:
+    """What ``from_pretrained(attn_implementation=...)`` takes to run ``language_model`` (a
+    kernel name or function) as the attention of ``config``'s language model: the name itself
+    for a causal LM; for a vision-language model, a mapping by sub-config that gives the vision
+    tower (and the top level) ``vision_tower`` instead, since a kernel written for the decoder
+    (packed segments, a shared cache) does not fit the tower's attention over image patches."""
+    if not is_vision_language(config):
+        return language_model
+    return {"text_config": language_model, "vision_config": vision_tower, "": vision_tower}
+
+
 def generative_class(config: Any) -> Any:
     """The auto class for the generative model of ``config`` (a ``PretrainedConfig``)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText

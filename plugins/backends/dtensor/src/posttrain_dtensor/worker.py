@@ -159,7 +159,7 @@ class DTensorPolicyWorker(PolicyWorker):
     def _build_model(self, config: RunConfig, options: DTensorConfig) -> torch.nn.Module:
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
-        from posttrain.models.auto import generative_class, is_vision_language, vision_tower
+        from posttrain.models.auto import attention_implementation, generative_class, vision_tower
 
         policy = config.policy
         read_model_config(policy.model, "policy.model")  # a clear error before transformers' own
@@ -170,8 +170,7 @@ class DTensorPolicyWorker(PolicyWorker):
         segments = EXACT_SEGMENT_SDPA if self.exact else SEGMENT_SDPA
         kernel = segments if options.attn_implementation == "sdpa" else options.attn_implementation
         model_config = AutoConfig.from_pretrained(policy.model)
-        if is_vision_language(model_config):  # the segment kernel is the language model's; the vision tower keeps its own
-            kernel = {"text_config": kernel, "vision_config": options.attn_implementation, "": options.attn_implementation}
+        kernel = attention_implementation(model_config, kernel, options.attn_implementation)
         load = dict(dtype=torch.float32, attn_implementation=kernel,
                     **({"experts_implementation": EXPERTS_IMPLEMENTATION} if self.exact else {}))
         if policy.head == "value":

@@ -14,7 +14,7 @@ from posttrain.backend.routing import Routers
 from posttrain.backend.weight_sync import BroadcastReceiver, ParamMeta, TransferInit
 from posttrain.distributed.placement import uses_cuda
 from posttrain.errors import WorkerError, did_you_mean
-from posttrain.models.auto import generative_class, is_vision_language
+from posttrain.models.auto import attention_implementation, generative_class
 from posttrain_hf.attention import SHARED_KV_SDPA
 from posttrain_hf.decode import decode
 from posttrain_hf.exact import rescore
@@ -42,11 +42,10 @@ class HFEngineWorker(EngineWorker):
         from transformers import AutoConfig
 
         self.device = torch.device("cuda" if uses_cuda() else "cpu")  # CUDA only when the actor was given a GPU
-        kernel = SHARED_KV_SDPA if attn_implementation == "sdpa" else attn_implementation
-        experts = {"experts_implementation": EXPERTS_IMPLEMENTATION} if exact_chunk_size is not None else {}
         config = AutoConfig.from_pretrained(model_path)
-        if is_vision_language(config):  # the shared-cache kernel is the language model's; the vision tower keeps its own
-            kernel = {"text_config": kernel, "vision_config": attn_implementation, "": attn_implementation}
+        kernel = SHARED_KV_SDPA if attn_implementation == "sdpa" else attn_implementation
+        kernel = attention_implementation(config, kernel, attn_implementation)
+        experts = {"experts_implementation": EXPERTS_IMPLEMENTATION} if exact_chunk_size is not None else {}
         self.model = generative_class(config).from_pretrained(
             model_path, dtype=getattr(torch, dtype), attn_implementation=kernel, **experts
         ).to(self.device)
