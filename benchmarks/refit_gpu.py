@@ -20,6 +20,7 @@ import torch
 from posttrain.batch import Batch
 from posttrain.config.schema import ClusterConfig, GenerationConfig, PolicyConfig, RunConfig, WorkerResources
 from posttrain.distributed import VirtualCluster
+from posttrain.distributed.cluster import colocated_groups
 from posttrain.models.tiny import SIZES, build_tiny_model
 from posttrain.plugins import plugin_host
 from posttrain.run.refit import refit
@@ -50,7 +51,7 @@ def measure(model: str, transport: str, reps: int) -> dict[str, float | str]:
                             max_total_sequence_length=64, resources=HALF_GPU),
         generation=GenerationConfig(backend="hf", max_new_tokens=8, weight_transport=transport, resources=HALF_GPU),
     )
-    cluster = VirtualCluster(config.cluster)
+    cluster = VirtualCluster(config.cluster, colocate=colocated_groups(config))
     policy = plugin_host().policy_backends["dtensor"](config, cluster)
     generation = plugin_host().generation_backends["hf"](config, cluster)
     try:
