@@ -43,12 +43,17 @@ def zoo_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray cluster for the whole session (4 logical CPUs on any machine)."""
+    """One local Ray cluster for the whole session (4 logical CPUs on any machine); its worker
+    processes start as a run's do (posttrain's setup hook)."""
     import ray
+
+    from posttrain.distributed.cluster import setup_worker_process
 
     if not ray.is_initialized():
         # address="local": a cluster of its own, never one a developer started with `ray start`
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True, configure_logging=False)
+        hook = f"{setup_worker_process.__module__}.{setup_worker_process.__name__}"
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True, configure_logging=False,
+                 runtime_env={"worker_process_setup_hook": hook})
     yield ray
     ray.shutdown()
 

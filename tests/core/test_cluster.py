@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from posttrain.config.schema import ClusterConfig, WorkerResources
-from posttrain.distributed.cluster import bundle_of, init_ray
+from posttrain.distributed.cluster import WORKER_GC_THRESHOLD, bundle_of, init_ray
 from posttrain.distributed.worker_group import merged_runtime_env
 from posttrain.errors import ConfigError
 
@@ -26,8 +26,10 @@ PROBE = (
     "for _ in range(30):\n"
     "    time.sleep(0.1)\n"
     "    idle = max(idle, sum(p.name().startswith('ray::IDLE') for p in psutil.Process().children(recursive=True)))\n"
+    "@ray.remote(num_cpus=0)\n"
+    "def worker_gc(): import gc; return ','.join(map(str, gc.get_threshold()))\n"
     "print(ray.cluster_resources()['CPU'], ray.get_runtime_context().gcs_address, os.environ['RAY_AUTH_MODE'],\n"
-    "      signal.getsignal(signal.SIGTERM) is mine, idle)\n"
+    "      signal.getsignal(signal.SIGTERM) is mine, idle, ray.get(worker_gc.remote()))\n"
     "ray.shutdown()\n"
 )
 
@@ -45,9 +47,11 @@ def _probe(**env: str) -> list[str]:
 def test_init_ray_joins_ray_address_else_starts_a_local_cluster(ray_cluster):
     address = ray_cluster.get_runtime_context().gcs_address
     joined = _probe(RAY_ADDRESS=address, RAY_AUTH_MODE="disabled")
-    assert joined == [str(ray_cluster.cluster_resources()["CPU"]), address, "disabled", "True", "0"]
+    # a worker process of posttrain's job collects garbage less often (WORKER_GC_THRESHOLD), also on a joined cluster
+    gc = ",".join(map(str, WORKER_GC_THRESHOLD))
+    assert joined == [str(ray_cluster.cluster_resources()["CPU"]), address, "disabled", "True", "0", gc]
     started = _probe()
-    assert started[0] == "3.0" and started[1] != address and started[2:] == ["disabled", "True", "0"]
+    assert started[0] == "3.0" and started[1] != address and started[2:] == ["disabled", "True", "0", gc]
     init_ray(ClusterConfig(num_cpus=1))  # this process is already connected: nothing changes
     assert ray_cluster.get_runtime_context().gcs_address == address
 

@@ -21,6 +21,7 @@ from posttrain.config.schema import (
     RunConfig,
     WorkerResources,
 )
+from posttrain.config.validate import validate_config
 from posttrain.errors import ConfigError
 from posttrain.run.context import run_algorithm
 from posttrain.run.metrics import read_metrics
@@ -68,9 +69,11 @@ def test_the_trainer_scores_the_engines_samples_with_their_images(zoo_model, pro
 
 
 def test_a_vllm_engine_is_refused_before_ray_starts(zoo_model, prompts, tmp_path):
+    """By the checks every loaded config passes (``posttrain run`` loads and checks it before
+    Ray starts)."""
     path = zoo_model("qwen2_vl")
     with pytest.raises(ConfigError) as info:
-        run_algorithm(grpo_config(path, prompts, tmp_path / "run", backend="vllm"))
+        validate_config(grpo_config(path, prompts, tmp_path / "run", backend="vllm"))
     assert str(info.value) == (
         f"policy.model: '{path}' is a vision-language model (qwen2_vl), and the vllm generation backend generates "
         "from text prompts only; use generation.backend: hf, which generates from image prompts."

@@ -13,6 +13,7 @@ cores.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -58,7 +59,8 @@ def init_ray(config: ClusterConfig) -> bool:
 
     Every worker process of the job starts in this process's working directory when that
     directory exists on its node (:func:`enter_driver_directory`), so relative paths in a
-    config mean the same on every node as in the driver.
+    config mean the same on every node as in the driver, and collects garbage less often
+    (:data:`WORKER_GC_THRESHOLD`), which makes its start faster (:func:`setup_worker_process`).
 
     ``ray.init`` replaces the SIGTERM handler with one that exits at once; a handler the
     program installed before (a run's graceful stop, :mod:`posttrain.run.stop`) is put back.
@@ -84,7 +86,7 @@ def init_ray(config: ClusterConfig) -> bool:
     address = joined_address(config)
     runtime_env = {
         "env_vars": {**library_env(), DRIVER_CWD_VAR: os.getcwd(), HIDE_UNASKED_GPUS_VAR: "1"},
-        "worker_process_setup_hook": f"{__name__}.{enter_driver_directory.__name__}",
+        "worker_process_setup_hook": f"{__name__}.{setup_worker_process.__name__}",
     }
     options: dict[str, Any] = {"logging_level": library_log_level(), "runtime_env": runtime_env}
     if address:
@@ -124,12 +126,26 @@ def check_node_count(config: ClusterConfig) -> None:
         )
 
 
+#: Thresholds of Python's cyclic garbage collector (``gc.set_threshold``) in posttrain's Ray
+#: worker processes; Python's default is (700, 10, 10). Importing torch and transformers
+#: allocates millions of objects and, at the default, runs hundreds of collections that free
+#: almost nothing: at these a worker that imports both starts about 10% sooner (measured on 2
+#: cores: 7.3 s of CPU against 8.2 s for an hf engine's actor).
+WORKER_GC_THRESHOLD = (100_000, 50, 100)
+
+
+def setup_worker_process() -> None:
+    """Ray's worker-process setup hook of posttrain's jobs (it runs before the process imports
+    its actor's class): :data:`WORKER_GC_THRESHOLD`, then :func:`enter_driver_directory`."""
+    gc.set_threshold(*WORKER_GC_THRESHOLD)
+    enter_driver_directory()
+
+
 def enter_driver_directory() -> None:
-    """Ray's worker-process setup hook of posttrain's jobs: change into the driver's working
-    directory (``$POSTTRAIN_DRIVER_CWD``) when this node has it, unless the worker's runtime
-    environment has a ``working_dir`` of its own. Without it a worker runs in the directory
-    where Ray was started on its node, and a relative path means something else there than
-    in the driver."""
+    """Change into the driver's working directory (``$POSTTRAIN_DRIVER_CWD``) when this node
+    has it, unless the worker's runtime environment has a ``working_dir`` of its own. Without
+    it a worker runs in the directory where Ray was started on its node, and a relative path
+    means something else there than in the driver."""
     folder = os.environ.get(DRIVER_CWD_VAR)
     in_working_dir = "runtime_resources" in Path.cwd().parts  # where Ray unpacks a runtime_env working_dir
     if folder and Path(folder).is_dir() and not in_working_dir:
