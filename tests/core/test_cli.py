@@ -90,3 +90,14 @@ def test_config_show_refuses_an_unknown_algorithm_as_run_does(capsys):
     assert cli.main(["config", "show", "sftt"]) == 2
     error = capsys.readouterr().err
     assert error.startswith("error: unknown algorithm 'sftt'; installed: ") and error.endswith("Did you mean 'sft'?\n")
+
+
+def test_the_command_collects_garbage_less_often(monkeypatch):
+    import gc
+
+    from posttrain.gc_thresholds import THRESHOLDS
+
+    monkeypatch.setattr(gc, "set_threshold", lambda *thresholds: seen.append(thresholds))
+    seen: list[tuple[int, ...]] = []
+    cli.main(["config", "show", "sftt"])
+    assert seen == [THRESHOLDS]

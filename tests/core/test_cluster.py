@@ -9,9 +9,10 @@ import sys
 import pytest
 
 from posttrain.config.schema import ClusterConfig, WorkerResources
-from posttrain.distributed.cluster import WORKER_GC_THRESHOLD, bundle_of, init_ray
+from posttrain.distributed.cluster import bundle_of, init_ray
 from posttrain.distributed.worker_group import merged_runtime_env
 from posttrain.errors import ConfigError
+from posttrain.gc_thresholds import THRESHOLDS
 
 PROBE = (
     "import os, signal, ray\n"
@@ -47,8 +48,8 @@ def _probe(**env: str) -> list[str]:
 def test_init_ray_joins_ray_address_else_starts_a_local_cluster(ray_cluster):
     address = ray_cluster.get_runtime_context().gcs_address
     joined = _probe(RAY_ADDRESS=address, RAY_AUTH_MODE="disabled")
-    # a worker process of posttrain's job collects garbage less often (WORKER_GC_THRESHOLD), also on a joined cluster
-    gc = ",".join(map(str, WORKER_GC_THRESHOLD))
+    # a worker process of posttrain's job collects garbage less often (gc_thresholds), also on a joined cluster
+    gc = ",".join(map(str, THRESHOLDS))
     assert joined == [str(ray_cluster.cluster_resources()["CPU"]), address, "disabled", "True", "0", gc]
     started = _probe()
     assert started[0] == "3.0" and started[1] != address and started[2:] == ["disabled", "True", "0", gc]

@@ -1,6 +1,7 @@
 """``policy.moe`` is refused, when the config loads and before Ray starts, with a backend that
-cannot record or replay routes, with exact logprobs, and on a dense model: each message names
-the key, what is wrong, the fix, and where it was set."""
+cannot record or replay routes or train the router losses, with exact logprobs, with a negative
+loss weight, and on a dense model: each message names the key, what is wrong, the fix, and
+where it was set."""
 
 from __future__ import annotations
 
@@ -65,3 +66,35 @@ def test_a_dense_model_is_refused_before_any_worker_starts(tiny_model_path):
 
 def test_a_mixture_of_experts_passes(zoo_model):
     check_model_folders(config_from_dict({"policy": {"model": zoo_model("mixtral"), "moe": {"router_agreement": True}}}))
+
+
+@pytest.mark.parametrize(
+    ("yaml", "message"),
+    [
+        (
+            "policy:\n  backend: megatron\n  moe:\n    z_loss_coef: 0.001\n",
+            "policy.moe.z_loss_coef needs a policy backend that adds the routers' losses to training; the policy "
+            "backend 'megatron' (posttrain-megatron 0.1.0) does not; backends that do: dtensor. Set policy.backend to "
+            "one of them, or policy.moe.z_loss_coef to its default. Where set: policy.moe.z_loss_coef at exp.yaml:4; "
+            "policy.backend at exp.yaml:2.",
+        ),
+        (
+            "policy:\n  moe:\n    aux_loss_coef: -0.01\n",
+            "policy.moe.aux_loss_coef: expected a weight >= 0 (0: off), found -0.01. Where set: "
+            "policy.moe.aux_loss_coef at exp.yaml:3.",
+        ),
+    ],
+    ids=["megatron", "negative"],
+)
+def test_router_losses_a_backend_cannot_train_or_negative_are_refused(yaml_file, yaml, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(yaml_file(yaml))
+    assert str(info.value) == message
+
+
+def test_router_losses_on_a_dense_model_are_refused_before_any_worker_starts(tiny_model_path):
+    config = config_from_dict({"policy": {"model": tiny_model_path, "moe": {"aux_loss_coef": 0.01}}})
+    with pytest.raises(ConfigError, match=r"^policy.moe.aux_loss_coef weighs a loss of the routers, but policy.model "
+                                          r"'.*' \(llama\) is not a mixture of experts: .* Set policy.moe.aux_loss_coef "
+                                          r"to its default for a dense model$"):
+        check_model_folders(config)

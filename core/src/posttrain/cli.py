@@ -28,6 +28,7 @@ import sys
 from collections.abc import Sequence
 
 from posttrain.errors import PluginError, PosttrainError, RunStopped
+from posttrain.gc_thresholds import collect_less_often
 from posttrain.interfaces.command import Command
 from posttrain.run_command import add_run_arguments, load_checked_config, parse_arguments
 
@@ -138,6 +139,7 @@ def _terminate_as_interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    collect_less_often()  # before the commands import torch and transformers
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         parser = _parser()

@@ -131,18 +131,35 @@ class MoEConfig:
     and training passes, so a router that the two sides' arithmetic would flip cannot change
     which experts a token's logprob comes from (docs/moe.md). Backends declare it
     (``records_routed_experts`` on a generation backend's section, ``replays_routed_experts`` on
-    a policy backend's); others refuse it."""
+    a policy backend's); others refuse it. The router losses
+    (:mod:`posttrain.backend.router_losses`) need a policy backend that declares
+    ``trains_router_losses``."""
 
     # off | rollout: the policy's routers use the experts the generation engine chose for each token
     routing_replay: Literal["off", "rollout"] = "off"
     # record the engine's experts and report moe/router_agreement (per layer: the fraction of tokens whose
     # experts the policy chose alike) without replaying them; on with routing_replay: rollout
     router_agreement: bool = False
+    # weight of the routers' load-balancing loss (Switch Transformer's, as transformers computes it) added to
+    # the training loss; 0: off. Reported as moe/aux_loss (unscaled) whenever the model is a mixture of experts
+    aux_loss_coef: float = 0.0
+    # weight of the routers' z-loss (ST-MoE: mean squared log-sum-exp of the router logits); 0: off
+    z_loss_coef: float = 0.0
 
     @property
     def records_routes(self) -> bool:
         """Whether the rollouts carry the engine's routes (replay or agreement asked)."""
         return self.routing_replay != "off" or self.router_agreement
+
+    @property
+    def router_losses(self) -> bool:
+        """Whether the training loss has a router loss term (either coefficient above 0)."""
+        return self.aux_loss_coef > 0 or self.z_loss_coef > 0
+
+    @property
+    def router_losses_key(self) -> str:
+        """The key that asks for router losses, for messages: the load-balancing one when set."""
+        return "policy.moe.aux_loss_coef" if self.aux_loss_coef > 0 else "policy.moe.z_loss_coef"
 
     @property
     def records_routes_key(self) -> str:

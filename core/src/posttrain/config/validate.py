@@ -84,6 +84,7 @@ def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
     check_policy_in_driver(config, host)
     check_exact_logprobs(config, host)
     check_routing_replay(config, host)
+    check_router_losses(config, host)
     check_devices(config)
     check_batch_sizes(config, batch_size_rules(config))
     require_registered(host.data_planes, config.data_plane.backend, "data_plane.backend", config=config)
@@ -403,17 +404,39 @@ def check_routing_replay(config: RunConfig, host: PluginHost) -> None:
          "rollout's experts; the policy backend {backend} cannot; backends that can: {able}"),
     ]
     for kind, backend, feature, what in needs:
-        lacking = lacking_feature(host, kind, backend, feature)
-        if lacking:
-            raise ConfigError(
-                f"{key} needs {what.format(backend=lacking[0], able=lacking[1])}. Set {kind}.backend to one of them, "
-                f"or {key} to its default.{where_set(config, key, f'{kind}.backend')}"
-            )
+        refuse_lacking(config, host, key, kind, backend, feature, what)
     if gen.exact_logprobs:
         raise ConfigError(
             f"{key} is set with {EXACT_KEY}: true, which already has the policy route every token as the engine's "
             f"rescoring did (the same arithmetic, bit for bit); the decode's routes would then differ from the ones "
             f"the logprobs came from. Set {key} to its default, or {EXACT_KEY}: false.{where_set(config, key, EXACT_KEY)}"
+        )
+
+
+def check_router_losses(config: RunConfig, host: PluginHost) -> None:
+    """Refuse a negative ``policy.moe.aux_loss_coef`` or ``z_loss_coef``, and either above 0
+    with a policy backend that does not declare ``trains_router_losses``."""
+    moe = config.policy.moe
+    refuse_failed(config, [(f"policy.moe.{name}", getattr(moe, name),
+                            _finite(getattr(moe, name)) and getattr(moe, name) >= 0, "a weight >= 0 (0: off)")
+                           for name in ("aux_loss_coef", "z_loss_coef")])
+    if not moe.router_losses:
+        return
+    refuse_lacking(config, host, moe.router_losses_key, "policy", config.policy.backend, "trains_router_losses",
+                   "a policy backend that adds the routers' losses to training; the policy backend {backend} does "
+                   "not; backends that do: {able}")
+
+
+def refuse_lacking(config: RunConfig, host: PluginHost, key: str, kind: str, backend: str, feature: str,
+                   what: str) -> None:
+    """Refuse ``key`` when the ``kind`` backend ``backend`` does not declare ``feature``
+    (:mod:`posttrain.config.features`): "``key`` needs ``what``", ``what`` formatted with the
+    backend's label (``{backend}``) and the backends that declare it (``{able}``)."""
+    lacking = lacking_feature(host, kind, backend, feature)
+    if lacking:
+        raise ConfigError(
+            f"{key} needs {what.format(backend=lacking[0], able=lacking[1])}. Set {kind}.backend to one of them, "
+            f"or {key} to its default.{where_set(config, key, f'{kind}.backend')}"
         )
 
 

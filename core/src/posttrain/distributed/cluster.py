@@ -13,7 +13,6 @@ cores.
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import threading
@@ -31,6 +30,7 @@ from posttrain.distributed.nodes import Node, alive_nodes, cluster_address, per_
 from posttrain.distributed.placement import Layout, Placement, Shape, follow_nodes, layout, pinned, placed
 from posttrain.distributed.ray_output import show_forwarded_output
 from posttrain.errors import ConfigError, WorkerError
+from posttrain.gc_thresholds import collect_less_often
 from posttrain.log import library_env, library_log_level
 
 #: The variable through which every worker of the job learns the driver's working directory.
@@ -60,7 +60,7 @@ def init_ray(config: ClusterConfig) -> bool:
     Every worker process of the job starts in this process's working directory when that
     directory exists on its node (:func:`enter_driver_directory`), so relative paths in a
     config mean the same on every node as in the driver, and collects garbage less often
-    (:data:`WORKER_GC_THRESHOLD`), which makes its start faster (:func:`setup_worker_process`).
+    (:mod:`posttrain.gc_thresholds`), which makes its start faster (:func:`setup_worker_process`).
 
     ``ray.init`` replaces the SIGTERM handler with one that exits at once; a handler the
     program installed before (a run's graceful stop, :mod:`posttrain.run.stop`) is put back.
@@ -126,18 +126,11 @@ def check_node_count(config: ClusterConfig) -> None:
         )
 
 
-#: Thresholds of Python's cyclic garbage collector (``gc.set_threshold``) in posttrain's Ray
-#: worker processes; Python's default is (700, 10, 10). Importing torch and transformers
-#: allocates millions of objects and, at the default, runs hundreds of collections that free
-#: almost nothing: at these a worker that imports both starts about 10% sooner (measured on 2
-#: cores: 7.3 s of CPU against 8.2 s for an hf engine's actor).
-WORKER_GC_THRESHOLD = (100_000, 50, 100)
-
-
 def setup_worker_process() -> None:
     """Ray's worker-process setup hook of posttrain's jobs (it runs before the process imports
-    its actor's class): :data:`WORKER_GC_THRESHOLD`, then :func:`enter_driver_directory`."""
-    gc.set_threshold(*WORKER_GC_THRESHOLD)
+    its actor's class): :func:`~posttrain.gc_thresholds.collect_less_often`, then
+    :func:`enter_driver_directory`."""
+    collect_less_often()
     enter_driver_directory()
 
 

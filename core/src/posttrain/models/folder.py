@@ -32,10 +32,12 @@ def check_model_folders(config: RunConfig) -> None:
     tokenizer_path = config.policy.tokenizer or config.policy.model
     require_tokenizer_files(tokenizer_path, tokenizer_key)
     check_vocab_fits(model_config, config.policy.model, model_key, tokenizer_path, tokenizer_key)
-    if config.policy.moe.records_routes and not is_mixture_of_experts(model_config):
-        key = config.policy.moe.records_routes_key
+    moe = config.policy.moe
+    if (moe.records_routes or moe.router_losses) and not is_mixture_of_experts(model_config):
+        key, what = ((moe.records_routes_key, "asks for the experts each token was routed to") if moe.records_routes
+                     else (moe.router_losses_key, "weighs a loss of the routers"))
         raise ConfigError(
-            f"{key} asks for the experts each token was routed to, but {model_key} '{config.policy.model}' "
+            f"{key} {what}, but {model_key} '{config.policy.model}' "
             f"({model_config.get('model_type', 'no model_type')}) is not a mixture of experts: its config.json "
             f"gives none of {', '.join(EXPERT_COUNT_KEYS)}. Set {key} to its default for a dense model"
         )

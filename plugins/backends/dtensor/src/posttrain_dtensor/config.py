@@ -47,6 +47,7 @@ class DTensorConfig:
     runs_in_driver: ClassVar[bool] = True
     supports_exact_logprobs: ClassVar[bool] = True
     replays_routed_experts: ClassVar[bool] = True
+    trains_router_losses: ClassVar[bool] = True
 
     attn_implementation: str = "sdpa"
     activation_checkpointing: bool = False

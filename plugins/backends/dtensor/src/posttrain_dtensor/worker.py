@@ -52,7 +52,16 @@ from posttrain.backend.hf_layout import checkpoint_tensors
 from posttrain.backend.logprobs import logsumexp_logits, loss_positions, sequence_logprobs, topk_logits
 from posttrain.backend.lr_schedule import build_scheduler
 from posttrain.backend.policy_worker import PolicyWorker, RankTrainResult
-from posttrain.backend.routing import NO_ROUTE, ROUTES_FIELD, Routers
+from posttrain.backend.router_losses import (
+    AUX_LOSS_METRIC,
+    EXPERT_LOAD_METRIC,
+    Z_LOSS_METRIC,
+    RouterLogits,
+    expert_loads,
+    load_balancing_loss,
+    z_loss,
+)
+from posttrain.backend.routing import NO_ROUTE, ROUTES_FIELD, Routers, find_routers
 from posttrain.backend.sampling import logprob_temperature
 from posttrain.backend.weight_sync import ParamMeta
 from posttrain.backend.work import Batching, RankWork
@@ -130,6 +139,8 @@ class DTensorPolicyWorker(PolicyWorker):
         #: policy.moe: the routers, given the rollout's experts in every logprob pass (and training's)
         self.routers = Routers(self.model.lm) if policy.moe.records_routes else None
         self.replay_routes = policy.moe.routing_replay == "rollout"
+        #: A mixture of experts: its routers' logits in training, for policy.moe's losses and moe/expert_load.
+        self.router_logits = RouterLogits(self.model.lm) if find_routers(self.model.lm) else None
         #: The soft-cap of the model's logits (Gemma 2's final_logit_softcapping), applied by the chunked head.
         self.logit_softcap = output_softcap(self.model.lm)
         #: What the optimizer steps: every parameter, or the adapters alone under LoRA.
@@ -230,6 +241,8 @@ class DTensorPolicyWorker(PolicyWorker):
                 laid_out = rows.lay_out(routes.to(self.device), NO_ROUTE)
                 laid_out = torch.where(rows.valid[..., None, None], laid_out, NO_ROUTE).flatten(0, 1)
             self.routers.set(laid_out, apply=self.replay_routes)
+        if self.router_logits is not None:
+            self.router_logits.valid = rows.valid.reshape(-1)  # the routers see the rows' tokens flattened
         images = image_model_inputs(mb, rows, self.model.lm)
         positions = images.pop("position_ids", rows.position_ids)
         return self.model(rows.input_ids, rows.attention_mask, positions, head, rows.segment_bounds, **images)
@@ -369,10 +382,16 @@ class DTensorPolicyWorker(PolicyWorker):
         with torch.no_grad() if eval_mode else contextlib.nullcontext():
             for idx in work.microbatches:
                 mb = shard.select(idx)
+                if self.router_logits is not None:
+                    self.router_logits.recording = True
                 outputs = self._loss_inputs(loss_fn.input_type, mb, work.batching)
                 loss, metrics = loss_fn(outputs, mb.to(self.device), seqs, toks)
+                total = loss
+                if self.router_logits is not None:
+                    router_loss, router_metrics = self._router_terms(mb, toks)
+                    total, metrics = loss + router_loss, {**metrics, **router_metrics}
                 if not eval_mode:
-                    loss.backward()
+                    total.backward()
                 loss_total += float(loss.detach())
                 parts.append(metrics)
         if self.routers is not None:  # counts of tokens: summed over ranks, then fractions (agreement_metrics)
@@ -390,6 +409,28 @@ class DTensorPolicyWorker(PolicyWorker):
             result["grad_norm"] = self._optimizer_step()
         result["step_time_s"] = time.perf_counter() - start
         return result
+
+    def _router_terms(self, mb: Batch, toks: torch.Tensor) -> tuple[torch.Tensor | float, dict[str, float]]:
+        """The router losses of the microbatch's forward (``policy.moe``: each weighed by its
+        coefficient) and their metrics, as this microbatch's share of the step: its loss tokens
+        over the step's (``toks``), so that the shares of every microbatch and rank add up to
+        the step's token-weighted mean."""
+        logits, valid = self.router_logits.take(), self.router_logits.valid
+        self.router_logits.recording = False  # a checkpointed layer's recomputation in backward is not kept
+        sample_mask = mb["sample_mask"] if "sample_mask" in mb else torch.ones(len(mb))
+        share = float((mb["token_mask"] * sample_mask[:, None]).sum()) / max(float(toks), 1.0)
+        if share == 0.0 or not bool(valid.any()):
+            return 0.0, {}
+        moe = self.config.policy.moe
+        text = getattr(self.model.lm.config, "text_config", self.model.lm.config)
+        with contextlib.nullcontext() if moe.router_losses else torch.no_grad():
+            aux, z = load_balancing_loss(logits, valid, text.num_experts_per_tok), z_loss(logits, valid)
+        loads = expert_loads(logits, valid, text.num_experts_per_tok)
+        metrics = {AUX_LOSS_METRIC: float(aux.detach()) * share, Z_LOSS_METRIC: float(z.detach()) * share,
+                   **{f"{EXPERT_LOAD_METRIC}/layer_{i:02d}": load * share for i, load in enumerate(loads)}}
+        if not moe.router_losses:
+            return 0.0, metrics
+        return (moe.aux_loss_coef * aux + moe.z_loss_coef * z) * share, metrics
 
     def _optimizer_step(self) -> float:
         sum_gradients(self.tp_summed, self.mesh["tp"].get_group())

@@ -1,0 +1,105 @@
+"""The router losses of a mixture of experts (``policy.moe.aux_loss_coef`` and
+``z_loss_coef``) and the expert-load metric, from the router logits of one forward pass.
+
+- **Load balancing** (:func:`load_balancing_loss`): Switch Transformer's loss as transformers
+  computes it (``load_balancing_loss_func``, the term TRL adds with ``output_router_logits``):
+  over the real tokens of every layer pooled, ``E * sum_e f_e * P_e`` with ``f_e`` the share
+  of top-k assignments that went to expert ``e`` and ``P_e`` its mean routing probability. It
+  is ``k`` (the experts per token) when the load is even.
+- **z-loss** (:func:`z_loss`): ST-MoE's router z-loss, the mean over real tokens and layers of
+  ``logsumexp(router_logits) ** 2``: it keeps the router's logits small.
+- **Expert load** (:func:`expert_loads`): per layer, the busiest expert's share of the top-k
+  assignments over an even share (``1 / E``): 1.0 when balanced, ``E / k`` at most (every
+  token picks that expert).
+
+:class:`RouterLogits` records each router's logits (``forward(hidden) -> (logits, ...)``,
+transformers 5's routers; :func:`~posttrain.backend.routing.find_routers`) while it records.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.backend.routing import find_routers
+
+__all__ = ["RouterLogits", "expert_loads", "load_balancing_loss", "z_loss"]
+
+#: Metric names: the router losses (unscaled, their shares of the step) and the expert load per layer.
+AUX_LOSS_METRIC = "moe/aux_loss"
+Z_LOSS_METRIC = "moe/z_loss"
+EXPERT_LOAD_METRIC = "moe/expert_load"
+
+
+class RouterLogits:
+    """Forward hooks on every router of ``model`` that keep each router's logits [N, E] (in
+    layer order) while :meth:`recording`; :meth:`take` returns and forgets them."""
+
+    def __init__(self, model: torch.nn.Module):
+        routers = find_routers(model)
+        if not routers:
+            raise ValueError(f"{type(model).__name__} has no mixture-of-experts routers (no module named *TopKRouter)")
+        self.num_layers = len(routers)
+        self.recording = False
+        #: Which of the tokens the routers see (flattened rows) are real: set by the caller per forward.
+        self.valid: torch.Tensor = torch.ones(0, dtype=torch.bool)
+        self._logits: list[torch.Tensor] = []
+        self._hooks = [router.register_forward_hook(self._keep) for router in routers]
+
+    def _keep(self, module: torch.nn.Module, inputs: tuple, output: tuple) -> None:
+        if self.recording:
+            self._logits.append(output[0])
+
+    def take(self) -> list[torch.Tensor]:
+        """The logits recorded since the last call, one [N, E] per router call."""
+        logits, self._logits = self._logits, []
+        return logits
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _wide(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` in float32 at least (bfloat16 and float16 widened; float64 kept)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _assignments(logits: torch.Tensor, valid: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per expert, the top-k assignments of the valid tokens and the sum of their routing
+    probabilities ([E] each, float32 at least), from one router's ``logits`` [N, E]."""
+    probs = torch.softmax(_wide(logits), dim=-1)
+    chosen = probs.topk(top_k, dim=-1).indices
+    weight = valid.to(probs.dtype)
+    counts = torch.zeros_like(probs[0]).scatter_add_(0, chosen.reshape(-1), weight.repeat_interleave(top_k))
+    return counts, (probs * weight[:, None]).sum(dim=0)
+
+
+def load_balancing_loss(logits: list[torch.Tensor], valid: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss over every layer's ``logits`` [N, E] (N tokens
+    in the order of ``valid`` [N], whose False tokens are left out) for ``top_k`` experts per
+    token, pooled over the layers as transformers' ``load_balancing_loss_func`` does."""
+    counts = probs = 0.0
+    for layer in logits:
+        layer_counts, layer_probs = _assignments(layer, valid, top_k)
+        counts, probs = counts + layer_counts, probs + layer_probs
+    rows = valid.sum() * len(logits)
+    return (counts / rows * probs / rows).sum() * logits[0].shape[-1]
+
+
+def z_loss(logits: list[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss: the mean over layers and valid tokens of the squared
+    log-sum-exp of the router ``logits`` [N, E]."""
+    per_layer = [(torch.logsumexp(_wide(layer), dim=-1) ** 2 * valid).sum() / valid.sum() for layer in logits]
+    return torch.stack(per_layer).mean()
+
+
+def expert_loads(logits: list[torch.Tensor], valid: torch.Tensor, top_k: int) -> list[float]:
+    """Per layer, the busiest expert's share of the valid tokens' top-k assignments over an
+    even share (``1 / E``)."""
+    loads = []
+    with torch.no_grad():
+        for layer in logits:
+            counts, _ = _assignments(layer, valid, top_k)
+            loads.append(float(counts.max() / counts.sum() * logits[0].shape[-1]))
+    return loads
