@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.backend.routing import find_routers
-
-__all__ = ["RouterLogits", "expert_loads", "load_balancing_loss", "z_loss"]
+__all__ = ["RouterLogits", "expert_assignments", "expert_loads", "load_balancing_loss", "z_loss"]
 
 #: Metric names: the router losses (unscaled, their shares of the step) and the expert load per layer.
 AUX_LOSS_METRIC = "moe/aux_loss"
@@ -31,19 +29,17 @@ EXPERT_LOAD_METRIC = "moe/expert_load"
 
 
 class RouterLogits:
-    """Forward hooks on every router of ``model`` that keep each router's logits [N, E] (in
-    layer order) while :meth:`recording`; :meth:`take` returns and forgets them."""
+    """Forward hooks on ``routers`` (a model's, :func:`~posttrain.backend.routing.find_routers`)
+    that keep each router's logits [N, E] (in layer order) while :attr:`recording`;
+    :meth:`take` returns and forgets them."""
 
-    def __init__(self, model: torch.nn.Module):
-        routers = find_routers(model)
-        if not routers:
-            raise ValueError(f"{type(model).__name__} has no mixture-of-experts routers (no module named *TopKRouter)")
-        self.num_layers = len(routers)
+    def __init__(self, routers: list[torch.nn.Module]):
         self.recording = False
         #: Which of the tokens the routers see (flattened rows) are real: set by the caller per forward.
         self.valid: torch.Tensor = torch.ones(0, dtype=torch.bool)
         self._logits: list[torch.Tensor] = []
-        self._hooks = [router.register_forward_hook(self._keep) for router in routers]
+        for router in routers:
+            router.register_forward_hook(self._keep)
 
     def _keep(self, module: torch.nn.Module, inputs: tuple, output: tuple) -> None:
         if self.recording:
@@ -54,37 +50,35 @@ class RouterLogits:
         logits, self._logits = self._logits, []
         return logits
 
-    def remove(self) -> None:
-        """Take the hooks off the model."""
-        for hook in self._hooks:
-            hook.remove()
-
 
 def _wide(logits: torch.Tensor) -> torch.Tensor:
     """``logits`` in float32 at least (bfloat16 and float16 widened; float64 kept)."""
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def _assignments(logits: torch.Tensor, valid: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per expert, the top-k assignments of the valid tokens and the sum of their routing
-    probabilities ([E] each, float32 at least), from one router's ``logits`` [N, E]."""
-    probs = torch.softmax(_wide(logits), dim=-1)
-    chosen = probs.topk(top_k, dim=-1).indices
-    weight = valid.to(probs.dtype)
-    counts = torch.zeros_like(probs[0]).scatter_add_(0, chosen.reshape(-1), weight.repeat_interleave(top_k))
-    return counts, (probs * weight[:, None]).sum(dim=0)
-
-
-def load_balancing_loss(logits: list[torch.Tensor], valid: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Switch Transformer's load-balancing loss over every layer's ``logits`` [N, E] (N tokens
-    in the order of ``valid`` [N], whose False tokens are left out) for ``top_k`` experts per
-    token, pooled over the layers as transformers' ``load_balancing_loss_func`` does."""
-    counts = probs = 0.0
+def expert_assignments(logits: list[torch.Tensor], valid: torch.Tensor, top_k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, from its router's ``logits`` [N, E] (N tokens in the order of ``valid`` [N],
+    whose False tokens are left out): each expert's count of the tokens' ``top_k`` assignments
+    and the sum of its routing probabilities ([E] each, float32 at least). What
+    :func:`load_balancing_loss` and :func:`expert_loads` take."""
+    out = []
     for layer in logits:
-        layer_counts, layer_probs = _assignments(layer, valid, top_k)
-        counts, probs = counts + layer_counts, probs + layer_probs
-    rows = valid.sum() * len(logits)
-    return (counts / rows * probs / rows).sum() * logits[0].shape[-1]
+        probs = torch.softmax(_wide(layer), dim=-1)
+        chosen = probs.topk(top_k, dim=-1).indices
+        weight = valid.to(probs.dtype)
+        counts = torch.zeros_like(probs[0]).scatter_add_(0, chosen.reshape(-1), weight.repeat_interleave(top_k))
+        out.append((counts, (probs * weight[:, None]).sum(dim=0)))
+    return out
+
+
+def load_balancing_loss(assignments: list[tuple[torch.Tensor, torch.Tensor]], valid: torch.Tensor) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss of every layer's :func:`expert_assignments`
+    over the ``valid`` tokens, pooled over the layers as transformers'
+    ``load_balancing_loss_func`` does."""
+    counts = sum(layer_counts for layer_counts, _ in assignments)
+    probs = sum(layer_probs for _, layer_probs in assignments)
+    rows = valid.sum() * len(assignments)
+    return (counts / rows * probs / rows).sum() * len(counts)
 
 
 def z_loss(logits: list[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
@@ -94,12 +88,7 @@ def z_loss(logits: list[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
     return torch.stack(per_layer).mean()
 
 
-def expert_loads(logits: list[torch.Tensor], valid: torch.Tensor, top_k: int) -> list[float]:
-    """Per layer, the busiest expert's share of the valid tokens' top-k assignments over an
-    even share (``1 / E``)."""
-    loads = []
-    with torch.no_grad():
-        for layer in logits:
-            counts, _ = _assignments(layer, valid, top_k)
-            loads.append(float(counts.max() / counts.sum() * logits[0].shape[-1]))
-    return loads
+def expert_loads(assignments: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    """Per layer, the busiest expert's share of the top-k assignments (:func:`expert_assignments`)
+    over an even share (``1 / E``)."""
+    return [float(counts.max() / counts.sum() * len(counts)) for counts, _ in assignments]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from posttrain.backend.router_losses import expert_loads, load_balancing_loss, z_loss
+from posttrain.backend.router_losses import expert_assignments, expert_loads, load_balancing_loss, z_loss
 from posttrain.config.schema import MoEConfig, SequencePackingConfig
 from posttrain.testing.policy import reference_model
 from posttrain_dtensor.policy import DTensorPolicy
@@ -26,12 +26,12 @@ def test_the_router_losses_are_transformers_and_st_moes_formulas():
     logits = [torch.randn(12, 4, generator=g, dtype=torch.float64) for _ in range(3)]
     mask = torch.tensor([[1] * 5 + [0], [1] * 6], dtype=torch.long)  # [2, 6] rows flattened: 12 tokens
     valid = mask.reshape(-1).bool()
-    assert float(load_balancing_loss(logits, valid, 2)) == pytest.approx(
+    assert float(load_balancing_loss(expert_assignments(logits, valid, 2), valid)) == pytest.approx(
         float(load_balancing_loss_func(tuple(logits), 4, 2, mask)), rel=1e-6)  # transformers sums in float32
     assert float(z_loss(logits, valid)) == pytest.approx(
         sum(float((torch.logsumexp(layer[valid], -1) ** 2).mean()) for layer in logits) / 3, rel=1e-12)
     even = torch.zeros(4, 4, dtype=torch.float64)  # every expert tied: topk takes the first two for every token
-    assert expert_loads([even], torch.ones(4, dtype=torch.bool), 2) == [2.0]  # 2 of 4 experts take it all: 2x even
+    assert expert_loads(expert_assignments([even], torch.ones(4, dtype=torch.bool), 2)) == [2.0]  # 2 of 4 experts take it all: 2x even
 
 
 def reference(model_path: str, batch, aux: float, z: float) -> tuple[float, float, float, dict[str, torch.Tensor]]:

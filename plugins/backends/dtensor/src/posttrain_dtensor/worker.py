@@ -57,6 +57,7 @@ from posttrain.backend.router_losses import (
     EXPERT_LOAD_METRIC,
     Z_LOSS_METRIC,
     RouterLogits,
+    expert_assignments,
     expert_loads,
     load_balancing_loss,
     z_loss,
@@ -140,7 +141,8 @@ class DTensorPolicyWorker(PolicyWorker):
         self.routers = Routers(self.model.lm) if policy.moe.records_routes else None
         self.replay_routes = policy.moe.routing_replay == "rollout"
         #: A mixture of experts: its routers' logits in training, for policy.moe's losses and moe/expert_load.
-        self.router_logits = RouterLogits(self.model.lm) if find_routers(self.model.lm) else None
+        routers = find_routers(self.model.lm)
+        self.router_logits = RouterLogits(routers) if routers else None
         #: The soft-cap of the model's logits (Gemma 2's final_logit_softcapping), applied by the chunked head.
         self.logit_softcap = output_softcap(self.model.lm)
         #: What the optimizer steps: every parameter, or the adapters alone under LoRA.
@@ -422,10 +424,10 @@ class DTensorPolicyWorker(PolicyWorker):
         if share == 0.0 or not bool(valid.any()):
             return 0.0, {}
         moe = self.config.policy.moe
-        text = getattr(self.model.lm.config, "text_config", self.model.lm.config)
         with contextlib.nullcontext() if moe.router_losses else torch.no_grad():
-            aux, z = load_balancing_loss(logits, valid, text.num_experts_per_tok), z_loss(logits, valid)
-        loads = expert_loads(logits, valid, text.num_experts_per_tok)
+            assigned = expert_assignments(logits, valid, self.model.lm.config.get_text_config().num_experts_per_tok)
+            aux, z = load_balancing_loss(assigned, valid), z_loss(logits, valid)
+        loads = expert_loads(assigned)
         metrics = {AUX_LOSS_METRIC: float(aux.detach()) * share, Z_LOSS_METRIC: float(z.detach()) * share,
                    **{f"{EXPERT_LOAD_METRIC}/layer_{i:02d}": load * share for i, load in enumerate(loads)}}
         if not moe.router_losses:
