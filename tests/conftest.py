@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # Set before anything imports transformers, ray or vllm.
@@ -44,18 +45,53 @@ def zoo_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster for the whole session (4 logical CPUs on any machine); its worker
-    processes start as a run's do (posttrain's setup hook)."""
+    processes start as a run's do (posttrain's setup hook), forked from servers that imported
+    torch and transformers once (:mod:`tests.worker_forks`): one for the environment of this
+    process, one with ``OMP_WAIT_POLICY=PASSIVE`` as GRPO's workers get it."""
     import ray
 
     from posttrain.distributed.cluster import setup_worker_process
 
-    if not ray.is_initialized():
+    if ray.is_initialized():
+        yield ray
+        return
+    with worker_fork_servers([{}, {"OMP_WAIT_POLICY": "PASSIVE"}]) as py_executable:
         # address="local": a cluster of its own, never one a developer started with `ray start`
         hook = f"{setup_worker_process.__module__}.{setup_worker_process.__name__}"
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True, configure_logging=False,
-                 runtime_env={"worker_process_setup_hook": hook})
-    yield ray
-    ray.shutdown()
+                 runtime_env={"worker_process_setup_hook": hook, "py_executable": py_executable})
+        yield ray
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def worker_fork_servers(environments):
+    """Fork servers (:func:`tests.worker_forks.serve`), one per extra environment in
+    ``environments``; yields the ``py_executable`` that starts Ray's workers through them."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from tests import worker_forks
+
+    directory = tempfile.mkdtemp(prefix="posttrain-forks-")  # short: a socket's path has at most 107 bytes
+    servers = [subprocess.Popen([sys.executable, worker_forks.__file__, "serve", directory], env={**os.environ, **extra})
+               for extra in environments]
+    try:
+        sockets = [worker_forks.socket_path(directory, {**os.environ, **extra}) for extra in environments]
+        deadline = time.monotonic() + 180
+        while not all(path.exists() for path in sockets):
+            if any(server.poll() is not None for server in servers) or time.monotonic() > deadline:
+                raise RuntimeError(f"a worker fork server did not start: {[s.returncode for s in servers]}")
+            time.sleep(0.1)
+        yield worker_forks.py_executable(directory)
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
