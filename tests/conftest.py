@@ -81,10 +81,10 @@ def worker_fork_servers(environments):
                for extra in environments]
     try:
         sockets = [worker_forks.socket_path(directory, {**os.environ, **extra}) for extra in environments]
-        deadline = time.monotonic() + 180
-        while not all(path.exists() for path in sockets):
-            if any(server.poll() is not None for server in servers) or time.monotonic() > deadline:
-                raise RuntimeError(f"a worker fork server did not start: {[s.returncode for s in servers]}")
+        deadline = time.monotonic() + 180  # past it, workers start fresh until their server listens
+        while not all(path.exists() for path in sockets) and time.monotonic() < deadline:
+            if any(server.poll() is not None for server in servers):
+                raise RuntimeError(f"a worker fork server exited: {[server.returncode for server in servers]}")
             time.sleep(0.1)
         yield worker_forks.py_executable(directory)
     finally:
