@@ -96,7 +96,8 @@ def serve(directory: str, preload: Sequence[str] = PRELOAD) -> None:
 
 
 def _run_worker(conn: socket.socket, request: dict, fds: list[int], set_by_imports: dict[str, str]) -> None:
-    """In the fork: become the client's worker process and run its command; never returns."""
+    """In the fork: become the client's worker process and run its command; it never returns
+    into the server's loop."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     conn.sendall(json.dumps({"pid": os.getpid()}).encode())
     conn.close()
@@ -113,21 +114,12 @@ def _run_worker(conn: socket.socket, request: dict, fds: list[int], set_by_impor
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # its own draws, as a fresh process has
     _follow_thread_count()
-    code = 0
-    try:
-        import runpy
+    import runpy
 
-        runpy.run_path(sys.argv[0], run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported as a fresh interpreter would
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    # The worker's exit, as a fresh interpreter's: SystemExit (or an error) unwinds past the
+    # server's loop and the interpreter ends, running the atexit handlers and flushing streams.
+    sys.exit(0)
 
 
 def _follow_thread_count() -> None:
@@ -177,7 +169,10 @@ def client(directory: str, argv: list[str]) -> None:
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, forward)
-    exited = os.pidfd_open(pid)
+    try:
+        exited = os.pidfd_open(pid)
+    except ProcessLookupError:  # the worker is gone already
+        return
     select.select([exited], [], [])  # PEP 475: retried after a forwarded signal
 
 
