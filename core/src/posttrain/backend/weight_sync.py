@@ -546,7 +546,7 @@ class BroadcastEndpoint:
         deadline = time.monotonic() + self.refit_wait_s
         while not store.check(keys):
             done, _ = ray.wait(joining, num_returns=len(joining), timeout=0.05)
-            failed = [ref for ref in done if _raises(ref)]
+            failed = sorted((ref for ref in done if _raises(ref)), key=joining.index)  # the lowest engine named
             if failed:
                 self._wait(failed, "init_weight_transfer", [joining.index(ref) for ref in failed])
             if time.monotonic() > deadline:
