@@ -96,9 +96,11 @@ def write_program(target: Path) -> str:
 
 
 def sandbox_processes(programs_only: bool = False) -> list[int]:
-    """PIDs of live sandbox processes on this machine: stage-1 launchers and the programs
-    they run (the boot code is in their command lines); ``programs_only``: just the latter
-    (``python -I -c BOOT FD`` and their forks)."""
+    """PIDs of live sandbox processes of this test process: stage-1 launchers and the programs
+    they run (the boot code is in their command lines), ours (descendants of this process)
+    or left behind by anyone (orphans, adopted by init); ``programs_only``: just the programs
+    (``python -I -c BOOT FD`` and their forks). Another pytest process's live sandboxes are
+    not ours."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -107,11 +109,27 @@ def sandbox_processes(programs_only: bool = False) -> list[int]:
             except OSError:  # exited meanwhile
                 continue
             if programs_only:
-                if len(args) >= 3 and args[-3] == b"-c" and b"<sandbox harness>" in args[-2]:
-                    pids.append(int(entry))
-            elif any(b"<sandbox harness>" in arg for arg in args):
+                ours = len(args) >= 3 and args[-3] == b"-c" and b"<sandbox harness>" in args[-2]
+            else:
+                ours = any(b"<sandbox harness>" in arg for arg in args)
+            if ours and _ours_or_orphaned(int(entry)):
                 pids.append(int(entry))
     return pids
+
+
+def _ours_or_orphaned(pid: int) -> bool:
+    """Whether the first ancestor of ``pid`` that is not a sandbox process is this process
+    (ours) or init (left behind), rather than another process (another pytest process's)."""
+    while True:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            pid = int(stat[stat.rindex(")") + 2:].split()[1])
+            if pid in (os.getpid(), 1):
+                return True
+            if b"<sandbox harness>" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return False
+        except OSError:  # exited meanwhile
+            return False
 
 
 # ----------------------------------------------------------------------------- refusals
