@@ -1,6 +1,7 @@
 """``policy.moe`` is refused, when the config loads and before Ray starts, with a backend that
-cannot record or replay routes or train the router losses, with exact logprobs, with a negative
-loss weight, and on a dense model: each message names the key, what is wrong, the fix, and
+cannot record or replay routes, train the router losses or split the experts, with exact
+logprobs, with a negative loss weight or an expert-parallel size the layout cannot hold, and on a
+dense model: each message names the key, what is wrong, the fix, and
 where it was set."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from posttrain.config import config_from_dict, load_config
+from posttrain.config.schema import MoEConfig, PolicyConfig, RunConfig
 from posttrain.errors import ConfigError
 from posttrain.models.folder import check_model_folders
 
@@ -97,4 +99,56 @@ def test_router_losses_on_a_dense_model_are_refused_before_any_worker_starts(tin
     with pytest.raises(ConfigError, match=r"^policy.moe.aux_loss_coef weighs a loss of the routers, but policy.model "
                                           r"'.*' \(llama\) is not a mixture of experts: .* Set policy.moe.aux_loss_coef "
                                           r"to its default for a dense model$"):
+        check_model_folders(config)
+
+
+EXPERTS_SPLIT = "policy:\n  num_workers: 2\n  moe:\n    expert_parallel_size: 2\n"
+
+
+@pytest.mark.parametrize(
+    ("yaml", "message"),
+    [
+        (
+            "policy:\n  backend: megatron\n  num_workers: 2\n  moe:\n    expert_parallel_size: 2\n",
+            "policy.moe.expert_parallel_size needs a policy backend that splits the experts over ranks; the policy "
+            "backend 'megatron' (posttrain-megatron 0.1.0) does not; backends that do: dtensor. Set policy.backend to "
+            "one of them, or policy.moe.expert_parallel_size to its default. Where set: "
+            "policy.moe.expert_parallel_size at exp.yaml:5; policy.backend at exp.yaml:2.",
+        ),
+        (
+            "policy:\n  num_workers: 2\n  moe:\n    expert_parallel_size: 4\n",
+            "policy.moe.expert_parallel_size=4 does not divide the policy's data-parallel size 2 (policy.num_workers=2 "
+            "over the model-parallel sizes): expert-parallel groups are made of data-parallel ranks. Set "
+            "policy.num_workers to a multiple of 4 times the model-parallel sizes, or policy.moe.expert_parallel_size "
+            "to a divisor of 2. Where set: policy.moe.expert_parallel_size at exp.yaml:4; policy.num_workers at "
+            "exp.yaml:2.",
+        ),
+        (
+            "policy:\n  moe:\n    expert_parallel_size: 0\n",
+            "policy.moe.expert_parallel_size: expected an integer >= 1 (1: no expert parallelism), found 0. Where "
+            "set: policy.moe.expert_parallel_size at exp.yaml:3.",
+        ),
+        (
+            EXPERTS_SPLIT + "generation:\n  backend: hf\n  exact_logprobs: true\n",
+            "generation.exact_logprobs is true, but policy.moe.expert_parallel_size is 2: each rank's experts would "
+            "run on the tokens of other ranks, which the engines' scoring does not; set "
+            "policy.moe.expert_parallel_size: 1. Where set: generation.exact_logprobs at exp.yaml:7; "
+            "policy.moe.expert_parallel_size at exp.yaml:4.",
+        ),
+    ],
+    ids=["megatron", "not_dividing_dp", "zero", "exact"],
+)
+def test_expert_parallelism_a_backend_or_layout_cannot_serve_is_refused(yaml_file, yaml, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(yaml_file(yaml))
+    assert str(info.value) == message
+
+
+def test_expert_parallelism_on_a_dense_model_is_refused_before_any_worker_starts(tiny_model_path):
+    """The check for policy backends that split experts without reading the model (dtensor refuses
+    the config already, from the model's own config: tests/plugins/backends/dtensor)."""
+    config = RunConfig(policy=PolicyConfig(model=tiny_model_path, num_workers=2, moe=MoEConfig(expert_parallel_size=2)))
+    with pytest.raises(ConfigError, match=r"^policy.moe.expert_parallel_size splits the experts over ranks, but "
+                                          r"policy.model '.*' \(llama\) is not a mixture of experts: .* Set "
+                                          r"policy.moe.expert_parallel_size to its default for a dense model$"):
         check_model_folders(config)

@@ -19,6 +19,8 @@
   each token of a mixture of experts went through (``policy.moe``); ``replays_routed_experts``
   on a policy backend's section: its routers can be made to use them; ``trains_router_losses``
   on a policy backend's section: it adds the routers' losses to training (``policy.moe``);
+  ``splits_experts`` on a policy backend's section: it implements expert parallelism
+  (``policy.moe.expert_parallel_size``);
 - ``batch_invariant_logprobs`` on a generation backend's section: with
   ``generation.exact_logprobs`` its engines run batch-invariant kernels instead (their logprobs
   do not depend on the batch, but are not the trainer's bit for bit).
@@ -28,7 +30,8 @@ Core's config check refuses a feature the chosen backend does not declare
 :func:`~posttrain.config.validate.check_generation_placement`, :func:`~posttrain.config.validate.check_policy_in_driver`,
 :func:`~posttrain.config.validate.check_exact_logprobs`,
 :func:`~posttrain.config.validate.check_routing_replay`,
-:func:`~posttrain.config.validate.check_router_losses`);
+:func:`~posttrain.config.validate.check_router_losses`,
+:func:`~posttrain.config.validate.check_expert_parallel`);
 ``posttrain plugins`` lists what each plugin
 declares. Imports nothing heavy.
 """
@@ -49,6 +52,7 @@ FEATURES = {
     "records_routed_experts": "the experts each token was routed to, recorded (policy.moe)",
     "replays_routed_experts": "routing replay: the rollout's experts used by the policy (policy.moe)",
     "trains_router_losses": "the routers' load-balancing and z-losses (policy.moe.aux_loss_coef, z_loss_coef)",
+    "splits_experts": "expert parallelism (policy.moe.expert_parallel_size)",
 }
 
 

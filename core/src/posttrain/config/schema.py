@@ -133,7 +133,7 @@ class MoEConfig:
     (``records_routed_experts`` on a generation backend's section, ``replays_routed_experts`` on
     a policy backend's); others refuse it. The router losses
     (:mod:`posttrain.backend.router_losses`) need a policy backend that declares
-    ``trains_router_losses``."""
+    ``trains_router_losses``, expert parallelism one that declares ``splits_experts``."""
 
     # off | rollout: the policy's routers use the experts the generation engine chose for each token
     routing_replay: Literal["off", "rollout"] = "off"
@@ -145,6 +145,10 @@ class MoEConfig:
     aux_loss_coef: float = 0.0
     # weight of the routers' z-loss (ST-MoE: mean squared log-sum-exp of the router logits); 0: off
     z_loss_coef: float = 0.0
+    # expert parallelism: each group of this many data-parallel ranks shares one copy of every layer's experts,
+    # each rank holding experts / size of them; tokens travel to their experts and back by all-to-all. Divides
+    # the data-parallel size and the experts per layer; 1: every rank's FSDP shard holds some of every expert
+    expert_parallel_size: int = 1
 
     @property
     def records_routes(self) -> bool:

@@ -85,6 +85,7 @@ def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
     check_exact_logprobs(config, host)
     check_routing_replay(config, host)
     check_router_losses(config, host)
+    check_expert_parallel(config, host)
     check_devices(config)
     check_batch_sizes(config, batch_size_rules(config))
     require_registered(host.data_planes, config.data_plane.backend, "data_plane.backend", config=config)
@@ -425,6 +426,27 @@ def check_router_losses(config: RunConfig, host: PluginHost) -> None:
     refuse_lacking(config, host, moe.router_losses_key, "policy", config.policy.backend, "trains_router_losses",
                    "a policy backend that adds the routers' losses to training; the policy backend {backend} does "
                    "not; backends that do: {able}")
+
+
+def check_expert_parallel(config: RunConfig, host: PluginHost) -> None:
+    """Refuse a ``policy.moe.expert_parallel_size`` below 1 or not dividing the data-parallel
+    size, and one above 1 with a policy backend that does not declare ``splits_experts``
+    (the backend checks that it divides the model's experts)."""
+    key, size = "policy.moe.expert_parallel_size", config.policy.moe.expert_parallel_size
+    refuse_failed(config, [(key, size, size >= 1, "an integer >= 1 (1: no expert parallelism)")])
+    if size == 1:
+        return
+    refuse_lacking(config, host, key, "policy", config.policy.backend, "splits_experts",
+                   "a policy backend that splits the experts over ranks; the policy backend {backend} does not; "
+                   "backends that do: {able}")
+    dp = config.data_parallel_size
+    if dp % size:
+        raise ConfigError(
+            f"{key}={size} does not divide the policy's data-parallel size {dp} (policy.num_workers="
+            f"{config.policy.num_workers} over the model-parallel sizes): expert-parallel groups are made of "
+            f"data-parallel ranks. Set policy.num_workers to a multiple of {size} times the model-parallel sizes, or "
+            f"{key} to a divisor of {dp}.{where_set(config, key, 'policy.num_workers')}"
+        )
 
 
 def refuse_lacking(config: RunConfig, host: PluginHost, key: str, kind: str, backend: str, feature: str,

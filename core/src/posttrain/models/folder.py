@@ -33,9 +33,13 @@ def check_model_folders(config: RunConfig) -> None:
     require_tokenizer_files(tokenizer_path, tokenizer_key)
     check_vocab_fits(model_config, config.policy.model, model_key, tokenizer_path, tokenizer_key)
     moe = config.policy.moe
-    if (moe.records_routes or moe.router_losses) and not is_mixture_of_experts(model_config):
-        key, what = ((moe.records_routes_key, "asks for the experts each token was routed to") if moe.records_routes
-                     else (moe.router_losses_key, "weighs a loss of the routers"))
+    asks = [(key, what) for asked, key, what in (
+        (moe.records_routes, moe.records_routes_key, "asks for the experts each token was routed to"),
+        (moe.router_losses, moe.router_losses_key, "weighs a loss of the routers"),
+        (moe.expert_parallel_size > 1, "policy.moe.expert_parallel_size", "splits the experts over ranks"),
+    ) if asked]
+    if asks and not is_mixture_of_experts(model_config):
+        key, what = asks[0]
         raise ConfigError(
             f"{key} {what}, but {model_key} '{config.policy.model}' "
             f"({model_config.get('model_type', 'no model_type')}) is not a mixture of experts: its config.json "

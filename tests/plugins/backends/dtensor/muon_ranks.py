@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from posttrain.config.schema import MuonConfig, OptimizerConfig
 from posttrain_dtensor.optim import MuonAdamW, hidden_matrices
-from posttrain_dtensor.parallel import apply_fsdp, apply_tensor_parallel, build_mesh
+from posttrain_dtensor.parallel import apply_fsdp, apply_tensor_parallel, build_meshes
 
 MUON = OptimizerConfig(name="muon", lr=0.02, weight_decay=0.1, muon=MuonConfig(lr=0.05, weight_decay=0.01))
 STEPS = 3
@@ -54,9 +54,9 @@ def rank_main(rank: int, path: str, layout: str, out: str, init_file: str) -> No
     try:
         model = load(path)
         if layout == "tp2":
-            apply_tensor_parallel(model, build_mesh("cpu", 1, 2)["tp"])
+            apply_tensor_parallel(model, build_meshes("cpu", 1, 2).tp)
         else:
-            model = apply_fsdp(model, build_mesh("cpu", 2, 1)["dp"], param_dtype=torch.float32,
+            model = apply_fsdp(model, build_meshes("cpu", 2, 1), param_dtype=torch.float32,
                                reduce_dtype=torch.float32, reshard_after_forward=True)
         weights = stepped(model)
         if rank == 0:

@@ -1,7 +1,8 @@
 """Models and layouts the dtensor backend cannot serve are refused when the config is loaded,
 before Ray or any worker starts, from the model's config.json: a tensor-parallel plan with
 styles it does not implement (the packed experts of a mixture of experts), head counts the
-tensor-parallel size does not divide, logit scaling. The plans it does serve (tied
+tensor-parallel size does not divide, logit scaling, an expert-parallel size the experts cannot be
+split by. The plans it does serve (tied
 embeddings, Qwen 3's and Gemma 3's q/k norms, Phi-3's and OLMo 2's gathered projections)
 are checked against transformers by the model matrix (tests/e2e/test_model_matrix.py)."""
 
@@ -34,7 +35,23 @@ def test_tensor_parallel_experts_are_refused_naming_the_styles(tmp_path, arch):
         "backend does not implement (the packed experts of a mixture of experts, which it does not split): "
         "{'layers.*.mlp.experts.gate_up_proj': 'packed_colwise', 'layers.*.mlp.experts': 'moe_tp_experts'}; it "
         f"implements {IMPLEMENTED}. Set policy.tensor_parallel_size=1 for this model (FSDP over policy.num_workers "
-        "shards it)"
+        "shards it; policy.moe.expert_parallel_size splits its experts over ranks)"
+    )
+
+
+def test_an_expert_parallel_size_that_does_not_divide_the_experts_is_refused(tmp_path, zoo_model):
+    message = refusal(tmp_path, zoo_model("qwen3_moe"), "policy.num_workers=3", "policy.moe.expert_parallel_size=3",
+                      "policy.train_global_batch_size=12")
+    assert message == ("policy.moe.expert_parallel_size=3 does not divide the model's 4 experts per layer; choose a "
+                       "size that divides 4 (each rank of an expert-parallel group holds an equal share)")
+
+
+def test_expert_parallelism_on_a_dense_model_is_refused(tmp_path, zoo_model):
+    message = refusal(tmp_path, zoo_model("llama"), "policy.num_workers=2", "policy.moe.expert_parallel_size=2")
+    assert message == (
+        "policy.moe.expert_parallel_size=2, but model type 'llama' declares no experts to split (its transformers "
+        "config has no base_model_ep_plan with a 'moe_tp_experts' module: a dense model, or experts transformers does "
+        "not split by expert); set policy.moe.expert_parallel_size: 1"
     )
 
 

@@ -37,9 +37,10 @@ class DTensorConfig:
     - ``reduce_dtype``: dtype of the gradient reduce-scatter across data-parallel ranks
       (``float32`` keeps accumulation exact when ``policy.dtype`` is bfloat16).
 
-    The backend implements ``policy.lora`` (:mod:`posttrain_dtensor.lora`) and
+    The backend implements ``policy.lora`` (:mod:`posttrain_dtensor.lora`),
     ``generation.exact_logprobs`` (with ``attn_implementation: sdpa``; under LoRA in float32
-    without adapter dropout).
+    without adapter dropout) and ``policy.moe`` with expert parallelism
+    (:mod:`posttrain_dtensor.experts`).
     """
 
     supports_lora: ClassVar[bool] = True
@@ -48,6 +49,7 @@ class DTensorConfig:
     supports_exact_logprobs: ClassVar[bool] = True
     replays_routed_experts: ClassVar[bool] = True
     trains_router_losses: ClassVar[bool] = True
+    splits_experts: ClassVar[bool] = True
 
     attn_implementation: str = "sdpa"
     activation_checkpointing: bool = False
@@ -105,6 +107,10 @@ def check_exact_logprobs(config: RunConfig, options: DTensorConfig) -> None:
         problems.append((f"policy.lora is on with policy.dtype {p.dtype}: the merged weight a refit sends is computed "
                          "in float32, the layers' own products would be in another dtype; set policy.dtype: float32",
                          "policy.dtype"))
+    if p.moe.expert_parallel_size > 1:
+        problems.append((f"policy.moe.expert_parallel_size is {p.moe.expert_parallel_size}: each rank's experts would "
+                         "run on the tokens of other ranks, which the engines' scoring does not; set "
+                         "policy.moe.expert_parallel_size: 1", "policy.moe.expert_parallel_size"))
     if problems:
         message, where = problems[0]
         raise ConfigError(f"{key} is true, but {message}.{where_set(config, key, where)}")
@@ -128,7 +134,8 @@ def check_vision_language(config: RunConfig, model_type: str) -> None:
 
 
 def check_model(config: RunConfig) -> None:
-    """:func:`~posttrain_dtensor.parallel.check_model_fits` on ``policy.model``'s config; where
+    """:func:`~posttrain_dtensor.parallel.check_model_fits` on ``policy.model``'s config (and, with
+    expert parallelism, :func:`~posttrain_dtensor.experts.check_expert_parallel`); where
     FSDP will shard the model (several ranks, or a compute dtype other than float32), that a
     weightless copy of it has the decoder layers FSDP wraps. A folder without ``config.json``
     is left to the model-folder checks, which name what is missing."""
@@ -143,6 +150,10 @@ def check_model(config: RunConfig) -> None:
 
     model_config = AutoConfig.from_pretrained(p.model)
     check_model_fits(model_config, p.tensor_parallel_size)
+    if p.moe.expert_parallel_size > 1:
+        from posttrain_dtensor.experts import check_expert_parallel
+
+        check_expert_parallel(model_config, p.moe.expert_parallel_size)
     if is_vision_language(model_config):
         check_vision_language(config, model_config.model_type)
     if p.head == "lm" and (p.num_workers > 1 or p.dtype != "float32"):

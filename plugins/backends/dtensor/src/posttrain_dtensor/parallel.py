@@ -1,6 +1,7 @@
-"""Sharding a Hugging Face causal LM with tensor parallel and FSDP2 over a 2-D DeviceMesh.
+"""Sharding a Hugging Face causal LM with tensor parallel and FSDP2 over a DeviceMesh.
 
-The mesh has axes ``("dp", "tp")``. Tensor parallel follows the model's own
+The rank's meshes (:class:`Meshes`): ``tp`` and ``dp``, with ``dp`` also split into groups of
+``ep`` ranks that share a mixture of experts' experts (:mod:`posttrain_dtensor.experts`). Tensor parallel follows the model's own
 ``base_model_tp_plan`` (transformers ships one per architecture: column-wise q/k/v/gate/up,
 row-wise o/down), applied with ``parallelize_module`` over the ``tp`` axis; the styles it
 serves are :data:`TP_STYLES` and :data:`WHOLE_STYLES` (:func:`check_tensor_parallel` refuses
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -94,9 +96,23 @@ class CausalLMHead(nn.Module):
         return (embedding if embedding is not None else self.lm.score).weight
 
 
-def build_mesh(device_type: str, dp_size: int, tp_size: int) -> DeviceMesh:
-    """The ``("dp", "tp")`` mesh over the default process group (``dp * tp`` ranks)."""
-    return init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+@attrs.frozen
+class Meshes:
+    """A rank's device meshes: ``tp`` (the ranks splitting each layer), ``dp`` (the data-parallel
+    ranks), and ``dp`` split into groups of ``ep`` ranks, ``edp`` numbering the groups (expert
+    parallelism, :mod:`posttrain_dtensor.experts`; ``ep`` has one rank without it)."""
+
+    dp: DeviceMesh
+    edp: DeviceMesh
+    ep: DeviceMesh
+    tp: DeviceMesh
+
+
+def build_meshes(device_type: str, dp_size: int, tp_size: int, ep_size: int = 1) -> Meshes:
+    """The :class:`Meshes` of a ``("edp", "ep", "tp")`` mesh over the default process group
+    (``dp_size * tp_size`` ranks; ``ep_size`` divides ``dp_size``)."""
+    mesh = init_device_mesh(device_type, (dp_size // ep_size, ep_size, tp_size), mesh_dim_names=("edp", "ep", "tp"))
+    return Meshes(dp=mesh["edp", "ep"]._flatten("dp"), edp=mesh["edp"], ep=mesh["ep"], tp=mesh["tp"])
 
 
 def output_softcap(lm: nn.Module) -> float | None:
@@ -142,11 +158,12 @@ def check_tensor_parallel(config: object) -> None:
     if unsupported:
         experts = any(style in ("packed_colwise", "moe_tp_experts") for style in unsupported.values())
         what = " (the packed experts of a mixture of experts, which it does not split)" if experts else ""
+        split = "; policy.moe.expert_parallel_size splits its experts over ranks" if experts else ""
         raise ConfigError(
             f"policy.tensor_parallel_size > 1: the tensor-parallel plan of model type '{model_type}' uses styles "
             f"the dtensor backend does not implement{what}: {unsupported}; it implements "
             f"{', '.join(sorted((*TP_STYLES, *WHOLE_STYLES)))}. Set policy.tensor_parallel_size=1 for this model "
-            "(FSDP over policy.num_workers shards it)"
+            f"(FSDP over policy.num_workers shards it{split})"
         )
 
 
@@ -207,22 +224,28 @@ def vision_blocks(lm: nn.Module) -> list[nn.Module]:
 
 def apply_fsdp(
     lm: nn.Module,
-    dp_mesh: DeviceMesh,
+    meshes: Meshes,
     *,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
+    experts: list[nn.Module] = (),
 ) -> CausalLMHead:
-    """Shard each vision block and decoder layer, then the root, over ``dp_mesh``; return the root.
+    """Shard each vision block and decoder layer, then the root, over ``meshes.dp``; return the
+    root. ``experts``: modules split by expert parallelism
+    (:func:`posttrain_dtensor.experts.split_experts`), each sharded first, over ``meshes.edp``
+    (the ranks holding the same experts).
 
     Gradients are summed, not averaged, over data-parallel ranks: every rank's loss is
     already normalised by the global token or sequence count.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for module in experts:
+        fully_shard(module, mesh=meshes.edp, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for layer in [*vision_blocks(lm), *decoder_layers(lm)]:
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=meshes.dp, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     root = CausalLMHead(lm)
-    fully_shard(root, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(root, mesh=meshes.dp, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

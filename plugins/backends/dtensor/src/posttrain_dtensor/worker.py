@@ -73,15 +73,17 @@ from posttrain.interfaces.loss import LossFunction, combine_metrics, global_vali
 from posttrain.models.folder import read_model_config
 from posttrain_dtensor import checkpoint
 from posttrain_dtensor.config import DTensorConfig
+from posttrain_dtensor.experts import split_experts
 from posttrain_dtensor.lora import ADAPTER, adapters_disabled, attach_adapters, compute_merged
 from posttrain_dtensor.optim import build_optimizer, clip_grads_, total_grad_norm
 from posttrain_dtensor.parallel import (
     CausalLMHead,
     apply_fsdp,
     apply_tensor_parallel,
-    build_mesh,
+    build_meshes,
     output_softcap,
     reshard_all,
+    split_decoder,
     sum_gradients,
 )
 from posttrain_dtensor.rows import ModelRows, exact_rows, microbatch_rows
@@ -125,8 +127,8 @@ class DTensorPolicyWorker(PolicyWorker):
         if not dist.is_initialized():
             dist.init_process_group("nccl" if use_cuda else "gloo")
         tp = policy.tensor_parallel_size  # the driver checked that it divides the world size
-        self.mesh = build_mesh(self.device.type, self.world_size // tp, tp)
-        self.dp_group = self.mesh["dp"].get_group()
+        self.meshes = build_meshes(self.device.type, self.world_size // tp, tp, policy.moe.expert_parallel_size)
+        self.dp_group = self.meshes.dp.get_group()
         self.compute_dtype = torch_dtype(policy.dtype)
         # logprobs (and the training loss's) are those of logits / T, as the sampler reports them
         self.temperature = logprob_temperature(config.generation.temperature)
@@ -203,17 +205,20 @@ class DTensorPolicyWorker(PolicyWorker):
         if options.activation_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if policy.tensor_parallel_size > 1:
-            self.tp_summed = apply_tensor_parallel(lm, self.mesh["tp"], adapters=bool(self.adapter_scales))
+            self.tp_summed = apply_tensor_parallel(lm, self.meshes.tp, adapters=bool(self.adapter_scales))
+        #: With expert parallelism: the experts modules, each holding this rank's share of the experts.
+        self.parallel_experts = split_experts(split_decoder(lm), self.meshes.ep) if policy.moe.expert_parallel_size > 1 else []
         if self.world_size == 1 and self.compute_dtype == torch.float32:
             # Nothing to shard or cast: FSDP would only copy every weight in and out of its
             # gather buffers twice per step and every gradient through its reduce buffers.
             return CausalLMHead(lm).to(self.device)
         return apply_fsdp(
             lm,
-            self.mesh["dp"],
+            self.meshes,
             param_dtype=self.compute_dtype,
             reduce_dtype=torch_dtype(options.reduce_dtype),
             reshard_after_forward=options.reshard_after_forward,
+            experts=self.parallel_experts,
         ).to(self.device)
 
     # ------------------------------------------------------------------ forward passes
@@ -435,7 +440,7 @@ class DTensorPolicyWorker(PolicyWorker):
         return (moe.aux_loss_coef * aux + moe.z_loss_coef * z) * share, metrics
 
     def _optimizer_step(self) -> float:
-        sum_gradients(self.tp_summed, self.mesh["tp"].get_group())
+        sum_gradients(self.tp_summed, self.meshes.tp.get_group())
         norm = total_grad_norm(self.trained)
         max_norm = self.config.policy.max_grad_norm
         if max_norm is not None:
@@ -546,15 +551,18 @@ class DTensorPolicyWorker(PolicyWorker):
 
     def info(self) -> dict[str, Any]:
         """Facts for logs; ``trained_parameters`` counts what the optimizer steps (the
-        adapters alone under LoRA)."""
+        adapters alone under LoRA); ``experts_per_rank``: with expert parallelism, the experts
+        of each layer this rank holds (None without)."""
         numel = sum(p.numel() for p in self.model.parameters())
         return {
             "backend": "dtensor",
             "parameters": numel,
             "trained_parameters": sum(p.numel() for p in self.trained),
             "world_size": self.world_size,
-            "data_parallel_size": self.mesh["dp"].size(),
-            "tensor_parallel_size": self.mesh["tp"].size(),
+            "data_parallel_size": self.meshes.dp.size(),
+            "tensor_parallel_size": self.meshes.tp.size(),
+            "expert_parallel_size": self.meshes.ep.size(),
+            "experts_per_rank": self.parallel_experts[0].num_experts if self.parallel_experts else None,
             "device": str(self.device),
             "dtype": str(self.compute_dtype).removeprefix("torch."),
             "pid": os.getpid(),
