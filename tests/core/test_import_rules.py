@@ -203,14 +203,16 @@ def test_the_circle_finder_finds_circles():
 def test_the_interfaces_face_loads_each_name_from_its_module_and_nothing_at_import():
     """``posttrain.interfaces`` lists every name once and loads it lazily: importing the package
     (as a hook module importing ``Command`` does) imports no interface module and no torch."""
+    import importlib
     import subprocess
     import sys
 
     import posttrain.interfaces as face
 
     assert sorted(face.__all__) == sorted(face._MODULES)
-    for name in face.__all__:
-        assert getattr(face, name).__module__ == f"posttrain.interfaces.{face._MODULES[name]}"
+    for name in face.__all__:  # each from the module that defines it (a constant: that module's object)
+        value, module = getattr(face, name), f"posttrain.interfaces.{face._MODULES[name]}"
+        assert getattr(value, "__module__", module) == module and value is getattr(importlib.import_module(module), name)
     probe = "import sys, posttrain.interfaces; print(sorted(m for m in sys.modules if m.startswith(('torch', 'posttrain.interfaces.'))))"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "[]\n"
 

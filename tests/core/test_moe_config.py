@@ -14,6 +14,7 @@ from posttrain.errors import ConfigError
 from posttrain.models.folder import check_model_folders
 
 REPLAY = "policy:\n  moe:\n    routing_replay: rollout\n"
+PREVIOUS = "policy:\n  moe:\n    routing_replay: previous\n"
 
 
 @pytest.mark.parametrize(
@@ -28,7 +29,7 @@ REPLAY = "policy:\n  moe:\n    routing_replay: rollout\n"
         ),
         (
             "policy:\n  backend: megatron\n  moe:\n    router_agreement: true\n",
-            "policy.moe.router_agreement needs a policy backend that can give its routers the rollout's experts; the "
+            "policy.moe.router_agreement needs a policy backend that can give its routers the experts of another pass; the "
             "policy backend 'megatron' (posttrain-megatron 0.1.0) cannot; backends that can: dtensor. Set "
             "policy.backend to one of them, or policy.moe.router_agreement to its default. Where set: "
             "policy.moe.router_agreement at exp.yaml:4; policy.backend at exp.yaml:2.",
@@ -41,8 +42,45 @@ REPLAY = "policy:\n  moe:\n    routing_replay: rollout\n"
             "generation.exact_logprobs: false. Where set: policy.moe.routing_replay at exp.yaml:3; "
             "generation.exact_logprobs at exp.yaml:5.",
         ),
+        (
+            "policy:\n  backend: megatron\n  moe:\n    routing_replay: previous\n",
+            "policy.moe.routing_replay needs a policy backend that can give its routers the experts of another pass; "
+            "the policy backend 'megatron' (posttrain-megatron 0.1.0) cannot; backends that can: dtensor. Set "
+            "policy.backend to one of them, or policy.moe.routing_replay to its default. Where set: "
+            "policy.moe.routing_replay at exp.yaml:4; policy.backend at exp.yaml:2.",
+        ),
+        (
+            PREVIOUS + "    router_agreement: true\n",
+            "policy.moe.router_agreement compares the engine's experts with the policy's, but "
+            "policy.moe.routing_replay: previous gives the policy's training passes its own experts of the "
+            "previous-logprob pass (and reports moe/router_agreement against those). Set one of them. Where set: "
+            "policy.moe.router_agreement at exp.yaml:4; policy.moe.routing_replay at exp.yaml:3.",
+        ),
+        (
+            PREVIOUS + "generation:\n  exact_logprobs: true\n",
+            "policy.moe.routing_replay: previous replays the experts of the previous-logprob pass, which "
+            "generation.exact_logprobs: true skips (the engine's logprobs are the trainer's, its routes too). Set "
+            "policy.moe.routing_replay to its default, or generation.exact_logprobs: false. Where set: "
+            "policy.moe.routing_replay at exp.yaml:3; generation.exact_logprobs at exp.yaml:5.",
+        ),
+        (
+            "algorithm: sft\n" + REPLAY,
+            "policy.moe.routing_replay needs an algorithm whose policy passes carry the experts to replay or compare "
+            "(its rollouts' or its previous-logprob pass's); the algorithm 'sft' (posttrain-sft 0.1.0) has none; "
+            "algorithms that do: grpo, ppo. Set algorithm to one of them, or policy.moe.routing_replay to its "
+            "default. Where set: policy.moe.routing_replay at exp.yaml:4; algorithm at exp.yaml:1.",
+        ),
+        (
+            "algorithm: grpo\n" + PREVIOUS + "grpo:\n  loss:\n    rollout_correction: bypass\n",
+            "policy.moe.routing_replay: previous replays the experts of the previous-logprob pass, which "
+            "grpo.loss.rollout_correction: bypass does not run (the engine's logprobs are the previous policy's). Set "
+            "grpo.loss.rollout_correction: decoupled, or policy.moe.routing_replay: rollout with an engine that "
+            "records the experts (hf). Where set: policy.moe.routing_replay at exp.yaml:4; "
+            "grpo.loss.rollout_correction at exp.yaml:7.",
+        ),
     ],
-    ids=["vllm", "megatron", "exact"],
+    ids=["vllm", "megatron", "exact", "previous_megatron", "previous_with_agreement", "previous_exact", "sft",
+         "previous_bypass"],
 )
 def test_backends_and_settings_that_cannot_replay_are_refused(yaml_file, yaml, message):
     with pytest.raises(ConfigError) as info:
@@ -51,8 +89,14 @@ def test_backends_and_settings_that_cannot_replay_are_refused(yaml_file, yaml, m
 
 
 def test_an_unknown_mode_names_the_choices(yaml_file):
-    with pytest.raises(ConfigError, match=r"policy.moe.routing_replay.*'off', 'rollout'"):
-        load_config(yaml_file("policy:\n  moe:\n    routing_replay: previous\n"))
+    with pytest.raises(ConfigError, match=r"policy.moe.routing_replay.*'off', 'rollout', 'previous'"):
+        load_config(yaml_file("policy:\n  moe:\n    routing_replay: engine\n"))
+
+
+def test_previous_replay_needs_no_engine_that_records(yaml_file):
+    """vLLM does not record routes; the policy records its own in ``previous`` mode."""
+    config = load_config(yaml_file(PREVIOUS + "generation:\n  backend: vllm\n"))
+    assert config.policy.moe.routing_replay == "previous" and not config.policy.moe.records_routes
 
 
 def test_a_dense_model_is_refused_before_any_worker_starts(tiny_model_path):

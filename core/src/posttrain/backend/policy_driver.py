@@ -42,7 +42,7 @@ import torch
 from posttrain.backend.hf_export import bucket_names
 from posttrain.backend.hosted import HostedGroup
 from posttrain.backend.policy_worker import PolicyWorker, RankTrainResult
-from posttrain.backend.routing import agreement_metrics
+from posttrain.backend.routing import ROUTES_FIELD, agreement_metrics
 from posttrain.backend.work import Batching, PassPlan, RankWork, ResultSink, ShardRef, padded_order, plan_pass
 from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
@@ -173,7 +173,8 @@ class ShardedPolicy(Policy):
         if reference:
             self._require_reference()
         source = "reference_logprobs" if reference else "logprobs"
-        self._pass_into(samples, self.config.policy.logprob_micro_batch_size, {field: source},
+        routes = {ROUTES_FIELD: ROUTES_FIELD} if self.config.policy.moe.routing_replay == "previous" and not reference else {}
+        self._pass_into(samples, self.config.policy.logprob_micro_batch_size, {field: source, **routes},
                         PolicyWorker.logprobs, reference)
 
     def values_into(self, samples: PlaneSamples, field: str) -> None:

@@ -1,4 +1,4 @@
-"""Features a backend declares on its config section's class, as class attributes set true.
+"""Features a backend or an algorithm declares on its config section's class, as class attributes set true.
 
 - ``supports_lora`` on a policy backend's section (``policy.<backend>``): it implements
   ``policy.lora``;
@@ -21,6 +21,9 @@
   on a policy backend's section: it adds the routers' losses to training (``policy.moe``);
   ``splits_experts`` on a policy backend's section: it implements expert parallelism
   (``policy.moe.expert_parallel_size``);
+- ``carries_routed_experts`` on an algorithm's section: its policy passes carry the experts
+  routing replay gives the routers (``policy.moe.routing_replay``, ``router_agreement``): the
+  rollouts' and the previous-logprob pass's;
 - ``batch_invariant_logprobs`` on a generation backend's section: with
   ``generation.exact_logprobs`` its engines run batch-invariant kernels instead (their logprobs
   do not depend on the batch, but are not the trainer's bit for bit).
@@ -38,6 +41,8 @@ declares. Imports nothing heavy.
 
 from __future__ import annotations
 
+from typing import Any
+
 from posttrain.plugins import PluginHost
 
 #: Attribute -> what ``posttrain plugins`` says of a section that declares it.
@@ -50,9 +55,10 @@ FEATURES = {
     "supports_exact_logprobs": "exact logprobs, the trainer's bit for bit (generation.exact_logprobs)",
     "batch_invariant_logprobs": "batch-invariant logprobs (generation.exact_logprobs)",
     "records_routed_experts": "the experts each token was routed to, recorded (policy.moe)",
-    "replays_routed_experts": "routing replay: the rollout's experts used by the policy (policy.moe)",
+    "replays_routed_experts": "routing replay: the rollout's or its own previous experts used by the policy (policy.moe)",
     "trains_router_losses": "the routers' load-balancing and z-losses (policy.moe.aux_loss_coef, z_loss_coef)",
     "splits_experts": "expert parallelism (policy.moe.expert_parallel_size)",
+    "carries_routed_experts": "routing replay: the experts of its rollouts or previous-logprob pass (policy.moe)",
 }
 
 
@@ -67,19 +73,30 @@ def section_declares(host: PluginHost, section: str, feature: str) -> bool:
     return section in host.config_sections and getattr(host.config_sections[section], feature, False) is True
 
 
+def _registry(host: PluginHost, kind: str) -> Any:
+    return {"policy": host.policy_backends, "generation": host.generation_backends, "algorithm": host.algorithms}[kind]
+
+
+def section_of(kind: str, name: str) -> str:
+    """The config section of the ``kind`` plugin ``name``: ``policy.<name>`` or
+    ``generation.<name>`` for a backend, ``<name>`` for an algorithm."""
+    return name if kind == "algorithm" else f"{kind}.{name}"
+
+
 def backends_declaring(host: PluginHost, kind: str, feature: str) -> str:
-    """The registered ``kind`` backends (``policy`` or ``generation``) whose section declares
-    ``feature``, comma-separated, or ``none installed``: the list a refusal offers."""
-    registry = host.policy_backends if kind == "policy" else host.generation_backends
-    return ", ".join(name for name in registry if section_declares(host, f"{kind}.{name}", feature)) or "none installed"
+    """The registered ``kind`` plugins (``policy`` or ``generation`` backends, or ``algorithm``s)
+    whose section declares ``feature``, comma-separated, or ``none installed``: the list a
+    refusal offers."""
+    names = [name for name in _registry(host, kind) if section_declares(host, section_of(kind, name), feature)]
+    return ", ".join(names) or "none installed"
 
 
 def lacking_feature(host: PluginHost, kind: str, name: str, feature: str) -> tuple[str, str] | None:
-    """For a refusal, when the registered ``kind`` backend ``name`` (``policy`` or
-    ``generation``) does not declare ``feature``: its label, ``'name' (distribution version)``,
-    and the backends that do (:func:`backends_declaring`). None when it declares it, or is not
-    registered (the registry's check names that)."""
-    registry = host.policy_backends if kind == "policy" else host.generation_backends
-    if name not in registry or section_declares(host, f"{kind}.{name}", feature):
+    """For a refusal, when the registered ``kind`` plugin ``name`` (a ``policy`` or
+    ``generation`` backend, or an ``algorithm``) does not declare ``feature``: its label,
+    ``'name' (distribution version)``, and the plugins that do (:func:`backends_declaring`).
+    None when it declares it, or is not registered (the registry's check names that)."""
+    registry = _registry(host, kind)
+    if name not in registry or section_declares(host, section_of(kind, name), feature):
         return None
     return f"'{name}' ({registry.distribution_of(name)})", backends_declaring(host, kind, feature)

@@ -127,18 +127,21 @@ class LoraConfig:
 @attrs.define
 class MoEConfig:
     """Mixture-of-experts options. Routing replay records the experts each token went through
-    when the rollout generated it and makes the policy's routers choose those in its logprob
-    and training passes, so a router that the two sides' arithmetic would flip cannot change
-    which experts a token's logprob comes from (docs/moe.md). Backends declare it
-    (``records_routed_experts`` on a generation backend's section, ``replays_routed_experts`` on
-    a policy backend's); others refuse it. The router losses
+    when the rollout generated it (``rollout``), or in the policy's previous-logprob pass
+    (``previous``), and makes the policy's routers choose those in its later passes, so a router
+    that the two sides' arithmetic (or an update) would flip cannot change which experts a
+    token's logprob comes from (docs/moe.md). Backends declare it (``records_routed_experts`` on
+    a generation backend's section, ``replays_routed_experts`` on a policy backend's); others
+    refuse it. The router losses
     (:mod:`posttrain.backend.router_losses`) need a policy backend that declares
     ``trains_router_losses``, expert parallelism one that declares ``splits_experts``."""
 
-    # off | rollout: the policy's routers use the experts the generation engine chose for each token
-    routing_replay: Literal["off", "rollout"] = "off"
+    # off | rollout: the policy's routers use the experts the generation engine chose for each token |
+    # previous: its training passes use the experts it chose itself in the step's previous-logprob pass
+    routing_replay: Literal["off", "rollout", "previous"] = "off"
     # record the engine's experts and report moe/router_agreement (per layer: the fraction of tokens whose
-    # experts the policy chose alike) without replaying them; on with routing_replay: rollout
+    # experts the policy chose alike) without replaying them; on with routing_replay: rollout (previous reports
+    # the agreement with the previous pass's experts)
     router_agreement: bool = False
     # weight of the routers' load-balancing loss (Switch Transformer's, as transformers computes it) added to
     # the training loss; 0: off. Reported as moe/aux_loss (unscaled) whenever the model is a mixture of experts
@@ -152,8 +155,16 @@ class MoEConfig:
 
     @property
     def records_routes(self) -> bool:
-        """Whether the rollouts carry the engine's routes (replay or agreement asked)."""
-        return self.routing_replay != "off" or self.router_agreement
+        """Whether the rollouts carry the engine's routes (their replay or agreement asked)."""
+        return self.routing_replay == "rollout" or self.router_agreement
+
+    @property
+    def routes_key(self) -> str | None:
+        """The key that makes the policy use routes (for messages; replay's when it is on), or
+        None when none does."""
+        if self.routing_replay != "off":
+            return "policy.moe.routing_replay"
+        return "policy.moe.router_agreement" if self.router_agreement else None
 
     @property
     def router_losses(self) -> bool:
@@ -165,10 +176,6 @@ class MoEConfig:
         """The key that asks for router losses, for messages: the load-balancing one when set."""
         return "policy.moe.aux_loss_coef" if self.aux_loss_coef > 0 else "policy.moe.z_loss_coef"
 
-    @property
-    def records_routes_key(self) -> str:
-        """The key that asks for the routes, for messages: replay's when it is on."""
-        return "policy.moe.routing_replay" if self.routing_replay != "off" else "policy.moe.router_agreement"
 
 
 @attrs.define

@@ -391,21 +391,40 @@ def check_exact_logprobs(config: RunConfig, host: PluginHost) -> None:
 
 
 def check_routing_replay(config: RunConfig, host: PluginHost) -> None:
-    """Refuse ``policy.moe.routing_replay`` or ``router_agreement`` with a backend that does not
-    declare it (:mod:`posttrain.config.features`), or with exact logprobs (which already make
-    the policy route every token as the engine's rescoring did)."""
+    """Refuse ``policy.moe.routing_replay`` or ``router_agreement`` with an algorithm or a backend
+    that does not declare it (:mod:`posttrain.config.features`; ``previous`` needs no generation
+    backend's),
+    agreement with the engine together with ``previous``, or either with exact logprobs
+    (which already make the policy route every token as the engine's rescoring did, and skip
+    the previous-logprob pass)."""
     moe, gen, policy = config.policy.moe, config.generation, config.policy
-    if not moe.records_routes:
+    key = moe.routes_key
+    if key is None:
         return
-    key = moe.records_routes_key
+    if moe.routing_replay == "previous" and moe.router_agreement:
+        raise ConfigError(
+            "policy.moe.router_agreement compares the engine's experts with the policy's, but policy.moe."
+            "routing_replay: previous gives the policy's training passes its own experts of the previous-logprob "
+            "pass (and reports moe/router_agreement against those). Set one of them."
+            f"{where_set(config, 'policy.moe.router_agreement', key)}"
+        )
     needs = [
         ("generation", gen.backend, "records_routed_experts", "the experts each generated token went through, which "
          "the generation backend {backend} does not report; backends that do: {able}"),
         ("policy", policy.backend, "replays_routed_experts", "a policy backend that can give its routers the "
-         "rollout's experts; the policy backend {backend} cannot; backends that can: {able}"),
+         "experts of another pass; the policy backend {backend} cannot; backends that can: {able}"),
     ]
-    for kind, backend, feature, what in needs:
+    refuse_lacking(config, host, key, "algorithm", config.algorithm, "carries_routed_experts",
+                   "an algorithm whose policy passes carry the experts to replay or compare (its rollouts' or its "
+                   "previous-logprob pass's); the algorithm {backend} has none; algorithms that do: {able}")
+    for kind, backend, feature, what in needs[1:] if moe.routing_replay == "previous" else needs:
         refuse_lacking(config, host, key, kind, backend, feature, what)
+    if gen.exact_logprobs and moe.routing_replay == "previous":
+        raise ConfigError(
+            f"{key}: previous replays the experts of the previous-logprob pass, which {EXACT_KEY}: true skips (the "
+            f"engine's logprobs are the trainer's, its routes too). Set {key} to its default, or {EXACT_KEY}: false."
+            f"{where_set(config, key, EXACT_KEY)}"
+        )
     if gen.exact_logprobs:
         raise ConfigError(
             f"{key} is set with {EXACT_KEY}: true, which already has the policy route every token as the engine's "
@@ -456,9 +475,10 @@ def refuse_lacking(config: RunConfig, host: PluginHost, key: str, kind: str, bac
     backend's label (``{backend}``) and the backends that declare it (``{able}``)."""
     lacking = lacking_feature(host, kind, backend, feature)
     if lacking:
+        selecting = "algorithm" if kind == "algorithm" else f"{kind}.backend"
         raise ConfigError(
-            f"{key} needs {what.format(backend=lacking[0], able=lacking[1])}. Set {kind}.backend to one of them, "
-            f"or {key} to its default.{where_set(config, key, f'{kind}.backend')}"
+            f"{key} needs {what.format(backend=lacking[0], able=lacking[1])}. Set {selecting} to one of them, "
+            f"or {key} to its default.{where_set(config, key, selecting)}"
         )
 
 

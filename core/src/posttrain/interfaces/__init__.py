@@ -23,6 +23,7 @@ _MODULES = {
     "Message": "environment",
     "Generation": "generation",
     "RefitStats": "generation",
+    "ROUTES_FIELD": "generation",
     "LossFunction": "loss",
     "LossType": "loss",
     "combine_metrics": "loss",
@@ -43,6 +44,7 @@ __all__ = [
     "MetricSink",
     "PlaneSamples",
     "Policy",
+    "ROUTES_FIELD",
     "RefitStats",
     "RunContext",
     "SampleMap",
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
     from posttrain.interfaces.context import RunContext
     from posttrain.interfaces.data_plane import DataPlane, PlaneSamples, SampleMap, WorkerPlaneHandle
     from posttrain.interfaces.environment import Environment, EnvironmentReturn, Message
-    from posttrain.interfaces.generation import Generation, RefitStats
+    from posttrain.interfaces.generation import ROUTES_FIELD, Generation, RefitStats
     from posttrain.interfaces.loss import LossFunction, LossType, combine_metrics
     from posttrain.interfaces.metric_sink import MetricSink
     from posttrain.interfaces.policy import Policy

@@ -37,7 +37,7 @@ import torch
 
 from posttrain.batch import Batch
 from posttrain.interfaces.data_plane import PlaneSamples, SampleMap
-from posttrain.interfaces.generation import RefitStats, WeightEndpoint
+from posttrain.interfaces.generation import ROUTES_FIELD, RefitStats, WeightEndpoint
 from posttrain.interfaces.loss import LossFunction
 
 
@@ -49,7 +49,10 @@ class Policy(abc.ABC):
         """Per-token logprobs of ``batch['input_ids']`` under the current weights.
 
         Returns a batch with ``logprobs`` float32 [B, S] in the convention above. Must not
-        materialise a full [B, S, vocab] float32 tensor (chunk over the vocabulary).
+        materialise a full [B, S, vocab] float32 tensor (chunk over the vocabulary). With
+        ``policy.moe.routing_replay: previous`` it also returns ``routed_experts`` int16 [B, S,
+        layers, k]: the experts its routers chose for each token in this pass, which later
+        passes given the field replay.
         """
 
     @abc.abstractmethod
@@ -90,15 +93,17 @@ class Policy(abc.ABC):
 
         Equal to :meth:`get_logprobs` / :meth:`get_reference_policy_logprobs` on
         ``samples.get()``, then a put: this default does exactly that in the calling process.
+        Where :meth:`get_logprobs` also gives ``routed_experts`` (``policy.moe.routing_replay:
+        previous``), they are written beside ``field``.
         A policy whose workers can reach the plane (:meth:`~posttrain.interfaces.DataPlane.worker_handle`)
         may let them fetch their shards and write the results themselves.
         """
         batch = samples.get()
         if reference:
-            values = self.get_reference_policy_logprobs(batch)["reference_logprobs"]
-        else:
-            values = self.get_logprobs(batch)["logprobs"]
-        samples.put({field: values})
+            samples.put({field: self.get_reference_policy_logprobs(batch)["reference_logprobs"]})
+            return
+        result = self.get_logprobs(batch)
+        samples.put({field: result["logprobs"], **({ROUTES_FIELD: result[ROUTES_FIELD]} if ROUTES_FIELD in result else {})})
 
     def values_into(self, samples: PlaneSamples, field: str) -> None:
         """Write the values of ``samples`` (:meth:`get_values`) into their data plane as

@@ -34,7 +34,7 @@ def check_model_folders(config: RunConfig) -> None:
     check_vocab_fits(model_config, config.policy.model, model_key, tokenizer_path, tokenizer_key)
     moe = config.policy.moe
     asks = [(key, what) for asked, key, what in (
-        (moe.records_routes, moe.records_routes_key, "asks for the experts each token was routed to"),
+        (moe.routes_key is not None, moe.routes_key, "asks for the experts each token was routed to"),
         (moe.router_losses, moe.router_losses_key, "weighs a loss of the routers"),
         (moe.expert_parallel_size > 1, "policy.moe.expert_parallel_size", "splits the experts over ranks"),
     ) if asked]

@@ -2,7 +2,8 @@
 that differ from the routers' own, the policy's logprobs and gradients are those of an
 independent float64 forward whose routers return those experts (transformers, one sample at a
 time), in padded and packed rows, with activation checkpointing recomputing the forward in
-the backward pass; the agreement metric counts the tokens the routers would have chosen alike."""
+the backward pass; the agreement metric counts the tokens the routers would have chosen alike.
+With ``routing_replay: previous`` the logprob pass returns the experts its routers chose."""
 
 from __future__ import annotations
 
@@ -100,3 +101,46 @@ def test_replayed_gradients_and_agreement(setup, dt):
     # the first layer's routers see the token embeddings: none of them would choose the shifted experts
     assert metrics["moe/router_agreement/layer_00"] == 0.0
     assert 0.0 <= metrics["moe/router_agreement"] < 0.5
+
+
+@pytest.fixture(scope="module")
+def previous(zoo_model, virtual_cluster, dt):
+    model = zoo_model("qwen3_moe")
+    config = dt.policy_config(model, moe=MoEConfig(routing_replay="previous"))
+    policy = DTensorPolicy(config, virtual_cluster, name="policy-replay-previous")
+    yield model, policy
+    policy.shutdown()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_previous_logprob_pass_returns_the_experts_its_routers_chose(previous, dt, packed):
+    """``routing_replay: previous``: each token's experts, as transformers' routers choose them
+    (each sample alone, float32), NO_ROUTE past each sample; the reference pass returns none."""
+    model, policy = previous
+    batch = dt.make_batch()
+    p = policy.config.policy
+    policy.config.policy = attrs.evolve(p, sequence_packing=SequencePackingConfig(enabled=packed, max_tokens_per_row=40))
+    try:
+        result = policy.get_logprobs(batch)
+        reference = policy.get_reference_policy_logprobs(batch)
+    finally:
+        policy.config.policy = p
+    own = (shifted_routes(model, batch).long() - 1) % 4  # the float32 model's own experts (shifted back)
+    real = torch.arange(batch["input_ids"].shape[1])[None, :] < batch["input_lengths"][:, None]
+    routes = result["routed_experts"]
+    assert routes.dtype == torch.int16 and routes.shape == (*batch["input_ids"].shape, 2, 2)
+    assert torch.equal(routes[real].long().sort(-1).values, own[real].sort(-1).values)
+    assert bool((routes[~real] == NO_ROUTE).all())
+    assert "routed_experts" not in reference
+
+
+def test_the_training_pass_replays_the_previous_experts_and_counts_agreement(previous, dt):
+    """Given back to a training pass at the same weights, every real token's own experts are the
+    given ones (agreement 1); after an update they are still given, and counted against the new routers."""
+    _, policy = previous
+    batch = dt.make_batch()
+    batch["routed_experts"] = policy.get_logprobs(batch)["routed_experts"]
+    first = policy.train(batch, dt.nll)
+    assert first["moe/router_agreement"] == 1.0
+    second = policy.train(batch, dt.nll, eval_mode=True)  # SGD at lr 1 moved the routers
+    assert 0.0 < second["moe/router_agreement"] < 1.0

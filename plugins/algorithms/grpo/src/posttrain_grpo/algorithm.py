@@ -68,7 +68,7 @@ from posttrain.data import (
 )
 from posttrain.data.images import IMAGE_FIELDS
 from posttrain.errors import WorkerError
-from posttrain.interfaces import Algorithm, PlaneSamples
+from posttrain.interfaces import ROUTES_FIELD, Algorithm, PlaneSamples
 from posttrain.run.checkpoint import TrainingState
 from posttrain.run.context import RunContext
 from posttrain.run.environments import environment_names, shutdown_environments
@@ -206,13 +206,15 @@ class GRPORun(LoopSteps):
         # On policy or not, the one optimizer step of a step starts from the weights the step's
         # logprobs would be computed with: prev_logprobs are the training pass's own. In bypass
         # mode the loss takes the generation engine's logprobs instead.
+        # policy.moe.routing_replay: previous replays the experts of the previous-logprob pass: it always runs
+        self.replays_previous = config.policy.moe.routing_replay == "previous"
         self.needs_prev = loss.rollout_correction == "decoupled" and (
-            updates_per_step > 1 or not self.grpo.skip_prev_logprobs_when_on_policy
+            updates_per_step > 1 or not self.grpo.skip_prev_logprobs_when_on_policy or self.replays_previous
         )
         self.colocated = config.generation.colocated
         # what goes with a sample to every policy pass beside its tokens: the engine's experts of each
         # token (policy.moe), a vision-language model's images
-        self.model_fields = (*(("routed_experts",) if config.policy.moe.records_routes else ()),
+        self.model_fields = (*((ROUTES_FIELD,) if config.policy.moe.records_routes else ()),
                              *(IMAGE_FIELDS if self.images is not None else ()))
         self.rounds: RoundProducer[Rollouts] | None = None
         self.weights_version = 0  # of the weights the engines hold: the refit after step s carries s
@@ -325,6 +327,7 @@ class GRPORun(LoopSteps):
                     self.add_logprobs(partition, keys)
                 with timer("training"):
                     fields = [*TRAIN_FIELDS, *self.model_fields, *(["prev_logprobs"] if self.needs_prev else []),
+                              *([ROUTES_FIELD] if self.replays_previous else []),
                               *(STALENESS_FIELDS if self.grpo.asynchronous.enabled else []),
                               *(["reference_logprobs"] if self.needs_reference else [])]
                     train_metrics = self.optimize(step, PlaneSamples(self.plane, partition, keys, fields))
@@ -464,7 +467,8 @@ class GRPORun(LoopSteps):
     def add_logprobs(self, partition: str, keys: list[str]) -> None:
         """Write ``prev_logprobs`` (unless on policy) and ``reference_logprobs`` (when needed)
         of the partition's samples into the partition (the policy's workers may fetch and
-        write them themselves)."""
+        write them themselves); with ``policy.moe.routing_replay: previous`` the first pass also
+        writes the experts its routers chose (``routed_experts``), which the training passes replay."""
         samples = PlaneSamples(self.plane, partition, keys, (*LOGPROB_FIELDS, *self.model_fields))
         if self.needs_prev:
             self.policy.logprobs_into(samples, "prev_logprobs")

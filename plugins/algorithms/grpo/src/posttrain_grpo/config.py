@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import attrs
 
@@ -205,7 +205,11 @@ class AsynchronousConfig:
 
 @attrs.define
 class GRPOConfig:
-    """Group relative policy optimisation (and DAPO, GSPO, RLOO through the options)."""
+    """Group relative policy optimisation (and DAPO, GSPO, RLOO through the options). Its policy
+    passes carry the experts of a mixture of experts that routing replay gives the routers
+    (``policy.moe``: the rollouts' and the previous-logprob pass's)."""
+
+    carries_routed_experts: ClassVar[bool] = True
 
     num_prompts_per_step: int = 32  # prompts per step (the data loader's batch), each rolled out as one group
     # responses per prompt, the group its baseline is computed over. The step's samples (this times

@@ -241,7 +241,17 @@ def _check_importance_sampling(loss: ClippedPGConfig, key: str, config: RunConfi
 
 
 def check_grpo_config(grpo: GRPOConfig, config: RunConfig) -> None:
-    """Raise :class:`ConfigError` for an invalid ``grpo`` section (loss options aside)."""
+    """Raise :class:`ConfigError` for an invalid ``grpo`` section (loss options aside), or one
+    that runs no previous-logprob pass for ``policy.moe.routing_replay: previous`` to replay."""
+    if config.policy.moe.routing_replay == "previous" and grpo.loss.rollout_correction == "bypass":
+        raise _error(
+            config,
+            "policy.moe.routing_replay: previous replays the experts of the previous-logprob pass, which "
+            "grpo.loss.rollout_correction: bypass does not run (the engine's logprobs are the previous policy's). "
+            "Set grpo.loss.rollout_correction: decoupled, or policy.moe.routing_replay: rollout with an engine that "
+            "records the experts (hf).",
+            "policy.moe.routing_replay", "grpo.loss.rollout_correction",
+        )
     for name in (
         "num_prompts_per_step",
         "num_generations_per_prompt",

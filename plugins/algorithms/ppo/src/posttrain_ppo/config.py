@@ -31,6 +31,7 @@ class PPOConfig:
 
     #: Other algorithms' top-level sections a ``ppo`` run reads (``posttrain config show`` lists them).
     reads_sections: ClassVar[tuple[str, ...]] = ("grpo",)
+    carries_routed_experts: ClassVar[bool] = True  # GRPO's passes: the rollouts' and previous pass's experts
 
     def cluster_demands(self, config: RunConfig) -> list[Demand]:
         """GRPO's parts, and the critic's workers."""

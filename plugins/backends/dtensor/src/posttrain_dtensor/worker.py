@@ -62,13 +62,14 @@ from posttrain.backend.router_losses import (
     load_balancing_loss,
     z_loss,
 )
-from posttrain.backend.routing import NO_ROUTE, ROUTES_FIELD, Routers, find_routers
+from posttrain.backend.routing import NO_ROUTE, ROUTES_DTYPE, ROUTES_FIELD, Routers, find_routers
 from posttrain.backend.sampling import logprob_temperature
 from posttrain.backend.weight_sync import ParamMeta
 from posttrain.backend.work import Batching, RankWork
 from posttrain.batch import Batch
 from posttrain.config.schema import RunConfig
 from posttrain.distributed.placement import uses_cuda
+from posttrain.errors import ConfigError
 from posttrain.interfaces.loss import LossFunction, combine_metrics, global_valid_counts
 from posttrain.models.folder import read_model_config
 from posttrain_dtensor import checkpoint
@@ -139,11 +140,20 @@ class DTensorPolicyWorker(PolicyWorker):
         #: Modules whose gradients are summed over the tensor-parallel ranks after backward.
         self.tp_summed: list[torch.nn.Module] = []
         self.model = self._build_model(config, options)
-        #: policy.moe: the routers, given the rollout's experts in every logprob pass (and training's)
-        self.routers = Routers(self.model.lm) if policy.moe.records_routes else None
-        self.replay_routes = policy.moe.routing_replay == "rollout"
+        #: policy.moe: the routers, given experts in the passes that follow: the rollout's (routing_replay:
+        #: rollout, router_agreement) or their own of the previous-logprob pass (routing_replay: previous)
+        self.routers = Routers(self.model.lm) if policy.moe.routes_key is not None else None
+        self.replay_routes = policy.moe.routing_replay != "off"
+        #: routing_replay: previous: the logprob pass (not the reference's) returns the experts its routers chose
+        self.returns_routes = policy.moe.routing_replay == "previous"
         #: A mixture of experts: its routers' logits in training, for policy.moe's losses and moe/expert_load.
         routers = find_routers(self.model.lm)
+        if policy.moe.router_losses and not routers:
+            raise ConfigError(
+                f"{policy.moe.router_losses_key}: {type(self.model.lm).__name__} has no router whose losses the dtensor "
+                "backend computes (a module named *TopKRouter that picks experts with one topk, as Qwen3-MoE's and "
+                f"Mixtral's do); set {policy.moe.router_losses_key}: 0 for this model"
+            )
         self.router_logits = RouterLogits(routers) if routers else None
         #: The soft-cap of the model's logits (Gemma 2's final_logit_softcapping), applied by the chunked head.
         self.logit_softcap = output_softcap(self.model.lm)
@@ -294,24 +304,52 @@ class DTensorPolicyWorker(PolicyWorker):
                    "values": self._microbatch_values}[kind]
         return compute(mb, batching)
 
-    def _inference(self, work: RankWork, compute: Callable[[Batch, Batching], torch.Tensor]) -> torch.Tensor:
-        """``compute`` of every microbatch of this rank's samples, without gradients, in eval mode: [n, S]."""
+    def _inference(self, work: RankWork, compute: Callable[[Batch, Batching], torch.Tensor],
+                   chosen_routes: torch.Tensor | None = None) -> torch.Tensor:
+        """``compute`` of every microbatch of this rank's samples, without gradients, in eval mode: [n, S].
+        With ``chosen_routes`` ([n, S, layers, k]): filled with the experts the routers chose for each token."""
         shard = work.batch
         out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
         self.model.eval()
-        with torch.no_grad():
-            for idx in work.microbatches:
-                out[idx] = compute(shard.select(idx), work.batching).cpu()
+        if chosen_routes is not None:
+            self.routers.record = True
+        try:
+            with torch.no_grad():
+                for idx in work.microbatches:
+                    mb = shard.select(idx)
+                    out[idx] = compute(mb, work.batching).cpu()
+                    if chosen_routes is not None:
+                        chosen_routes[idx] = self._chosen_routes(mb, work.batching)
+        finally:
+            if self.routers is not None:
+                self.routers.record = False
         reshard_all(self.model)
         if self.routers is not None:
             self.routers.agreement_counts()  # the training pass reports the agreement, not this one
         return out
 
+    def _chosen_routes(self, mb: Batch, batching: Batching) -> torch.Tensor:
+        """The experts the routers chose in the forward just run on microbatch ``mb`` (padded or
+        packed rows, as :meth:`_rows` lays them out), per sample: int16 [b, S, layers, k],
+        :data:`NO_ROUTE` past each sample's length."""
+        rows = self._rows(mb, batching)
+        taken = self.routers.take().to(self.device)  # [rows x width, layers, k]
+        chosen = rows.to_samples(taken.view(*rows.valid.shape, *taken.shape[1:]))
+        real = torch.arange(chosen.shape[1], device=self.device)[None, :] < mb["input_lengths"].to(self.device)[:, None]
+        return torch.where(real[..., None, None], chosen, NO_ROUTE).cpu()
+
     def logprobs(self, work: RankWork, reference: bool = False) -> Batch:
-        """``logprobs`` [n, S] of this rank's samples (current or reference weights)."""
-        with self._reference_weights() if reference else contextlib.nullcontext():
-            out = self._inference(work, self._microbatch_logprobs)
-        return Batch({"reference_logprobs" if reference else "logprobs": out})
+        """``logprobs`` [n, S] of this rank's samples (current or reference weights); with
+        ``policy.moe.routing_replay: previous`` (current weights) also ``routed_experts`` [n, S,
+        layers, k], the experts its routers chose, for the training passes to replay."""
+        if reference:
+            with self._reference_weights():
+                return Batch({"reference_logprobs": self._inference(work, self._microbatch_logprobs)})
+        if not self.returns_routes:
+            return Batch({"logprobs": self._inference(work, self._microbatch_logprobs)})
+        k = self.model.lm.config.get_text_config().num_experts_per_tok
+        routes = torch.full((*work.batch["input_ids"].shape, self.routers.num_layers, k), NO_ROUTE, dtype=ROUTES_DTYPE)
+        return Batch({"logprobs": self._inference(work, self._microbatch_logprobs, routes), ROUTES_FIELD: routes})
 
     def values(self, work: RankWork) -> Batch:
         """``values`` [n, S] of this rank's samples (a value head)."""
