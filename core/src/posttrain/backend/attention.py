@@ -39,9 +39,10 @@ def scores_attention(
     softcap: float | None = None,
     dropout: float = 0.0,
 ) -> torch.Tensor:
-    """Attention output ``[rows, heads, queries, head_dim]`` of ``query`` ``[rows, heads,
-    queries, head_dim]`` over ``key``/``value`` ``[rows, kv_heads, keys, head_dim]``
-    (grouped-query heads share their key/value head without copies).
+    """Attention output ``[rows, heads, queries, value_dim]`` of ``query`` ``[rows, heads,
+    queries, head_dim]`` over ``key`` ``[rows, kv_heads, keys, head_dim]`` and ``value``
+    ``[rows, kv_heads, keys, value_dim]`` (grouped-query heads share their key/value head
+    without copies).
 
     ``allowed``: boolean, True where a query sees a key, broadcastable to ``[rows, 1 or heads,
     queries, keys]``; None lets every query see every key. Scores are ``query . key * scale``
@@ -65,4 +66,4 @@ def scores_attention(
     if dropout:
         weights = torch.nn.functional.dropout(weights, p=dropout)
     out = torch.matmul(weights, value[:, :, None])
-    return out.view(rows, heads, queries, dim)
+    return out.view(rows, heads, queries, value.shape[-1])

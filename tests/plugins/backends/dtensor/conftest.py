@@ -4,6 +4,7 @@ conformance kit's float64 reference (plain transformers + autograd), and policy 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import attrs
@@ -116,6 +117,26 @@ def policy_config(model_path: str, dtensor: DTensorConfig | None = None, **overr
     return RunConfig(seed=0, policy=PolicyConfig(**fields), sections=sections)
 
 
+def deepseek_v3(folder: Path, tokenizer_model: str) -> str:
+    """A tiny random DeepSeek-V3 (not in the model zoo) with ``tokenizer_model``'s tokenizer (a
+    zoo folder): 4 routed experts and a shared one per layer, 2 per token from one of 2 groups
+    (n_group 2, topk_group 1), multi-head latent attention (low-rank q and kv, values narrower
+    than queries)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config
+
+    ids = {key: getattr(AutoConfig.from_pretrained(tokenizer_model), key)
+           for key in ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")}
+    config = DeepseekV3Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+                              n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=0, q_lora_rank=32,
+                              kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                              initializer_range=0.2, **ids)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_model).save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def dt():
     """The helpers above, for test modules (conftest modules are not importable by name)."""
@@ -130,6 +151,7 @@ def dt():
         max_diff=max_difference,
         policy_config=policy_config,
         restore=restore,
+        deepseek_v3=deepseek_v3,
         nll=TokenNLL(),
     )
 

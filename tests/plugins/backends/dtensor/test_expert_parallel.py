@@ -1,5 +1,6 @@
 """Expert parallelism (``policy.moe.expert_parallel_size``) against one rank: two ranks in one
-expert-parallel group (Qwen3-MoE), and four ranks in two groups, where FSDP also sums the
+expert-parallel group (Qwen3-MoE; DeepSeek-V3, with multi-head latent attention, a shared
+expert and group-limited routing), and four ranks in two groups, where FSDP also sums the
 experts' gradients over the groups (Mixtral). Each rank holds half of every layer's experts and
 the tokens reach them by all-to-all; the logprobs are one rank's within 1e-6 (relative), a
 step's gradients within 1e-6; so are a LoRA step's (the split experts frozen). SGD with lr=1: a
@@ -16,13 +17,15 @@ from posttrain_dtensor.policy import DTensorPolicy
 pytestmark = pytest.mark.ray
 
 # name: (architecture, num_workers); expert_parallel_size 2 throughout, 4 experts per layer
-LAYOUTS = {"ep2": ("qwen3_moe", 2), "ep2_dp2": ("mixtral", 4)}
+LAYOUTS = {"ep2": ("qwen3_moe", 2), "ep2_deepseek_v3": ("deepseek_v3", 2), "ep2_dp2": ("mixtral", 4)}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def setup(request, zoo_model, virtual_cluster, dt, tmp_path_factory):
     architecture, workers = LAYOUTS[request.param]
-    model, batch = zoo_model(architecture), dt.make_batch()
+    model = (dt.deepseek_v3(tmp_path_factory.mktemp("deepseek_v3"), zoo_model("qwen3_moe"))
+             if architecture == "deepseek_v3" else zoo_model(architecture))
+    batch = dt.make_batch()
     one_rank = DTensorPolicy(dt.policy_config(model), virtual_cluster, name=f"policy-{request.param}-one-rank")
     initial = dt.full_weights(one_rank)
     one_rank_logprobs = one_rank.get_logprobs(batch)["logprobs"]

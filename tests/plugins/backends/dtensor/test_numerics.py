@@ -287,14 +287,16 @@ FEATURES = [(None, None), (4, None), (None, 1.5), (4, 1.5)]
 
 
 @pytest.mark.parametrize(("window", "softcap"), FEATURES)
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_segment_attention_matches_a_block_diagonal_mask_and_its_gradients(kv_heads, window, softcap):
+@pytest.mark.parametrize(("kv_heads", "value_dim"), [(4, 8), (2, 8), (4, 5)], ids=["mha", "gqa", "narrow_values"])
+def test_segment_attention_matches_a_block_diagonal_mask_and_its_gradients(kv_heads, value_dim, window, softcap):
     """Packed rows: every segment attends causally to itself alone, within its sliding window,
     with soft-capped scores, as the explicit float64 computation under the block-diagonal
-    mask, gradients included."""
+    mask, gradients included; with grouped-query heads, and with values narrower than queries
+    and keys (multi-head latent attention: DeepSeek-V3)."""
     g = torch.Generator().manual_seed(0)
     lengths, width = [[5, 2, 6, 3], [9, 4]], 16  # the first row is full, the second has 3 padding tokens
-    q, k, v = (torch.randn(2, n, width, 8, generator=g, dtype=torch.float64, requires_grad=True) for n in (4, kv_heads, kv_heads))
+    q, k, v = (torch.randn(2, n, width, d, generator=g, dtype=torch.float64, requires_grad=True)
+               for n, d in ((4, 8), (kv_heads, 8), (kv_heads, value_dim)))
     seg = torch.full((2, width), -1)
     pos = torch.zeros((2, width), dtype=torch.long)
     bounds = [0]
@@ -310,14 +312,14 @@ def test_segment_attention_matches_a_block_diagonal_mask_and_its_gradients(kv_he
     same = (seg[:, :, None] == seg[:, None, :]) & torch.ones(width, width, dtype=torch.bool).tril()
     if window is not None:
         same &= pos[:, :, None] - pos[:, None, :] < window
-    grad = torch.randn(2, width, 4, 8, generator=g, dtype=torch.float64) * (seg >= 0)[:, :, None, None]
+    grad = torch.randn(2, width, 4, value_dim, generator=g, dtype=torch.float64) * (seg >= 0)[:, :, None, None]
     got, weights = segment_sdpa(None, q, k, v, None, scaling=0.3, cu_seq_lens_q=torch.tensor(bounds, dtype=torch.int32),
                                 sliding_window=window, softcap=softcap)
     got_grads = torch.autograd.grad((got * grad).sum(), (q, k, v))
     want = _explicit_attention(q, k, v, same[:, None], 0.3, softcap)
     want_grads = torch.autograd.grad((want * grad).sum(), (q, k, v))
     real = (seg >= 0)[:, :, None, None]
-    assert weights is None and got.shape == (2, width, 4, 8)
+    assert weights is None and got.shape == (2, width, 4, value_dim)
     torch.testing.assert_close(got * real, want * real, rtol=0, atol=1e-12)
     for a, b in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

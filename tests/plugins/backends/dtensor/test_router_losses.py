@@ -2,7 +2,8 @@
 ``z_loss_coef``): the load-balancing loss it reports is transformers' own
 (``load_balancing_loss_func`` over the real tokens, the term TRL adds), in padded and packed
 rows; a training step's gradient is that of the token NLL plus the weighted router losses,
-computed independently in float64; the expert load per layer is reported."""
+computed independently in float64; the expert load per layer is reported; a router they do not
+serve (DeepSeek-V3's) is refused."""
 
 from __future__ import annotations
 
@@ -95,3 +96,13 @@ def test_each_microbatch_weighs_its_router_losses_by_its_share_of_the_loss_token
     expected = sum(w * loss for w, loss in zip(weights, losses, strict=True)) / sum(weights)
     assert metrics["moe/aux_loss"] == pytest.approx(expected, abs=1e-5)
     assert abs(expected - setup["reference"][1]) > 1e-3  # not the whole batch's: the loss is not linear in tokens
+
+
+def test_router_losses_on_a_router_they_do_not_serve_are_refused(zoo_model, virtual_cluster, dt, tmp_path):
+    """DeepSeek-V3's router picks experts by groups (``DeepseekV3TopkRouter``): refused when
+    the policy loads it, not trained silently without the losses."""
+    model = dt.deepseek_v3(tmp_path / "deepseek_v3", zoo_model("qwen3_moe"))
+    config = dt.policy_config(model, moe=MoEConfig(aux_loss_coef=AUX))
+    with pytest.raises(Exception, match=r"policy.moe.aux_loss_coef: DeepseekV3ForCausalLM has no router whose losses "
+                                        r"the dtensor backend computes .* set policy.moe.aux_loss_coef: 0 for this model"):
+        DTensorPolicy(config, virtual_cluster, name="policy-router-losses-deepseek").shutdown()

@@ -57,9 +57,9 @@ def segment_sdpa(
     spread: float = BUCKET_SPREAD,
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention output ``[rows, width, heads, head_dim]`` of ``query`` ``[rows, heads,
-    width, head_dim]`` over ``key``/``value`` ``[rows, kv_heads, width, head_dim]``
-    (grouped-query heads are shared, not copied).
+    """Attention output ``[rows, width, heads, value_dim]`` of ``query`` ``[rows, heads,
+    width, head_dim]`` over ``key`` ``[rows, kv_heads, width, head_dim]`` and ``value``
+    ``[rows, kv_heads, width, value_dim]`` (grouped-query heads are shared, not copied).
 
     Segments of similar length (within ``spread`` times a bucket's shortest) are gathered into one right-padded
     batch, run as one causal call and their real tokens copied back: a few kernel calls per
@@ -88,12 +88,13 @@ def segment_sdpa(
 
     if cu_seq_lens_q is None:
         return causal(query, key, value).transpose(1, 2).contiguous(), None
-    rows, heads, width, head_dim = query.shape
+    rows, heads, width, _ = query.shape
+    value_dim = value.shape[-1]  # multi-head latent attention's values are narrower than its queries and keys
     bounds = cu_seq_lens_q.tolist()
     _check_bounds(bounds, rows, width)
 
     def tokens(x: torch.Tensor) -> torch.Tensor:  # [rows, h, width, d] -> [rows * width, h, d]
-        return x.transpose(1, 2).reshape(rows * width, x.shape[1], head_dim)
+        return x.transpose(1, 2).reshape(rows * width, x.shape[1], x.shape[-1])
 
     q, k, v = tokens(query), tokens(key), tokens(value)
     outputs, places = [], []
@@ -103,12 +104,12 @@ def segment_sdpa(
         index = (starts[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)).flatten()  # [count * longest]
         real = (steps[None, :] < lengths[:, None]).flatten().nonzero()[:, 0]  # batch positions of real tokens
         index, real = index.to(q.device), real.to(q.device)
-        batch = [x.index_select(0, index).view(count, longest, x.shape[1], head_dim).transpose(1, 2) for x in (q, k, v)]
-        output = causal(*batch).transpose(1, 2).reshape(count * longest, heads, head_dim)
+        batch = [x.index_select(0, index).view(count, longest, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)]
+        output = causal(*batch).transpose(1, 2).reshape(count * longest, heads, value_dim)
         outputs.append(output.index_select(0, real))
         places.append(index[real])
-    out = q.new_zeros(rows * width, heads, head_dim).index_copy(0, torch.cat(places), torch.cat(outputs))
-    return out.view(rows, width, heads, head_dim), None
+    out = q.new_zeros(rows * width, heads, value_dim).index_copy(0, torch.cat(places), torch.cat(outputs))
+    return out.view(rows, width, heads, value_dim), None
 
 
 def _check_bounds(bounds: list[int], rows: int, width: int) -> None:
