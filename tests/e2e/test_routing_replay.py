@@ -9,9 +9,10 @@ run three ways, two data-parallel ranks, packed rows:
   tokens come closer to the engine's (``token_mult_prob_error``, ``mismatch_kl``), while the
   agreement, what the routers would have chosen alone, is the same as without replay;
 - ``routing_replay: rollout`` with the engine in float32: every token routed alike;
-- the same with the experts split over the two ranks (``expert_parallel_size: 2``) and
+- the same with the experts split over the two ranks (``expert_parallel_size: 2``),
   ``routing_replay: previous`` (the trainer replays its own experts of the step's
-  previous-logprob pass, which no engine records): the same run.
+  previous-logprob pass, which no engine records, and which its workers write into
+  TransferQueue, the data plane of that run): the same run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import attrs
 import pytest
 import torch
 
-from posttrain.config.schema import MoEConfig, SequencePackingConfig
+from posttrain.config.schema import DataPlaneConfig, MoEConfig, SequencePackingConfig, WorkerResources
 from posttrain.run.context import run_algorithm
 from posttrain.run.metrics import read_metrics
 from posttrain_grpo.config import GRPOConfig
@@ -32,13 +33,18 @@ pytestmark = pytest.mark.ray
 ROUTER_SCALE = 0.05
 
 
-def run_moe(model, tmp_path, name, *, moe: MoEConfig, engine_dtype: str) -> list[dict]:
+def run_moe(model, tmp_path, name, *, moe: MoEConfig, engine_dtype: str, plane: str = "memory") -> list[dict]:
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=2)
-    config = make_config(model, tmp_path / name, write_rows(tmp_path / "train.jsonl", seven_rows(4)), grpo)
+    config = make_config(model, tmp_path / name, write_rows(tmp_path / "train.jsonl", seven_rows(4)), grpo,
+                         data_plane=DataPlaneConfig(backend=plane))
+    # TransferQueue's actors take 2 of the session cluster's 4 CPUs: 2 x 0.25 + 0.5 for the rest
+    cpus = (0.25, 0.5) if plane == "transferqueue" else (1.0, 1.0)
     policy = attrs.evolve(config.policy, num_workers=2, moe=moe, train_micro_batch_size=4, logprob_micro_batch_size=4,
-                          sequence_packing=SequencePackingConfig(enabled=True, max_tokens_per_row=128))
-    run_algorithm(attrs.evolve(config, policy=policy,
-                               generation=attrs.evolve(config.generation, dtype=engine_dtype, max_new_tokens=16)))
+                          sequence_packing=SequencePackingConfig(enabled=True, max_tokens_per_row=128),
+                          resources=WorkerResources(cpus=cpus[0]))
+    generation = attrs.evolve(config.generation, dtype=engine_dtype, max_new_tokens=16,
+                              resources=WorkerResources(cpus=cpus[1]))
+    run_algorithm(attrs.evolve(config, policy=policy, generation=generation))
     records = read_metrics(tmp_path / name / "metrics.jsonl", "train")
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
@@ -70,7 +76,7 @@ def test_replay_brings_the_trainers_logprobs_to_the_engines(ray_cluster, near_ti
     replayed = run_moe(model, tmp_path, "replayed", moe=MoEConfig(routing_replay="rollout"), engine_dtype="bfloat16")
     same_dtype = run_moe(model, tmp_path, "float32", moe=MoEConfig(routing_replay="rollout"), engine_dtype="float32")
     split = run_moe(model, tmp_path, "float32-ep2", moe=MoEConfig(routing_replay="previous", expert_parallel_size=2),
-                    engine_dtype="float32")
+                    engine_dtype="float32", plane="transferqueue")
     layers = {"moe/router_agreement", "moe/router_agreement/layer_00", "moe/router_agreement/layer_01"}
     for without, with_replay, control in zip(measured, replayed, same_dtype, strict=True):
         assert layers <= without.keys() and layers <= with_replay.keys()
@@ -81,7 +87,7 @@ def test_replay_brings_the_trainers_logprobs_to_the_engines(ray_cluster, near_ti
     # One update per step, on policy: the run computes the previous-logprob pass for its experts (it would
     # skip it otherwise), at the training pass's weights, so every real token's recorded experts are the
     # training routers' own: agreement exactly 1, where records misaligned by the two ranks, packed rows,
-    # split experts or the data plane would disagree (the routers are near a tie). Replay after an update:
+    # split experts or TransferQueue would disagree (the routers are near a tie). Replay after an update:
     # tests/plugins/backends/dtensor/test_routing_replay.py.
     for control, experts_split in zip(same_dtype, split, strict=True):
         assert experts_split["rollout/mean_reward"] == control["rollout/mean_reward"]
