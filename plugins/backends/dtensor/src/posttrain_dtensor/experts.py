@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from posttrain.errors import ConfigError
+from posttrain.models.folder import EXPERT_COUNT_KEYS
 from posttrain_dtensor.lora import plan_key_matches
 
 #: The style ``base_model_ep_plan`` gives the module holding a layer's packed experts.
@@ -65,8 +66,7 @@ def check_expert_parallel(config: object, ep_size: int) -> None:
             "(its transformers config has no base_model_ep_plan with a 'moe_tp_experts' module: a dense model, or "
             "experts transformers does not split by expert); set policy.moe.expert_parallel_size: 1"
         )
-    experts = next((getattr(text, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if isinstance(getattr(text, key, None), int)), None)
+    experts = next((getattr(text, key) for key in EXPERT_COUNT_KEYS if isinstance(getattr(text, key, None), int)), None)
     if experts is None or experts % ep_size:
         raise ConfigError(
             f"policy.moe.expert_parallel_size={ep_size} does not divide the model's {experts} experts per layer; "
