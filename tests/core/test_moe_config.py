@@ -28,9 +28,9 @@ PREVIOUS = "policy:\n  moe:\n    routing_replay: previous\n"
             "exp.yaml:3; generation.backend at exp.yaml:5.",
         ),
         (
-            "policy:\n  backend: megatron\n  moe:\n    router_agreement: true\n",
+            "policy:\n  backend: torch\n  moe:\n    router_agreement: true\n",
             "policy.moe.router_agreement needs a policy backend that can give its routers the experts of another pass; the "
-            "policy backend 'megatron' (posttrain-megatron 0.1.0) cannot; backends that can: dtensor. Set "
+            "policy backend 'torch' (posttrain-policy-torch 0.1.0) cannot; backends that can: dtensor, megatron. Set "
             "policy.backend to one of them, or policy.moe.router_agreement to its default. Where set: "
             "policy.moe.router_agreement at exp.yaml:4; policy.backend at exp.yaml:2.",
         ),
@@ -43,9 +43,9 @@ PREVIOUS = "policy:\n  moe:\n    routing_replay: previous\n"
             "generation.exact_logprobs at exp.yaml:5.",
         ),
         (
-            "policy:\n  backend: megatron\n  moe:\n    routing_replay: previous\n",
+            "policy:\n  backend: torch\n  moe:\n    routing_replay: previous\n",
             "policy.moe.routing_replay needs a policy backend that can give its routers the experts of another pass; "
-            "the policy backend 'megatron' (posttrain-megatron 0.1.0) cannot; backends that can: dtensor. Set "
+            "the policy backend 'torch' (posttrain-policy-torch 0.1.0) cannot; backends that can: dtensor, megatron. Set "
             "policy.backend to one of them, or policy.moe.routing_replay to its default. Where set: "
             "policy.moe.routing_replay at exp.yaml:4; policy.backend at exp.yaml:2.",
         ),
@@ -79,7 +79,7 @@ PREVIOUS = "policy:\n  moe:\n    routing_replay: previous\n"
             "grpo.loss.rollout_correction at exp.yaml:7.",
         ),
     ],
-    ids=["vllm", "megatron", "exact", "previous_megatron", "previous_with_agreement", "previous_exact", "sft",
+    ids=["vllm", "torch", "exact", "previous_torch", "previous_with_agreement", "previous_exact", "sft",
          "previous_bypass"],
 )
 def test_backends_and_settings_that_cannot_replay_are_refused(yaml_file, yaml, message):
@@ -153,9 +153,10 @@ EXPERTS_SPLIT = "policy:\n  num_workers: 2\n  moe:\n    expert_parallel_size: 2\
     ("yaml", "message"),
     [
         (
-            "policy:\n  backend: megatron\n  num_workers: 2\n  moe:\n    expert_parallel_size: 2\n",
+            "policy:\n  backend: torch\n  num_workers: 2\n  moe:\n    expert_parallel_size: 2\n",
             "policy.moe.expert_parallel_size needs a policy backend that splits the experts over ranks; the policy "
-            "backend 'megatron' (posttrain-megatron 0.1.0) does not; backends that do: dtensor. Set policy.backend to "
+            "backend 'torch' (posttrain-policy-torch 0.1.0) does not; backends that do: dtensor, megatron. Set "
+            "policy.backend to "
             "one of them, or policy.moe.expert_parallel_size to its default. Where set: "
             "policy.moe.expert_parallel_size at exp.yaml:5; policy.backend at exp.yaml:2.",
         ),
@@ -180,7 +181,7 @@ EXPERTS_SPLIT = "policy:\n  num_workers: 2\n  moe:\n    expert_parallel_size: 2\
             "policy.moe.expert_parallel_size at exp.yaml:4.",
         ),
     ],
-    ids=["megatron", "not_dividing_dp", "zero", "exact"],
+    ids=["torch", "not_dividing_dp", "zero", "exact"],
 )
 def test_expert_parallelism_a_backend_or_layout_cannot_serve_is_refused(yaml_file, yaml, message):
     with pytest.raises(ConfigError) as info:

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from posttrain.backend.routing import NO_ROUTE, Routers, agreement_metrics, padded_routes
 from posttrain.testing.zoo import zoo_config
+from tests.routing_reference import given_router
 
 ARCHITECTURES = ["qwen3_moe", "mixtral"]
 
@@ -17,21 +18,6 @@ ARCHITECTURES = ["qwen3_moe", "mixtral"]
 def tiny_moe(name: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(zoo_config(name, tokenizer="character"), dtype=torch.float32)
-
-
-def given_router(module: torch.nn.Module, chosen: torch.Tensor) -> torch.utils.hooks.RemovableHandle:
-    """A forward hook replacing a router's output with ``chosen`` experts, scored as the
-    transformers routers score theirs: softmax over every expert, gathered at the chosen,
-    renormalised over them where the architecture does (Mixtral always, Qwen3-MoE by config)."""
-
-    def hook(mod, args, output):
-        logits = output[0]
-        scores = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
-        if getattr(mod, "norm_topk_prob", True):
-            scores = scores / scores.sum(-1, keepdim=True)
-        return logits, scores.to(logits.dtype), chosen
-
-    return module.register_forward_hook(hook)
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)

@@ -12,7 +12,9 @@ run three ways, two data-parallel ranks, packed rows:
 - the same with the experts split over the two ranks (``expert_parallel_size: 2``),
   ``routing_replay: previous`` (the trainer replays its own experts of the step's
   previous-logprob pass, which no engine records, and which its workers write into
-  TransferQueue, the data plane of that run): the same run.
+  TransferQueue, the data plane of that run): the same run;
+- ``routing_replay: rollout`` with the megatron backend (megatron-core's routers and replay hook,
+  padded rows): the dtensor replay run's first step, loss and gradient norm.
 """
 
 from __future__ import annotations
@@ -33,14 +35,16 @@ pytestmark = pytest.mark.ray
 ROUTER_SCALE = 0.05
 
 
-def run_moe(model, tmp_path, name, *, moe: MoEConfig, engine_dtype: str, plane: str = "memory") -> list[dict]:
+def run_moe(model, tmp_path, name, *, moe: MoEConfig, engine_dtype: str, plane: str = "memory",
+            backend: str = "dtensor") -> list[dict]:
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=2)
     config = make_config(model, tmp_path / name, write_rows(tmp_path / "train.jsonl", seven_rows(4)), grpo,
                          data_plane=DataPlaneConfig(backend=plane))
     # TransferQueue's actors take 2 of the session cluster's 4 CPUs: 2 x 0.25 + 0.5 for the rest
     cpus = (0.25, 0.5) if plane == "transferqueue" else (1.0, 1.0)
-    policy = attrs.evolve(config.policy, num_workers=2, moe=moe, train_micro_batch_size=4, logprob_micro_batch_size=4,
-                          sequence_packing=SequencePackingConfig(enabled=True, max_tokens_per_row=128),
+    policy = attrs.evolve(config.policy, backend=backend, num_workers=2, moe=moe, train_micro_batch_size=4,
+                          logprob_micro_batch_size=4,
+                          sequence_packing=SequencePackingConfig(enabled=backend == "dtensor", max_tokens_per_row=128),
                           resources=WorkerResources(cpus=cpus[0]))
     generation = attrs.evolve(config.generation, dtype=engine_dtype, max_new_tokens=16,
                               resources=WorkerResources(cpus=cpus[1]))
@@ -77,6 +81,8 @@ def test_replay_brings_the_trainers_logprobs_to_the_engines(ray_cluster, near_ti
     same_dtype = run_moe(model, tmp_path, "float32", moe=MoEConfig(routing_replay="rollout"), engine_dtype="float32")
     split = run_moe(model, tmp_path, "float32-ep2", moe=MoEConfig(routing_replay="previous", expert_parallel_size=2),
                     engine_dtype="float32", plane="transferqueue")
+    megatron = run_moe(model, tmp_path, "megatron", moe=MoEConfig(routing_replay="rollout"), engine_dtype="bfloat16",
+                       backend="megatron")
     layers = {"moe/router_agreement", "moe/router_agreement/layer_00", "moe/router_agreement/layer_01"}
     for without, with_replay, control in zip(measured, replayed, same_dtype, strict=True):
         assert layers <= without.keys() and layers <= with_replay.keys()
@@ -100,3 +106,10 @@ def test_replay_brings_the_trainers_logprobs_to_the_engines(ray_cluster, near_ti
     assert measured[0]["rollout/mean_reward"] == replayed[0]["rollout/mean_reward"]
     assert measured[0]["moe/router_agreement/layer_00"] == replayed[0]["moe/router_agreement/layer_00"]
 
+    # megatron-core's routers given the same rollout's experts at the same weights: the same first step
+    for key in ("rollout/mean_reward", "moe/router_agreement", "moe/router_agreement/layer_00"):
+        assert megatron[0][key] == replayed[0][key], key
+    assert megatron[0]["mismatch_kl"] == pytest.approx(replayed[0]["mismatch_kl"], rel=1e-3, abs=1e-9)
+    assert megatron[0]["loss"] == pytest.approx(replayed[0]["loss"], abs=1e-6)
+    assert megatron[0]["grad_norm"] == pytest.approx(replayed[0]["grad_norm"], rel=1e-5)
+    assert megatron[1]["mismatch_kl"] < measured[1]["mismatch_kl"] / 10

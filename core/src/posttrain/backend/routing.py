@@ -30,7 +30,17 @@ from torch.overrides import TorchFunctionMode
 
 from posttrain.interfaces.generation import ROUTES_FIELD
 
-__all__ = ["NO_ROUTE", "ROUTES_DTYPE", "ROUTES_FIELD", "Routers", "agreement_metrics", "find_routers", "padded_routes"]
+__all__ = [
+    "NO_ROUTE",
+    "ROUTES_DTYPE",
+    "ROUTES_FIELD",
+    "RouteAgreement",
+    "Routers",
+    "agreement_metrics",
+    "find_routers",
+    "padded_routes",
+    "replayed",
+]
 
 #: A token without a route (padding, or a token the engine never ran): the router chooses.
 NO_ROUTE = -1
@@ -58,6 +68,42 @@ def padded_routes(rows: Sequence[torch.Tensor | None], width: int) -> torch.Tens
     return out
 
 
+def replayed(own: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """The experts [N, k] a router uses under replay: the ``given`` ones, its ``own`` where a
+    token's given row is :data:`NO_ROUTE`."""
+    given = given.to(own.device, own.dtype)
+    return torch.where((given >= 0).all(-1, keepdim=True), given, own)
+
+
+class RouteAgreement:
+    """Per layer, the tokens given a route and those whose router chose the given experts itself
+    (as sets), counted over forwards until :meth:`counts` takes them."""
+
+    def __init__(self, num_layers: int):
+        self.matched = torch.zeros(num_layers, dtype=torch.long)
+        self.routed = torch.zeros(num_layers, dtype=torch.long)
+
+    def count(self, layer: int, own: torch.Tensor, given: torch.Tensor) -> None:
+        """Count a forward's tokens: ``own`` [N, k] the router's experts, ``given`` [N, k] (rows of
+        :data:`NO_ROUTE` are not counted)."""
+        valid = (given >= 0).all(-1).to(own.device)
+        same = (own.sort(-1).values == given.to(own.device, own.dtype).sort(-1).values).all(-1)
+        self.matched[layer] += int((same & valid).sum())
+        self.routed[layer] += int(valid.sum())
+
+    def counts(self) -> dict[str, float]:
+        """The counts since the last call (then reset) as metrics that add up over microbatches
+        and ranks; :func:`agreement_metrics` turns their sums into fractions. Empty when no
+        routes were given."""
+        if int(self.routed.sum()) == 0:
+            return {}
+        out = {f"{_ROUTED}/layer_{i:02d}": float(n) for i, n in enumerate(self.routed.tolist())}
+        out.update({f"{_MATCHED}/layer_{i:02d}": float(n) for i, n in enumerate(self.matched.tolist())})
+        self.matched.zero_()
+        self.routed.zero_()
+        return out
+
+
 class _ChooseExperts(TorchFunctionMode):
     """Inside one router's ``forward``: intercept its ``topk``, keep the experts it chose, and
     return ``forced`` ([N, k]; rows of :data:`NO_ROUTE` keep the router's own) when given."""
@@ -81,8 +127,7 @@ class _ChooseExperts(TorchFunctionMode):
         if self.forced.shape != indices.shape:
             raise ValueError(f"routing replay: {self.forced.shape[0]} tokens of routes with k={self.forced.shape[-1]} "
                              f"for a router forward of {indices.shape[0]} tokens with k={indices.shape[-1]}")
-        forced = self.forced.to(indices.device, indices.dtype)
-        chosen = torch.where((forced >= 0).all(-1, keepdim=True), forced, indices)
+        chosen = replayed(indices, self.forced)
         return torch.return_types.topk((probs.gather(-1, chosen), chosen))
 
 
@@ -104,8 +149,7 @@ class Routers:
         self._routes: torch.Tensor | None = None
         self._apply = False
         self._own: list[list[torch.Tensor]] = [[] for _ in self.modules]
-        self.matched = torch.zeros(len(self.modules), dtype=torch.long)
-        self.routed = torch.zeros(len(self.modules), dtype=torch.long)
+        self.agreement = RouteAgreement(len(self.modules))
         for layer, module in enumerate(self.modules):
             module.forward = types.MethodType(self._wrapped(layer, module.forward), module)
 
@@ -126,10 +170,7 @@ class Routers:
             if self.record:
                 self._own[layer].append(own.to("cpu", ROUTES_DTYPE))
             if given is not None:
-                valid = (given >= 0).all(-1).to(own.device)
-                same = (own.sort(-1).values == given.to(own.device, own.dtype).sort(-1).values).all(-1)
-                self.matched[layer] += int((same & valid).sum())
-                self.routed[layer] += int(valid.sum())
+                self.agreement.count(layer, own, given)
             return out
 
         return forward
@@ -153,17 +194,8 @@ class Routers:
         return out
 
     def agreement_counts(self) -> dict[str, float]:
-        """Per layer, the tokens with given routes and those whose own experts were the given
-        ones, since the last call (then reset), as metrics that add up over microbatches and
-        ranks; :func:`agreement_metrics` turns their sums into fractions. Empty when no routes
-        were given."""
-        if int(self.routed.sum()) == 0:
-            return {}
-        counts = {f"{_ROUTED}/layer_{i:02d}": float(n) for i, n in enumerate(self.routed.tolist())}
-        counts.update({f"{_MATCHED}/layer_{i:02d}": float(n) for i, n in enumerate(self.matched.tolist())})
-        self.matched.zero_()
-        self.routed.zero_()
-        return counts
+        """:meth:`RouteAgreement.counts` of the forwards since the last call."""
+        return self.agreement.counts()
 
 
 def agreement_metrics(metrics: dict[str, float]) -> dict[str, float]:

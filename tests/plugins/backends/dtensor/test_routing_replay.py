@@ -11,47 +11,13 @@ import attrs
 import pytest
 import torch
 
-from posttrain.backend.routing import NO_ROUTE, Routers
+from posttrain.backend.routing import NO_ROUTE
 from posttrain.config.schema import MoEConfig, SequencePackingConfig
-from posttrain.testing.policy import reference_model
 from posttrain_dtensor.config import DTensorConfig
 from posttrain_dtensor.policy import DTensorPolicy
-from tests.core.test_routing import given_router
+from tests.routing_reference import replayed_reference, shifted_routes
 
 pytestmark = pytest.mark.ray
-
-
-def shifted_routes(model_path: str, batch) -> torch.Tensor:
-    """Every token's experts moved one expert on from the float32 model's own choice, as
-    [B, S, layers, k] with NO_ROUTE on padding."""
-    model = reference_model(model_path, torch.float32)
-    routers = Routers(model, record=True)
-    n_experts = model.config.num_experts
-    out = torch.full((*batch["input_ids"].shape, routers.num_layers, model.config.num_experts_per_tok), NO_ROUTE,
-                     dtype=torch.int16)
-    with torch.no_grad():
-        for i, n in enumerate(batch["input_lengths"].tolist()):
-            model(batch["input_ids"][i:i + 1, :n])
-            out[i, :n] = (routers.take() + 1) % n_experts
-    return out
-
-
-def replayed_reference(model_path: str, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Float64 logprobs [B, S] (0 off the loss tokens) and the token-NLL gradients of a model
-    whose routers return the batch's ``routed_experts``, each sample run alone."""
-    model = reference_model(model_path)
-    routers = Routers(model).modules
-    logprobs = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
-    for i, n in enumerate(batch["input_lengths"].tolist()):
-        hooks = [given_router(module, batch["routed_experts"][i, :n, layer].long()) for layer, module in enumerate(routers)]
-        ids = batch["input_ids"][i:i + 1, :n]
-        logprobs[i, 1:n] = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
-        for hook in hooks:
-            hook.remove()
-    logprobs = logprobs * batch["token_mask"].double()
-    mask = batch["token_mask"].double() * batch["sample_mask"].double()[:, None]
-    (-(logprobs * mask).sum() / mask.sum()).backward()
-    return logprobs.detach(), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")

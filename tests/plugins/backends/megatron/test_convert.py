@@ -42,10 +42,20 @@ def _hf_model(path: str):
     return model.config, state
 
 
-@pytest.fixture(params=["llama", "qwen2", "qwen3"])
-def hf_model(request, llama_path, qwen2_path, zoo_model):
-    """Llama; Qwen2 (q/k/v biases, tied); Qwen3 (q/k norms, tied)."""
-    return _hf_model({"llama": llama_path, "qwen2": qwen2_path, "qwen3": zoo_model("qwen3")}[request.param])
+@pytest.fixture(scope="module")
+def qwen3_moe_path(tmp_path_factory):
+    """A Qwen3-MoE whose first layer is dense (``mlp_only_layers``), the second experts."""
+    from posttrain.testing.zoo import build_zoo_model
+
+    return str(build_zoo_model(tmp_path_factory.mktemp("qwen3_moe_dense0"), "qwen3_moe", mlp_only_layers=[0]))
+
+
+@pytest.fixture(params=["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+def hf_model(request, llama_path, qwen2_path, zoo_model, qwen3_moe_path):
+    """Llama; Qwen2 (q/k/v biases, tied); Qwen3 (q/k norms, tied); Qwen3-MoE (a dense layer, then
+    experts); Mixtral (experts in every layer)."""
+    paths = {"llama": llama_path, "qwen2": qwen2_path, "qwen3": zoo_model("qwen3"), "qwen3_moe": qwen3_moe_path}
+    return _hf_model(paths.get(request.param) or zoo_model(request.param))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -63,6 +73,35 @@ def test_hf_megatron_hf_round_trip_is_exact(hf_model, tp, fused_norms):
     for name, tensor in hf.items():
         assert torch.equal(back[name], tensor), name
     assert {n: tuple(t.shape) for n, t in hf.items()} == hf_shapes(arch)
+
+
+@pytest.mark.parametrize("arch_name", ["qwen3_moe", "mixtral"])
+def test_experts_are_read_one_at_a_time_from_the_checkpoints_own_names(arch_name, zoo_model, qwen3_moe_path):
+    """A checkpoint stores each expert under its family's names; every expert's slice of
+    transformers' packed tensors (gate rows first) is read from them, and the router too."""
+    from safetensors.torch import load_file
+
+    from posttrain_megatron.convert import checkpoint_names, expert_of, one_expert
+
+    path = qwen3_moe_path if arch_name == "qwen3_moe" else zoo_model(arch_name)
+    config, hf = _hf_model(path)
+    arch = Architecture.from_hf_config(config)
+    on_disk = load_file(f"{path}/model.safetensors")
+    layer = 1
+    p = f"model.layers.{layer}.mlp."
+    assert torch.equal(on_disk[checkpoint_names(arch, p + "gate.weight")[0]], hf[p + "gate.weight"])
+    for e in range(arch.num_experts):
+        gate_up = torch.cat([on_disk[n] for n in checkpoint_names(arch, p + "experts.gate_up_proj", e)])
+        down = torch.cat([on_disk[n] for n in checkpoint_names(arch, p + "experts.down_proj", e)])
+        assert torch.equal(gate_up, hf[p + "experts.gate_up_proj"][e])
+        assert torch.equal(down, hf[p + "experts.down_proj"][e])
+    names = checkpoint_names(arch, p + "experts.gate_up_proj", 3)
+    assert names == ([f"{p}experts.3.gate_proj.weight", f"{p}experts.3.up_proj.weight"] if arch_name == "qwen3_moe" else
+                     [f"model.layers.{layer}.block_sparse_moe.experts.3.w1.weight",
+                      f"model.layers.{layer}.block_sparse_moe.experts.3.w3.weight"])
+    stacked = f"decoder.layers.{layer}.mlp.experts.linear_fc1.weight"
+    assert expert_of(one_expert(stacked, 3)) == (stacked, 3)
+    assert arch.moe_layers == ((False, True) if arch_name == "qwen3_moe" else (True, True))
 
 
 def test_fused_layouts_follow_megatron_core(qwen2_path):
@@ -108,7 +147,7 @@ def test_architecture_maps_the_hf_config(llama_path, qwen2_path):
 def test_unsupported_architectures_are_refused_with_the_field(llama_path):
     from transformers import GPT2Config, LlamaConfig
 
-    with pytest.raises(ConfigError, match="converts model types llama, qwen2, qwen3, mistral; this model's config.json has "
+    with pytest.raises(ConfigError, match="converts model types llama, qwen2, qwen3, mistral, qwen3_moe, mixtral; this model's config.json has "
                                           "model_type 'gpt2'. Use policy.backend=dtensor for it"):
         Architecture.from_hf_config(GPT2Config())
     with pytest.raises(ConfigError, match="sets hidden_act='gelu'"):
@@ -150,7 +189,7 @@ def test_gemma_models_are_refused_before_any_worker_starts(zoo_model, mg, arch, 
     the model's config.json and refuses it with the backend to use instead."""
     from posttrain.config.validate import validate_config
 
-    message = (f"policy.model: the megatron backend converts model types llama, qwen2, qwen3, mistral; this model's "
+    message = (f"policy.model: the megatron backend converts model types llama, qwen2, qwen3, mistral, qwen3_moe, mixtral; this model's "
                f"config.json has model_type '{model_type}'{caps}. Use policy.backend=dtensor for it")
     with pytest.raises(ConfigError) as refused:
         validate_config(mg.policy_config(zoo_model(arch)))
@@ -159,7 +198,7 @@ def test_gemma_models_are_refused_before_any_worker_starts(zoo_model, mg, arch, 
 
 def test_parallel_sizes_the_model_does_not_divide_are_refused(llama_path):
     from posttrain.config.schema import PolicyConfig
-    from posttrain_megatron.model import check_parallel_sizes
+    from posttrain_megatron.config import check_parallel_sizes
 
     arch = Architecture.from_hf_config(_hf_model(llama_path)[0])  # 4 heads, 2 key/value heads, 2 layers
     check_parallel_sizes(arch, PolicyConfig(num_workers=4, tensor_parallel_size=2), MegatronConfig(pipeline_parallel_size=2))
@@ -219,6 +258,39 @@ def test_context_parallel_positions_are_megatron_cores_split(cp, monkeypatch):
 
 
 # ---------------------------------------------------------------- config
+
+
+def test_mixture_of_experts_options_the_model_cannot_take_are_refused_before_any_worker_starts(mg, llama_path,
+                                                                                            zoo_model, tmp_path):
+    from posttrain.config.schema import MoEConfig
+    from posttrain.testing.zoo import build_zoo_model
+
+    def refused(path, **overrides) -> str:
+        with pytest.raises(ConfigError) as info:
+            validate_policy_config(mg.policy_config(path, **overrides))
+        return str(info.value)
+
+    mixtral = zoo_model("mixtral")  # 4 experts per layer
+    assert refused(mixtral, num_workers=6, moe=MoEConfig(expert_parallel_size=3)) == (
+        "policy.moe.expert_parallel_size=3 does not divide the model's 4 experts per layer; choose a size that "
+        "divides 4 (each rank of an expert-parallel group holds an equal share)")
+    assert refused(llama_path, num_workers=2, moe=MoEConfig(expert_parallel_size=2)) == (
+        "policy.moe.expert_parallel_size=2, but model type 'llama' has no experts to split; set "
+        "policy.moe.expert_parallel_size: 1")
+    assert refused(llama_path, moe=MoEConfig(routing_replay="rollout")) == (
+        "policy.moe.routing_replay: model type 'llama' has no experts to route; turn it off for this model")
+    assert refused(mixtral, num_workers=2, moe=MoEConfig(routing_replay="previous"),
+                   megatron=MegatronConfig(pipeline_parallel_size=2)) == (
+        "policy.moe.routing_replay: previous records each token's experts in one rank's forward, which "
+        "policy.megatron.pipeline_parallel_size splits over ranks in the megatron backend; use routing_replay: "
+        "rollout, or set policy.megatron.pipeline_parallel_size: 1")
+    validate_policy_config(mg.policy_config(mixtral, num_workers=2, moe=MoEConfig(routing_replay="rollout"),
+                                            megatron=MegatronConfig(pipeline_parallel_size=2)))
+    mixtral_kv2 = str(build_zoo_model(tmp_path / "mixtral_kv2", "mixtral", num_key_value_heads=2))
+    assert refused(mixtral_kv2, num_workers=2, tensor_parallel_size=2) == (
+        "policy.tensor_parallel_size=2 on a mixture of experts needs policy.megatron.sequence_parallel: true in the "
+        "megatron backend (megatron-core trains experts split over tensor-parallel ranks only on a sequence split over "
+        "them); set it")
 
 
 def test_validation_names_the_keys(mg):

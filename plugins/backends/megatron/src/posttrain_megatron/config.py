@@ -9,13 +9,16 @@ remains of ``policy.num_workers``: :meth:`MegatronConfig.replica_factors` tells 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 
 from posttrain.config.requirements import Requirement
-from posttrain.config.schema import RunConfig
+from posttrain.config.schema import PolicyConfig, RunConfig
 from posttrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from posttrain_megatron.convert import Architecture
 
 SECTION = "policy.megatron"
 DTYPE_NAMES = ("float32", "bfloat16")
@@ -45,6 +48,11 @@ class MegatronConfig:
       exempts them.
     """
 
+    #: Expert parallelism (``policy.moe.expert_parallel_size``): megatron-core's experts split over
+    #: expert-parallel ranks carved from the data-parallel ones, tokens sent by all-to-all.
+    splits_experts: ClassVar[bool] = True
+    #: Routing replay and router agreement (``policy.moe``), through megatron-core's replay hook.
+    replays_routed_experts: ClassVar[bool] = True
     requires: ClassVar[tuple[Requirement, ...]] = (
         Requirement("megatron.core", "pip install 'megatron-core>=0.16.1'", distribution="megatron-core", minimum="0.16.1"),
     )
@@ -109,15 +117,70 @@ def validate_policy_config(config: RunConfig) -> None:
     check_model(config)
 
 
+def check_parallel_sizes(arch: Architecture, policy: PolicyConfig, options: MegatronConfig) -> None:
+    """Refuse parallel sizes the model's shape does not divide, naming both numbers."""
+    tp, pp = policy.tensor_parallel_size, options.pipeline_parallel_size
+    sizes = [("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
+             ("intermediate_size", arch.ffn_hidden_size)]
+    if arch.is_moe:
+        sizes.append(("experts' intermediate size", arch.expert_ffn_hidden_size))
+    for key, value in sizes:
+        if value % tp:
+            raise ConfigError(
+                f"policy.tensor_parallel_size={tp} does not divide the model's {key}={value}; choose a "
+                "tensor-parallel size that divides it"
+            )
+    if arch.num_layers % pp:
+        raise ConfigError(
+            f"policy.megatron.pipeline_parallel_size={pp} does not divide the model's num_hidden_layers={arch.num_layers}; "
+            "each pipeline stage holds the same number of layers"
+        )
+    ep = policy.moe.expert_parallel_size
+    if ep > 1 and not arch.is_moe:
+        raise ConfigError(
+            f"policy.moe.expert_parallel_size={ep}, but model type '{arch.model_type}' has no experts to split; "
+            "set policy.moe.expert_parallel_size: 1"
+        )
+    if arch.num_experts % ep:
+        raise ConfigError(
+            f"policy.moe.expert_parallel_size={ep} does not divide the model's {arch.num_experts} experts per layer; "
+            f"choose a size that divides {arch.num_experts} (each rank of an expert-parallel group holds an equal share)"
+        )
+
+
 def check_model(config: RunConfig) -> None:
     """Refuse, from ``config.json`` alone, a ``policy.model`` the backend does not convert
     (:meth:`~posttrain_megatron.convert.Architecture.from_hf_config`: e.g. Gemma, whose
-    soft-caps megatron-core cannot apply). A folder without ``config.json`` is left to the
-    model-folder checks, which name what is missing."""
+    soft-caps megatron-core cannot apply), parallel sizes its shape does not divide, and
+    ``policy.moe`` options it has no experts for. A folder without ``config.json`` is left to
+    the model-folder checks, which name what is missing."""
     if not (Path(config.policy.model) / "config.json").is_file():
         return
     from transformers import AutoConfig
 
     from posttrain_megatron.convert import Architecture
 
-    Architecture.from_hf_config(AutoConfig.from_pretrained(config.policy.model))
+    arch = Architecture.from_hf_config(AutoConfig.from_pretrained(config.policy.model))
+    options = options_of(config)
+    check_parallel_sizes(arch, config.policy, options)
+    moe = config.policy.moe
+    if arch.is_moe and config.policy.tensor_parallel_size > 1 and not options.sequence_parallel:
+        raise ConfigError(
+            f"policy.tensor_parallel_size={config.policy.tensor_parallel_size} on a mixture of experts needs "
+            f"{SECTION}.sequence_parallel: true in the megatron backend (megatron-core trains experts split over "
+            "tensor-parallel ranks only on a sequence split over them); set it"
+        )
+    if moe.routes_key is not None and not arch.is_moe:
+        raise ConfigError(
+            f"{moe.routes_key}: model type '{arch.model_type}' has no experts to route; turn it off for this model"
+        )
+    if moe.routing_replay != "previous":
+        return
+    for key, on, off in ((f"{SECTION}.pipeline_parallel_size", options.pipeline_parallel_size > 1, "1"),
+                         (f"{SECTION}.sequence_parallel", options.sequence_parallel, "false"),
+                         (f"{SECTION}.context_parallel_size", options.context_parallel_size > 1, "1")):
+        if on:
+            raise ConfigError(
+                f"policy.moe.routing_replay: previous records each token's experts in one rank's forward, which "
+                f"{key} splits over ranks in the megatron backend; use routing_replay: rollout, or set {key}: {off}"
+            )

@@ -1,4 +1,5 @@
-"""Hugging Face Llama / Qwen2 / Mistral weights <-> megatron-core ``GPTModel`` weights.
+"""Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral weights <-> megatron-core
+``GPTModel`` weights.
 
 Three layers, each a pure function of tensors:
 
@@ -19,6 +20,17 @@ Three layers, each a pure function of tensors:
 - :func:`tp_shard` / :func:`tp_merge`: a whole megatron tensor <-> the slices the
   tensor-parallel ranks hold.
 
+Mixtures of experts. Hugging Face names here are transformers' in-memory names, the ones the
+policy's weight exchange uses (refit, export): each layer's experts are two packed tensors,
+``mlp.experts.gate_up_proj`` [experts, 2 x ffn, hidden] (gate rows first) and
+``mlp.experts.down_proj`` [experts, hidden, ffn], and its router ``mlp.gate.weight``. megatron-core
+keeps one module per expert (``mlp.experts.local_experts.<e>.linear_fc1.weight``, the rank's
+experts numbered from 0) and the router as ``mlp.router.weight``. Whole megatron tensors name
+each expert by its number in the layer (:func:`expert_of`), and the experts of a layer stacked
+as ``mlp.experts.linear_fc1.weight`` / ``linear_fc2.weight`` (which the packed tensors are, as
+they are). A checkpoint stores every expert on its own (:func:`checkpoint_names`), read one
+expert at a time.
+
 Layer norms sit in their own modules in megatron-core's local layer spec
 (``input_layernorm``, ``pre_mlp_layernorm``) and inside the next linear layer in the
 Transformer Engine spec (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``);
@@ -37,12 +49,20 @@ import torch
 from posttrain.errors import ConfigError
 
 #: Hugging Face ``model_type`` values this backend converts.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+
+#: Mixture-of-experts model type -> (the checkpoint's module of a layer's experts and router, the
+#: checkpoint names of each expert's gate, up and down projections).
+CHECKPOINT_EXPERTS = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
 
 #: Soft-cap fields of Hugging Face configs (Gemma 2): megatron-core 0.16 caps neither scores nor logits.
 SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 
 
 @attrs.frozen
@@ -66,10 +86,20 @@ class Architecture:
     rope_scaling_factor: float | None = None  # Llama 3.x frequency scaling
     sliding_window: int | None = None  # tokens a query sees (itself included) in a windowed layer
     window_layers: tuple[bool, ...] = ()  # per layer: whether it attends within the window
+    num_experts: int = 0  # experts per mixture-of-experts layer (0: a dense model)
+    experts_per_token: int = 0
+    expert_ffn_hidden_size: int = 0
+    renormalize_routes: bool = True  # the k chosen experts' weights scaled to sum to 1 (Qwen3-MoE's norm_topk_prob)
+    moe_layers: tuple[bool, ...] = ()  # per layer: whether its MLP is the experts
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> Architecture:
-        """Read a ``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config`` or ``MistralConfig``; raise
+        """Read a ``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``, ``MistralConfig``,
+        ``Qwen3MoeConfig`` or ``MixtralConfig``; raise
         :class:`ConfigError` naming the config field for anything megatron-core's ``GPTModel``
         would compute differently."""
         model_type = getattr(cfg, "model_type", None)
@@ -92,9 +122,9 @@ class Architecture:
             raise refuse("hidden_act", act, "'silu'")
         if getattr(cfg, "mlp_bias", False):
             raise refuse("mlp_bias", True, "false")
-        if model_type in ("llama", "qwen3") and getattr(cfg, "attention_bias", False):
+        if model_type in ("llama", "qwen3", "qwen3_moe") and getattr(cfg, "attention_bias", False):
             raise refuse("attention_bias", True, "false: megatron-core has no bias on o_proj alone")
-        for field in ("attention_dropout", "hidden_dropout"):
+        for field in ("attention_dropout", "hidden_dropout", "router_jitter_noise"):
             if getattr(cfg, field, 0.0):
                 raise refuse(field, getattr(cfg, field), "0.0")
         heads = cfg.num_attention_heads
@@ -111,13 +141,14 @@ class Architecture:
             vocab_size=cfg.vocab_size,
             qkv_bias=model_type == "qwen2",
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rms_norm_eps=cfg.rms_norm_eps,
             rope_theta=rope_theta,
             max_position_embeddings=cfg.max_position_embeddings,
             rope_scaling_factor=scaling,
             sliding_window=window,
             window_layers=window_layers,
+            **_experts(cfg),
         )
 
     def padded_vocab_size(self, tp_size: int) -> int:
@@ -144,6 +175,25 @@ class Architecture:
             hidden_dropout=0.0,
             attention_dropout=0.0,
             **self._window_kwargs(),
+            **self._expert_kwargs(),
+        )
+
+    def _expert_kwargs(self) -> dict[str, Any]:
+        """megatron-core's mixture-of-experts settings: softmax over the experts, the top k; with
+        ``renormalize_routes`` the softmax of the k chosen logits (the same weights), without it
+        the top k of the softmax over all. No load-balancing loss; the experts in the layers
+        ``moe_layer_freq`` marks 1."""
+        if not self.is_moe:
+            return {}
+        return dict(
+            num_moe_experts=self.num_experts,
+            moe_router_topk=self.experts_per_token,
+            moe_ffn_hidden_size=self.expert_ffn_hidden_size,
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not self.renormalize_routes,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_layer_freq=[int(m) for m in self.moe_layers],
         )
 
     def _window_kwargs(self) -> dict[str, Any]:
@@ -166,12 +216,28 @@ class Architecture:
         )
 
 
+def _experts(cfg: Any) -> dict[str, Any]:
+    """The :class:`Architecture` fields of a mixture of experts (none for a dense model): every
+    layer of a Mixtral; the layers of a Qwen3-MoE that transformers makes sparse (not in
+    ``mlp_only_layers``, and every ``decoder_sparse_step``-th)."""
+    if cfg.model_type == "mixtral":
+        return dict(num_experts=cfg.num_local_experts, experts_per_token=cfg.num_experts_per_tok,
+                    expert_ffn_hidden_size=cfg.intermediate_size, moe_layers=(True,) * cfg.num_hidden_layers)
+    if cfg.model_type != "qwen3_moe":
+        return {}
+    only_mlp, step = set(cfg.mlp_only_layers or ()), cfg.decoder_sparse_step
+    layers = tuple(i not in only_mlp and cfg.num_experts > 0 and (i + 1) % step == 0 for i in range(cfg.num_hidden_layers))
+    return dict(num_experts=cfg.num_experts, experts_per_token=cfg.num_experts_per_tok,
+                expert_ffn_hidden_size=cfg.moe_intermediate_size, renormalize_routes=bool(cfg.norm_topk_prob),
+                moe_layers=layers)
+
+
 def _windows(cfg: Any) -> tuple[int | None, tuple[bool, ...]]:
     """``(sliding_window, per-layer windowed flags)`` as transformers applies them: every
-    layer of a Mistral model with a window, the layers ``layer_types`` marks
+    layer of a Mistral or Mixtral model with a window, the layers ``layer_types`` marks
     ``sliding_attention`` otherwise (Qwen2); ``(None, ())`` without windowed layers."""
     window = getattr(cfg, "sliding_window", None)
-    if cfg.model_type == "mistral":
+    if cfg.model_type in ("mistral", "mixtral"):
         layers = (True,) * cfg.num_hidden_layers
     else:
         layers = tuple(kind == "sliding_attention" for kind in getattr(cfg, "layer_types", None) or ())
@@ -203,19 +269,65 @@ def _rope(cfg: Any, refuse) -> tuple[float, float | None]:
 # ---------------------------------------------------------------------------- names
 
 
-def layer_names(fused_norms: bool) -> dict[str, str]:
+def layer_names(fused_norms: bool, *, experts: bool = False) -> dict[str, str]:
     """Megatron name (inside ``decoder.layers.<i>.``) of each per-layer Hugging Face tensor
-    that maps one to one."""
-    return {
+    that maps one to one, in a dense layer or (``experts``) a mixture-of-experts layer (whose
+    norm before the MLP is a module of its own in either layer spec)."""
+    names = {
         "input_layernorm.weight": (
             "self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight"
         ),
         "post_attention_layernorm.weight": (
-            "mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight"
+            "mlp.linear_fc1.layer_norm_weight" if fused_norms and not experts else "pre_mlp_layernorm.weight"
         ),
         "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
-        "mlp.down_proj.weight": "mlp.linear_fc2.weight",
     }
+    return {**names, **(EXPERT_NAMES if experts else {"mlp.down_proj.weight": "mlp.linear_fc2.weight"})}
+
+
+#: Megatron name (inside ``decoder.layers.<i>.``) of each per-layer Hugging Face tensor of a
+#: mixture-of-experts layer: the router, and every expert's weights stacked.
+EXPERT_NAMES = {
+    "mlp.gate.weight": "mlp.router.weight",
+    "mlp.experts.gate_up_proj": "mlp.experts.linear_fc1.weight",
+    "mlp.experts.down_proj": "mlp.experts.linear_fc2.weight",
+}
+#: The order of a mixture-of-experts layer's tensors in transformers' state dict, by model type.
+_EXPERT_ORDER = {
+    "qwen3_moe": ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"),
+    "mixtral": ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+}
+
+
+def expert_of(name: str) -> tuple[str, int] | None:
+    """``(stacked name, expert)`` of one expert's megatron tensor (``decoder.layers.3.mlp.experts.
+    local_experts.5.linear_fc1.weight``, numbered in the layer) -> ``(decoder.layers.3.mlp.experts.
+    linear_fc1.weight, 5)``; None for any other tensor."""
+    m = _EXPERT.match(name)
+    return None if m is None else (m.group(1) + m.group(3), int(m.group(2)))
+
+
+def one_expert(stacked: str, expert: int) -> str:
+    """The megatron name of expert ``expert``'s tensor in the stacked tensor ``stacked``."""
+    return stacked.replace("mlp.experts.", f"mlp.experts.local_experts.{expert}.", 1)
+
+
+def checkpoint_names(arch: Architecture, hf_name: str, expert: int | None = None) -> list[str]:
+    """The tensors a checkpoint stores for the in-memory Hugging Face tensor ``hf_name`` (with
+    ``expert``, for that expert's slice of a packed experts tensor, concatenated in order):
+    itself, but for a mixture of experts' routers and experts, which checkpoints keep per
+    expert under the family's names (:data:`CHECKPOINT_EXPERTS`)."""
+    m = re.match(r"^(model\.layers\.\d+\.)mlp\.(gate\.weight|experts\.(gate_up_proj|down_proj))$", hf_name)
+    if m is None or not arch.is_moe:
+        return [hf_name]
+    module, (gate, up, down) = CHECKPOINT_EXPERTS[arch.model_type]
+    prefix = m.group(1) + module
+    if m.group(3) is None:
+        return [f"{prefix}.gate.weight"]
+    if expert is None:
+        raise ValueError(f"'{hf_name}' is stored per expert: name the expert")
+    projections = (gate, up) if m.group(3) == "gate_up_proj" else (down,)
+    return [f"{prefix}.experts.{expert}.{x}.weight" for x in projections]
 
 
 #: Megatron name (inside ``decoder.layers.<i>.``) of each per-layer Hugging Face tensor of
@@ -237,7 +349,10 @@ def hf_names(arch: Architecture) -> list[str]:
         names += attn + [f"{p}self_attn.o_proj.weight"]
         if arch.qk_norm:
             names += [p + name for name in QK_NORM_NAMES]
-        names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if arch.moe_layers and arch.moe_layers[i]:
+            names += [p + name for name in _EXPERT_ORDER[arch.model_type]]
+        else:
+            names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
         names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
     names.append("model.norm.weight")
     if not arch.tie_word_embeddings:
@@ -272,15 +387,19 @@ def _split_qkv(arch: Architecture, qkv: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def megatron_names(arch: Architecture, *, fused_norms: bool = False) -> list[str]:
-    """Every megatron tensor name of the whole model (global layer numbers); a tied model
-    lists ``output_layer.weight`` too (a copy on the last pipeline stage)."""
-    per_layer = [*layer_names(fused_norms).values(), "self_attention.linear_qkv.weight", "mlp.linear_fc1.weight"]
-    if arch.qkv_bias:
-        per_layer.append("self_attention.linear_qkv.bias")
-    if arch.qk_norm:
-        per_layer += QK_NORM_NAMES.values()
+    """Every megatron tensor name of the whole model (global layer numbers; a layer's experts
+    stacked); a tied model lists ``output_layer.weight`` too (a copy on the last pipeline stage)."""
     names = ["embedding.word_embeddings.weight"]
-    names += [f"decoder.layers.{i}.{n}" for i in range(arch.num_layers) for n in per_layer]
+    for i in range(arch.num_layers):
+        experts = bool(arch.moe_layers and arch.moe_layers[i])
+        per_layer = [*layer_names(fused_norms, experts=experts).values(), "self_attention.linear_qkv.weight"]
+        if not experts:
+            per_layer.append("mlp.linear_fc1.weight")
+        if arch.qkv_bias:
+            per_layer.append("self_attention.linear_qkv.bias")
+        if arch.qk_norm:
+            per_layer += QK_NORM_NAMES.values()
+        names += [f"decoder.layers.{i}.{n}" for n in per_layer]
     return [*names, "decoder.final_layernorm.weight", "output_layer.weight"]
 
 
@@ -301,7 +420,8 @@ def hf_sources(arch: Architecture, name: str, *, fused_norms: bool = False) -> l
         return [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"]
     if rest == "mlp.linear_fc1.weight":
         return [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
-    for hf_name, mg_name in {**layer_names(fused_norms), **(QK_NORM_NAMES if arch.qk_norm else {})}.items():
+    experts = bool(arch.moe_layers and arch.moe_layers[int(m.group(1))])
+    for hf_name, mg_name in {**layer_names(fused_norms, experts=experts), **(QK_NORM_NAMES if arch.qk_norm else {})}.items():
         if rest == mg_name:
             return [p + hf_name]
     raise KeyError(f"'{name}' is not a tensor of a converted GPTModel")
@@ -309,7 +429,8 @@ def hf_sources(arch: Architecture, name: str, *, fused_norms: bool = False) -> l
 
 def to_megatron(arch: Architecture, name: str, sources: list[torch.Tensor], *, tp_size: int = 1) -> torch.Tensor:
     """The whole megatron tensor ``name`` from its :func:`hf_sources` tensors, in that
-    order (the vocabulary padded to :meth:`Architecture.padded_vocab_size`)."""
+    order (the vocabulary padded to :meth:`Architecture.padded_vocab_size`; a layer's stacked
+    experts are the packed tensor as it is)."""
     if name.endswith(("word_embeddings.weight", "output_layer.weight")):
         return _pad_rows(sources[0], arch.padded_vocab_size(tp_size))
     if "linear_qkv." in name and not name.endswith("layer_norm_weight"):
@@ -353,6 +474,9 @@ def hf_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
         "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
         "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
         "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+        "mlp.gate.weight": (arch.num_experts, h),
+        "mlp.experts.gate_up_proj": (arch.num_experts, 2 * arch.expert_ffn_hidden_size, h),
+        "mlp.experts.down_proj": (arch.num_experts, h, arch.expert_ffn_hidden_size),
     }
     fixed = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
     return {n: fixed[n] if n in fixed else per_layer[n.split(".", 3)[3]] for n in hf_names(arch)}
@@ -384,8 +508,9 @@ def megatron_to_hf(arch: Architecture, mg: Mapping[str, torch.Tensor], *, fused_
 def tp_split_dim(name: str) -> int | None:
     """The dimension megatron splits ``name`` over tensor-parallel ranks (None: replicated).
 
-    Column-parallel layers (vocabulary, fused q/k/v, fused gate/up) split their output
-    rows; row-parallel layers (attention output, down projection) their input columns.
+    Column-parallel layers (vocabulary, fused q/k/v, fused gate/up, an expert's fused gate/up)
+    split their output rows; row-parallel layers (attention output, down projections) their
+    input columns. Routers are replicated.
     """
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1
@@ -393,6 +518,11 @@ def tp_split_dim(name: str) -> int | None:
                       "linear_fc1.weight")):
         return 0
     return None
+
+
+def _stacked(name: str) -> bool:
+    """Whether ``name`` is a layer's experts stacked (each expert split on its own)."""
+    return name.endswith(("mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight"))
 
 
 def _glu_view(name: str, t: torch.Tensor) -> torch.Tensor | None:
@@ -405,6 +535,8 @@ def tp_shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tenso
     dim = tp_split_dim(name)
     if dim is None or size == 1:
         return full
+    if _stacked(name):
+        return torch.stack([tp_shard(one_expert(name, 0), expert, rank, size) for expert in full])
     glu = _glu_view(name, full)
     if glu is not None:
         return glu.chunk(size, dim=1)[rank].reshape(-1, *full.shape[1:])
@@ -417,6 +549,8 @@ def tp_merge(name: str, shards: Iterable[torch.Tensor]) -> torch.Tensor:
     dim = tp_split_dim(name)
     if dim is None or len(shards) == 1:
         return shards[0]
+    if _stacked(name):
+        return torch.stack([tp_merge(one_expert(name, 0), [s[e] for s in shards]) for e in range(shards[0].shape[0])])
     if name.endswith("linear_fc1.weight"):
         views = [_glu_view(name, s) for s in shards]
         merged = torch.cat(views, dim=1)

@@ -20,6 +20,12 @@ megatron-core 0.16 assumes a GPU in a handful of places that are not about compu
    tensor-parallel regions). :func:`seed_rng` installs its inference tracker instead, whose
    regions use the default generator; posttrain converts only models without dropout, so
    no random number is drawn inside those regions.
+5. The all-to-all token dispatcher of mixtures of experts copies its token counts to the host
+   on a side CUDA stream (``torch.cuda.Stream``, ``torch.cuda.stream``, events).
+   :func:`apply` gives it a stream whose waits and events do nothing (there is one stream of
+   work on the CPU).
+6. The same copies return the counts as numpy arrays, the split sizes ``all_to_all_single``
+   takes, only for tensors that were on a GPU; :func:`apply` makes them do so for CPU tensors.
 
 Nothing here changes a number megatron-core computes: the same kernels run on the CPU.
 """
@@ -43,15 +49,59 @@ def needed() -> bool:
 
 
 def apply() -> None:
-    """Patch the process-wide ``torch.cuda`` functions megatron-core calls (items 1 and 3
-    above). Idempotent; does nothing where CUDA is available."""
+    """Patch the process-wide ``torch.cuda`` functions megatron-core calls (items 1, 3 and 5
+    above) and its dispatcher's copies to the host (item 6). Idempotent; does nothing where
+    CUDA is available."""
     global _APPLIED
     if _APPLIED or not needed():
         return
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.empty_cache = lambda: None
+    torch.cuda.Stream = _HostStream
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    _host_split_sizes()
     _APPLIED = True
+
+
+class _HostEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+class _HostStream:
+    """Item 5: the one stream of work of a CPU process."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _HostEvent:
+        return _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _host_split_sizes() -> None:
+    """Item 6."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    to_host = token_dispatcher.maybe_move_tensor_to_cpu
+
+    @functools.wraps(to_host)
+    def host_counts(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and isinstance(tensor, torch.Tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = host_counts
 
 
 def seed_rng(seed: int) -> None:

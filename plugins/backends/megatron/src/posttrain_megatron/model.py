@@ -2,7 +2,8 @@
 Hugging Face terms.
 
 The model is built from :class:`~posttrain_megatron.convert.Architecture` with megatron-core's
-local layers (runs on any device; :class:`RMSNorm` as its layer norm) or Transformer Engine's, holds
+local layers (runs on any device; :class:`RMSNorm` as its layer norm; a mixture of experts' layers
+with one module per expert and the all-to-all token dispatcher) or Transformer Engine's, holds
 this rank's pipeline stage (``pre_process`` on the first, ``post_process`` on the last) and
 its tensor-parallel slices. Its forward stops after the final layer norm
 (:class:`HiddenStateGPTModel`): the vocabulary-chunked head of :mod:`posttrain.backend.logprobs`
@@ -22,14 +23,23 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from safetensors import safe_open
 
 from posttrain.config.schema import PolicyConfig
 from posttrain.errors import ConfigError
 from posttrain_megatron.config import MegatronConfig
-from posttrain_megatron.convert import Architecture, hf_sources, to_megatron, tp_shard
+from posttrain_megatron.convert import (
+    Architecture,
+    checkpoint_names,
+    expert_of,
+    hf_sources,
+    to_megatron,
+    tp_shard,
+)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 class HiddenStateGPTModel(GPTModel):
@@ -41,34 +51,20 @@ class HiddenStateGPTModel(GPTModel):
         return hidden_states
 
 
-def check_parallel_sizes(arch: Architecture, policy: PolicyConfig, options: MegatronConfig) -> None:
-    """Refuse parallel sizes the model's shape does not divide, naming both numbers."""
-    tp, pp = policy.tensor_parallel_size, options.pipeline_parallel_size
-    for key, value in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
-                       ("intermediate_size", arch.ffn_hidden_size)):
-        if value % tp:
-            raise ConfigError(
-                f"policy.tensor_parallel_size={tp} does not divide the model's {key}={value}; choose a "
-                "tensor-parallel size that divides it"
-            )
-    if arch.num_layers % pp:
-        raise ConfigError(
-            f"policy.megatron.pipeline_parallel_size={pp} does not divide the model's num_hidden_layers={arch.num_layers}; "
-            "each pipeline stage holds the same number of layers"
-        )
-
-
 def transformer_config(arch: Architecture, policy: PolicyConfig, options: MegatronConfig, *,
                        on_gpu: bool) -> TransformerConfig:
     """megatron-core's config: the architecture, the parallel layout and posttrain's choices
     (no fused kernels that need Apex; the loss normalised by posttrain, so gradients are
-    summed, not averaged, over data-parallel ranks and microbatches)."""
+    summed, not averaged, over data-parallel ranks and microbatches; megatron-core's routing
+    replay hooks in the routers when ``policy.moe`` gives them routes)."""
     dtype = getattr(torch, policy.dtype)
     return TransformerConfig(
         **arch.transformer_config_kwargs(),
         tensor_model_parallel_size=policy.tensor_parallel_size,
         pipeline_model_parallel_size=options.pipeline_parallel_size,
         context_parallel_size=options.context_parallel_size,
+        expert_model_parallel_size=policy.moe.expert_parallel_size,
+        moe_enable_routing_replay=arch.is_moe and policy.moe.routes_key is not None,
         sequence_parallel=options.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -80,7 +76,7 @@ def transformer_config(arch: Architecture, policy: PolicyConfig, options: Megatr
         perform_initialization=True,
         calculate_per_token_loss=True,
         variable_seq_lengths=True,  # microbatches of one pass differ in length
-        moe_token_dispatcher_type="alltoall",  # (dense models; the default refuses variable lengths)
+        moe_token_dispatcher_type="alltoall",  # (the default refuses variable lengths)
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -108,9 +104,9 @@ class RMSNorm(torch.nn.Module):
         return torch.nn.functional.rms_norm(hidden, (hidden.shape[-1],), self.weight, self.eps)
 
 
-def layer_spec(config: TransformerConfig, options: MegatronConfig) -> TransformerBlockSubmodules:
-    """The decoder's layers: Transformer Engine's, or megatron-core's local layers with
-    :class:`RMSNorm`."""
+def layer_spec(config: TransformerConfig, arch: Architecture, options: MegatronConfig) -> TransformerBlockSubmodules:
+    """The decoder's layers on this pipeline stage: Transformer Engine's, or megatron-core's
+    local layers with :class:`RMSNorm` (a dense MLP or the experts, per layer)."""
     if options.transformer_impl == "transformer_engine":
         try:
             return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
@@ -119,19 +115,27 @@ def layer_spec(config: TransformerConfig, options: MegatronConfig) -> Transforme
                 "policy.megatron.transformer_impl=transformer_engine, but Transformer Engine cannot be used in "
                 f"the policy workers' environment ({exc}); install transformer-engine there or use 'local'"
             ) from exc
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    dense, experts = _local_layer(config, None), _local_layer(config, arch.num_experts or None)
+    first = get_transformer_layer_offset(config)
+    layers = [experts if arch.moe_layers and arch.moe_layers[first + i] else dense
+              for i in range(get_num_layers_to_build(config))]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
+
+
+def _local_layer(config: TransformerConfig, num_experts: int | None):
+    layer = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
     if config.qk_layernorm:  # Qwen 3's norms of each query and key head
         attention = layer.submodules.self_attention.submodules
         attention.q_layernorm = attention.k_layernorm = RMSNorm
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+    return layer
 
 
 def build_model(arch: Architecture, config: TransformerConfig, options: MegatronConfig) -> HiddenStateGPTModel:
     """This rank's pipeline stage of the model, randomly initialised (load weights next)."""
     return HiddenStateGPTModel(
         config,
-        layer_spec(config, options),
+        layer_spec(config, arch, options),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         **arch.gpt_model_kwargs(config.tensor_model_parallel_size),
@@ -151,9 +155,14 @@ def output_weight(model: GPTModel) -> torch.Tensor:
 
 
 def named_parameters(model: GPTModel) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """``(global megatron name, parameter)``: layer numbers counted over all pipeline stages."""
+    """``(global megatron name, parameter)``: layer numbers counted over all pipeline stages,
+    experts over the expert-parallel ranks (rank ``r`` of ``ep`` holds experts ``r * E / ep``
+    onwards)."""
     offsets = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+    first_expert = parallel_state.get_expert_model_parallel_rank() * (model.config.num_moe_experts or 0) // max(
+        parallel_state.get_expert_model_parallel_world_size(), 1)
     for name, param in model.named_parameters():
+        name = _LOCAL_EXPERT.sub(lambda m: f".mlp.experts.local_experts.{first_expert + int(m.group(1))}.", name)
         yield _LAYER.sub(lambda m: f"decoder.layers.{offsets[int(m.group(1))]}.", name), param
 
 
@@ -181,14 +190,27 @@ class HFTensors:
         with safe_open(self.files[name], "pt") as f:
             return f.get_tensor(name)
 
+    def in_memory(self, arch: Architecture, hf_name: str, expert: int | None = None) -> torch.Tensor:
+        """transformers' in-memory tensor ``hf_name`` (with ``expert``, that expert's slice of
+        a packed experts tensor), whether the checkpoint stores it as such or per expert."""
+        if hf_name in self.files:
+            whole = self.get(hf_name)
+            return whole if expert is None else whole[expert]
+        return torch.cat([self.get(name) for name in checkpoint_names(arch, hf_name, expert)])
+
 
 @torch.no_grad()
 def load_hf_weights(model: GPTModel, arch: Architecture, folder: str, *, fused: bool) -> None:
     """Copy the Hugging Face weights of ``folder`` into this rank's parameters."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    expert_tp = parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size()
     tensors = HFTensors(folder)
     for name, param in named_parameters(model):
-        sources = [tensors.get(s) for s in hf_sources(arch, name, fused_norms=fused)]
-        whole = to_megatron(arch, name, sources, tp_size=tp_size)
-        param.copy_(tp_shard(name, whole, tp_rank, tp_size))
+        expert = expert_of(name)
+        if expert is None:
+            sources = [tensors.in_memory(arch, s) for s in hf_sources(arch, name, fused_norms=fused)]
+            param.copy_(tp_shard(name, to_megatron(arch, name, sources, tp_size=tp_size), tp_rank, tp_size))
+        else:  # one expert, read alone
+            stacked, index = expert
+            param.copy_(tp_shard(name, tensors.in_memory(arch, hf_sources(arch, stacked)[0], index), *expert_tp))

@@ -28,10 +28,12 @@ from posttrain_megatron.head import Rows
 
 @attrs.frozen
 class Microbatch:
-    """A microbatch's samples (on CPU) and its model rows (on the device)."""
+    """A microbatch's samples (on CPU), its model rows (on the device) and, with routing replay
+    (``policy.moe``), the routes its routers are given ([tokens, MoE layers, k], in their order)."""
 
     batch: Batch
     rows: Rows
+    routes: torch.Tensor | None = None
 
 
 #: ``(hidden states [s, b, h] of the last stage, microbatch) -> (loss, report)``; the loss
@@ -46,13 +48,17 @@ def finalize_grads(models: list[torch.nn.Module], num_tokens: torch.Tensor | Non
 
 
 def run_microbatches(
-    model: torch.nn.Module, microbatches: Sequence[Microbatch], on_last_stage: LastStage, *, forward_only: bool
+    model: torch.nn.Module, microbatches: Sequence[Microbatch], on_last_stage: LastStage, *, forward_only: bool,
+    before_forward: Callable[[Microbatch], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Forward (and unless ``forward_only``, backward) every microbatch; return the last
-    stage's reports in microbatch order (an empty list on other stages)."""
+    stage's reports in microbatch order (an empty list on other stages). ``before_forward``
+    runs before each microbatch's forward on this stage."""
 
     def forward_step(data_iterator, model):
         mb: Microbatch = next(data_iterator)
+        if before_forward is not None:
+            before_forward(mb)
         ids = mb.rows.input_ids
         positions = mb.rows.positions.to(ids.device)[None, :].expand_as(ids)
         hidden = model(ids, positions, None)

@@ -32,6 +32,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from posttrain.backend.hf_export import write_hf_metadata, write_hf_shards
 from posttrain.backend.lr_schedule import check_scheduler_config, lr_factor
 from posttrain.backend.policy_worker import PolicyWorker, require_policy_checkpoint
+from posttrain.backend.routing import NO_ROUTE, ROUTES_FIELD
 from posttrain.backend.sampling import logprob_temperature
 from posttrain.backend.weight_sync import ParamMeta
 from posttrain.backend.work import RankWork
@@ -41,19 +42,19 @@ from posttrain.distributed.placement import uses_cuda
 from posttrain.errors import ConfigError
 from posttrain.interfaces.loss import LossFunction, combine_metrics, global_valid_counts
 from posttrain.models.folder import read_model_config
-from posttrain_megatron import adam_fallback, cpu_compat
+from posttrain_megatron import adam_fallback, cpu_compat, te_fallback
 from posttrain_megatron.config import MegatronConfig
-from posttrain_megatron.convert import Architecture, exported_names, hf_shapes, to_hf, tp_merge
+from posttrain_megatron.convert import Architecture, expert_of, exported_names, hf_shapes, to_hf, tp_merge
 from posttrain_megatron.head import make_rows, row_multiple, sample_logprobs, sample_topk
 from posttrain_megatron.model import (
     build_model,
-    check_parallel_sizes,
     fused_norms,
     load_hf_weights,
     named_parameters,
     output_weight,
     transformer_config,
 )
+from posttrain_megatron.routes import MegatronRouters, lay_out
 from posttrain_megatron.schedule import Microbatch, finalize_grads, run_microbatches
 
 TRAINER_STATE = "trainer_state.pt"
@@ -71,6 +72,7 @@ class MegatronPolicyWorker(PolicyWorker):
         super().__init__()
         cpu_compat.apply()
         adam_fallback.apply()
+        te_fallback.apply()
         with cpu_compat.cuda_as_cpu():
             self._setup(config, options, reference)
 
@@ -86,11 +88,11 @@ class MegatronPolicyWorker(PolicyWorker):
             tensor_model_parallel_size=policy.tensor_parallel_size,
             pipeline_model_parallel_size=options.pipeline_parallel_size,
             context_parallel_size=options.context_parallel_size,
+            expert_model_parallel_size=policy.moe.expert_parallel_size,
         )
         cpu_compat.seed_rng(config.seed)
         read_model_config(policy.model, "policy.model")  # a clear error before transformers' own
         self.arch = Architecture.from_hf_config(AutoConfig.from_pretrained(policy.model))
-        check_parallel_sizes(self.arch, policy, options)
         check_scheduler_config(policy.scheduler)
         self.fused_norms = fused_norms(options)
         self.compute_dtype = getattr(torch, policy.dtype)
@@ -102,6 +104,12 @@ class MegatronPolicyWorker(PolicyWorker):
         tcfg.finalize_model_grads_func = finalize_grads
         self.model = build_model(self.arch, tcfg, options).to(self.device)
         load_hf_weights(self.model, self.arch, policy.model, fused=self.fused_norms)
+        #: policy.moe: the routers, given the rollout's experts (routing_replay: rollout, router_agreement)
+        #: or their own of the previous-logprob pass (routing_replay: previous, which the logprob pass returns)
+        moe = policy.moe
+        self.routers = (MegatronRouters(self.model, self.arch.moe_layers, apply=moe.routing_replay != "off")
+                        if tcfg.moe_enable_routing_replay else None)
+        self.returns_routes = self.routers is not None and moe.routing_replay == "previous"
         self.ddp = DistributedDataParallel(
             tcfg,
             DistributedDataParallelConfig(
@@ -164,12 +172,38 @@ class MegatronPolicyWorker(PolicyWorker):
         if work.batching.packing_tokens_per_row is not None:
             raise ConfigError("policy.sequence_packing is not implemented by the megatron backend")
         cp, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+        tp_part = ((parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size())
+                   if self.options.sequence_parallel else None)
         out = []
         for idx in work.microbatches:
             mb = work.batch.select(idx)
             rows = make_rows(mb["input_ids"], mb["input_lengths"], self.row_multiple, cp, cp_rank)
-            out.append(Microbatch(mb, rows.to(self.device)))
+            routes = None
+            if self.routers is not None and ROUTES_FIELD in mb:
+                routes = lay_out(mb[ROUTES_FIELD], mb["input_lengths"], rows, tp_part).to(self.device)
+            out.append(Microbatch(mb, rows.to(self.device), routes))
         return out
+
+    def _give_routes(self, mb: Microbatch) -> None:
+        if self.routers is not None:
+            self.routers.set(mb.routes)
+
+    def _run(self, microbatches: list[Microbatch], stage, *, forward_only: bool) -> list[dict[str, Any]]:
+        return run_microbatches(self.ddp, microbatches, stage, forward_only=forward_only, before_forward=self._give_routes)
+
+    def _chosen_routes(self, mb: Microbatch) -> torch.Tensor:
+        """The experts the routers chose in the forward just run on ``mb``, per sample: int16
+        [b, S, layers, k], :data:`NO_ROUTE` past each sample's length (one pipeline stage, no
+        context or sequence parallelism: the configuration checks refuse the others)."""
+        taken = self.routers.take()  # [width x b, layers, k], position-major
+        b, width = mb.rows.input_ids.shape
+        chosen = taken.view(width, b, *taken.shape[1:]).transpose(0, 1)
+        samples = mb.batch["input_ids"].shape[1]
+        out = torch.full((b, samples, *taken.shape[1:]), NO_ROUTE, dtype=taken.dtype)
+        n = min(samples, width)
+        out[:, :n] = chosen[:, :n]
+        real = torch.arange(samples)[None, :] < mb.batch["input_lengths"][:, None]
+        return torch.where(real[..., None, None], out, NO_ROUTE)
 
     def _logprobs_of(self, hidden: torch.Tensor, mb: Microbatch) -> torch.Tensor:
         return sample_logprobs(
@@ -180,20 +214,40 @@ class MegatronPolicyWorker(PolicyWorker):
 
     @cpu_compat.cuda_as_cpu_method
     def logprobs(self, work: RankWork, reference: bool = False) -> Batch | None:
-        """``logprobs`` [n, S] of this replica's samples (current or reference weights)."""
+        """``logprobs`` [n, S] of this replica's samples (current or reference weights); with
+        ``policy.moe.routing_replay: previous`` (current weights) also ``routed_experts`` [n, S,
+        layers, k], the experts its routers chose, for the training passes to replay."""
+        routes = self.returns_routes and not reference
 
         def stage(hidden: torch.Tensor, mb: Microbatch):
-            return hidden.new_zeros(()), {"logprobs": self._logprobs_of(hidden, mb).float().cpu()}
+            report = {"logprobs": self._logprobs_of(hidden, mb).float().cpu()}
+            if routes:
+                report[ROUTES_FIELD] = self._chosen_routes(mb)
+            return hidden.new_zeros(()), report
 
         self.ddp.eval()
-        with self._reference_weights() if reference else contextlib.nullcontext(), torch.no_grad():
-            reports = run_microbatches(self.ddp, self._microbatches(work), stage, forward_only=True)
+        if routes:
+            self.routers.record = True
+        try:
+            with self._reference_weights() if reference else contextlib.nullcontext(), torch.no_grad():
+                reports = self._run(self._microbatches(work), stage, forward_only=True)
+        finally:
+            if self.routers is not None:
+                self.routers.record = False
+                self.routers.agreement.counts()  # the training pass reports the agreement, not this one
         if not self.holds_results:
             return None
-        out = torch.zeros(work.batch["input_ids"].shape, dtype=torch.float32)
+        shape = work.batch["input_ids"].shape
+        name = "reference_logprobs" if reference else "logprobs"
+        out = {name: torch.zeros(shape, dtype=torch.float32)}
+        if routes:
+            layers, k = sum(self.arch.moe_layers), self.arch.experts_per_token
+            out[ROUTES_FIELD] = torch.full((*shape, layers, k), NO_ROUTE, dtype=reports[0][ROUTES_FIELD].dtype)
         for idx, report in zip(work.microbatches, reports, strict=True):
-            out[idx] = report["logprobs"]
-        return Batch({"reference_logprobs" if reference else "logprobs": out})
+            out[name][idx] = report["logprobs"]
+            if routes:
+                out[ROUTES_FIELD][idx] = report[ROUTES_FIELD]
+        return Batch(out)
 
     @cpu_compat.cuda_as_cpu_method
     def topk(self, work: RankWork, k: int) -> Batch | None:
@@ -210,7 +264,9 @@ class MegatronPolicyWorker(PolicyWorker):
 
         self.ddp.eval()
         with torch.no_grad():
-            reports = run_microbatches(self.ddp, self._microbatches(work), stage, forward_only=True)
+            reports = self._run(self._microbatches(work), stage, forward_only=True)
+        if self.routers is not None:
+            self.routers.agreement.counts()  # the training pass reports the agreement, not this one
         if not self.holds_results:
             return None
         values = torch.zeros((n, width - 1, k), dtype=torch.float32)
@@ -256,19 +312,31 @@ class MegatronPolicyWorker(PolicyWorker):
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
         with torch.no_grad() if eval_mode else contextlib.nullcontext():
-            reports = run_microbatches(self.ddp, self._microbatches(work), stage, forward_only=eval_mode)
+            reports = self._run(self._microbatches(work), stage, forward_only=eval_mode)
+        parts = [r["metrics"] for r in reports]
+        if self.routers is not None:  # counts of tokens: summed over ranks, then fractions (agreement_metrics)
+            parts.append(self.routers.agreement_counts(self._routing_groups(), self.device))
         result: dict[str, Any] = {}
         if not eval_mode:
             result["grad_norm"] = self._optimizer_step()
         if self.holds_results:
             result.update(
                 loss=sum(r["loss"] for r in reports),
-                metrics=combine_metrics([r["metrics"] for r in reports], loss_fn.metric_reductions),
+                metrics=combine_metrics(parts, loss_fn.metric_reductions),
                 num_tokens=float(toks),
                 lr=lr,
             )
         result["step_time_s"] = time.perf_counter() - start
         return result
+
+    def _routing_groups(self) -> list[dist.ProcessGroup]:
+        """The ranks whose routers see other tokens or layers of this replica's forwards."""
+        groups = []
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            groups.append(parallel_state.get_pipeline_model_parallel_group())
+        if self.options.sequence_parallel:
+            groups.append(parallel_state.get_tensor_model_parallel_group())
+        return groups
 
     def _set_lr(self) -> float:
         """Set this step's learning rate from ``policy.scheduler``; return it."""
@@ -327,27 +395,53 @@ class MegatronPolicyWorker(PolicyWorker):
     def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
         """Collective: the named whole tensors under Hugging Face names, on rank 0 (CPU,
         ``policy.dtype``); None elsewhere. Tensor-parallel slices are gathered within the
-        first data-parallel replica, pipeline stages send theirs to rank 0."""
+        first data-parallel replica, a layer's experts over its expert-parallel group (whose
+        ranks are the first data-parallel ranks), pipeline stages send theirs to rank 0."""
         wanted = set(names)
         mine: dict[str, torch.Tensor] = {}
-        first_replica = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0
-        if not first_replica:
+        dense_holder = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0
+        expert_holder = parallel_state.get_expert_data_parallel_rank() == 0
+        if not (dense_holder or expert_holder):
             return None
-        tp_group = parallel_state.get_tensor_model_parallel_group()
+        experts: dict[str, list[torch.Tensor]] = {}  # stacked name -> this rank's experts so far
+        local_experts = self.arch.num_experts // parallel_state.get_expert_model_parallel_world_size()
         for name, param in named_parameters(self.model):
-            if not wanted & set(exported_names(self.arch, name, fused_norms=self.fused_norms)):
+            expert = expert_of(name)
+            whole_name = name if expert is None else expert[0]
+            if expert is None and not dense_holder or expert is not None and not expert_holder:
                 continue
-            pieces = [torch.empty_like(param) for _ in range(dist.get_world_size(tp_group))]
-            dist.all_gather(pieces, param.detach().contiguous(), group=tp_group)
+            if not wanted & set(exported_names(self.arch, whole_name, fused_norms=self.fused_norms)):
+                continue
+            group = (parallel_state.get_tensor_model_parallel_group() if expert is None
+                     else parallel_state.get_expert_tensor_parallel_group())
+            pieces = [torch.empty_like(param) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(pieces, param.detach().contiguous(), group=group)
             whole = tp_merge(name, pieces)
-            for hf_name, tensor in to_hf(self.arch, name, whole, fused_norms=self.fused_norms).items():
+            if expert is not None:  # the layer's experts, once this rank has all of its own
+                experts.setdefault(whole_name, []).append(whole)
+                if len(experts[whole_name]) < local_experts:
+                    continue
+                whole = self._gather_experts(torch.stack(experts.pop(whole_name)))
+            for hf_name, tensor in to_hf(self.arch, whole_name, whole, fused_norms=self.fused_norms).items():
                 if hf_name in wanted:
                     mine[hf_name] = tensor.to("cpu", self.compute_dtype, copy=True)
+        if not dense_holder:
+            return None
         if parallel_state.get_pipeline_model_parallel_world_size() > 1 and parallel_state.get_tensor_model_parallel_rank() == 0:
             stages = [None] * parallel_state.get_pipeline_model_parallel_world_size() if self.rank == 0 else None
             dist.gather_object(mine, stages, dst=0, group=parallel_state.get_pipeline_model_parallel_group())
             mine = {k: v for stage in stages for k, v in stage.items()} if self.rank == 0 else mine
         return mine if self.rank == 0 else None
+
+    @staticmethod
+    def _gather_experts(local: torch.Tensor) -> torch.Tensor:
+        """Every expert of a layer [E, ...] from each expert-parallel rank's [E / ep, ...]."""
+        group = parallel_state.get_expert_model_parallel_group()
+        if dist.get_world_size(group) == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts)
 
     def export_hf(self, path: str, shard_bytes: int) -> None:
         """Collective: a Hugging Face folder at ``path`` (written by rank 0)."""
@@ -406,6 +500,7 @@ class MegatronPolicyWorker(PolicyWorker):
             "tensor_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
             "pipeline_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
             "context_parallel_size": parallel_state.get_context_parallel_world_size(),
+            "expert_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
             "sequence_parallel": self.options.sequence_parallel,
             "distributed_optimizer": self.options.distributed_optimizer,
             "device": str(self.device),
