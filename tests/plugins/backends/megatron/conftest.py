@@ -102,6 +102,33 @@ def full_weights(policy) -> dict[str, torch.Tensor]:
     return kit.exported_weights(policy, 1 << 16)
 
 
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between two name -> tensor maps with the same names."""
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def sgd_step(policy, batch: Batch, initial: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+    """One training step of the token NLL on a policy with SGD at lr=1 from weights ``initial``:
+    its gradients (the weight change, Hugging Face names) and the step's metrics."""
+    from posttrain_sft.loss import NLLLoss
+
+    metrics = policy.train(batch, NLLLoss())
+    after = full_weights(policy)
+    return {k: initial[k].double() - after[k].double() for k in after}, metrics
+
+
+def check_sgd_step(policy, model_path: str, batch: Batch, initial: dict[str, torch.Tensor], *, grad_atol: float) -> None:
+    """One SGD step (lr=1) from weights ``initial`` has the float64 reference's loss (1e-6),
+    gradients (``grad_atol``) and gradient norm (1e-5 relative)."""
+    ref_loss, ref_grads = reference_nll_step(model_path, batch)
+    grads, metrics = sgd_step(policy, batch, initial)
+    assert max_diff(grads, ref_grads) < grad_atol
+    assert metrics["loss"] == pytest.approx(ref_loss, abs=1e-6)
+    ref_norm = torch.sqrt(sum(g.pow(2).sum() for g in ref_grads.values()))
+    assert metrics["grad_norm"] == pytest.approx(float(ref_norm), rel=1e-5)
+
+
 def save_tiny_qwen2(path) -> str:
     """A seeded tiny Qwen2 (q/k/v biases, tied embeddings) with the tiny character
     tokenizer, saved as a Hugging Face folder. Biases are random, not Qwen2's zero init,
@@ -173,5 +200,8 @@ def mg():
         reference_topk=reference_topk,
         policy_config=policy_config,
         full_weights=full_weights,
+        max_diff=max_diff,
+        sgd_step=sgd_step,
+        check_sgd_step=check_sgd_step,
         save_tiny_qwen2=save_tiny_qwen2,
     )

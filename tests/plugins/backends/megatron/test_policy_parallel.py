@@ -74,11 +74,6 @@ def trainable(setup):
     return setup["policy"]
 
 
-def _max_diff(a, b) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
-
-
 def test_layout_is_what_was_asked(policy, setup):
     info = policy.info()
     dp, tp, pp = LAYOUTS[setup["layout"]][2]
@@ -117,13 +112,13 @@ def test_exported_weights_are_the_hf_file_bit_for_bit(policy, setup):
         assert torch.equal(setup["initial_weights"][name], tensor), name
 
 
-def test_weight_sync_sends_the_exported_weights_in_bounded_stages(policy, setup):
+def test_weight_sync_sends_the_exported_weights_in_bounded_stages(policy, setup, mg):
     """Tensor slices are merged and pipeline stages gathered one layer group at a time: the
     engine receives the initial weights the HF file holds (test above), staged in bounds."""
     from posttrain.testing.policy import staging_bound, synced_weights
 
     received, version, stats = synced_weights(policy, bucket_bytes=32 * 1024, version=2)
-    assert version == 2 and _max_diff(received, setup["initial_weights"]) == 0.0
+    assert version == 2 and mg.max_diff(received, setup["initial_weights"]) == 0.0
     assert stats.num_buckets > 1 and 0 < stats.peak_staging_bytes <= staging_bound(setup["initial_weights"], 32 * 1024)
 
 
@@ -132,14 +127,7 @@ def test_training_matches_the_reference(policy, setup, mg):
     if setup["layout"] == "dp2_distopt":
         _check_adamw_steps(policy, setup, mg)
         return
-    ref_loss, ref_grads = mg.reference_nll_step(setup["model_path"], setup["batch"])
-    metrics = policy.train(setup["batch"], NLLLoss())
-    after = mg.full_weights(policy)
-    grads = {k: setup["initial_weights"][k].double() - after[k].double() for k in after}  # SGD, lr = 1
-    assert _max_diff(grads, ref_grads) < 5e-7
-    assert metrics["loss"] == pytest.approx(ref_loss, abs=1e-6)
-    ref_norm = torch.sqrt(sum(g.pow(2).sum() for g in ref_grads.values()))
-    assert metrics["grad_norm"] == pytest.approx(float(ref_norm), rel=1e-5)
+    mg.check_sgd_step(policy, setup["model_path"], setup["batch"], setup["initial_weights"], grad_atol=5e-7)
 
 
 def _check_adamw_steps(policy, setup, mg):
@@ -158,8 +146,8 @@ def _check_adamw_steps(policy, setup, mg):
         metrics = policy.train(batch, NLLLoss())
         assert metrics["loss"] == pytest.approx(float(loss), abs=1e-4), step
     want = {k: v.detach() for k, v in model.named_parameters()}
-    assert _max_diff(mg.full_weights(policy), want) < 1e-4
-    assert _max_diff(want, setup["initial_weights"]) > 1e-2  # the weights moved
+    assert mg.max_diff(mg.full_weights(policy), want) < 1e-4
+    assert mg.max_diff(want, setup["initial_weights"]) > 1e-2  # the weights moved
 
 
 def test_checkpoint_resume_continues_exactly(trainable, setup, mg, tmp_path):
@@ -172,7 +160,7 @@ def test_checkpoint_resume_continues_exactly(trainable, setup, mg, tmp_path):
     policy.load_checkpoint(str(tmp_path / "step_1"))
     again = policy.train(batch, NLLLoss())
     assert again["loss"] == second["loss"] and again["grad_norm"] == second["grad_norm"]
-    assert _max_diff(mg.full_weights(policy), weights) == 0.0
+    assert mg.max_diff(mg.full_weights(policy), weights) == 0.0
 
 
 @pytest.mark.slow
@@ -186,7 +174,7 @@ def test_checkpoint_loads_under_another_layout(trainable, setup, mg, virtual_clu
     single = MegatronPolicy(mg.policy_config(setup["model_path"]), virtual_cluster, name="megatron-reloaded")
     try:
         single.load_checkpoint(str(tmp_path / "step_1"))
-        assert _max_diff(mg.full_weights(single), weights) == 0.0
+        assert mg.max_diff(mg.full_weights(single), weights) == 0.0
         assert single.train(batch, NLLLoss())["loss"] == pytest.approx(following["loss"], abs=1e-6)
     finally:
         single.shutdown()
