@@ -96,7 +96,7 @@ def test_posttrain_plugins_lists_the_backends_with_lora():
     assert lines[dtensor + 1] == "  config section: policy.dtensor"
     assert lines[dtensor + 2].startswith("  features: LoRA (policy.lora), ")
     megatron = lines.index("  policy backend: megatron")
-    assert not lines[megatron + 2].startswith("  features"), lines[megatron : megatron + 3]
+    assert lines[megatron + 2].startswith("  features: ") and "LoRA" not in lines[megatron + 2], lines[megatron + 2]
     vllm = lines.index("  generation backend: vllm")
     assert lines[vllm + 2].startswith("  features: LoRA adapters sent by refit (policy.lora.refit: adapter), ")
 
