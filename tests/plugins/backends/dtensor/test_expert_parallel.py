@@ -1,6 +1,8 @@
 """Expert parallelism (``policy.moe.expert_parallel_size``) against one rank: two ranks in one
-expert-parallel group (Qwen3-MoE; DeepSeek-V3, with multi-head latent attention, a shared
-expert and group-limited routing), and four ranks in two groups, where FSDP also sums the
+expert-parallel group (DeepSeek-V3, with multi-head latent attention, a shared expert and
+group-limited routing), the same group with each of its ranks a tensor-parallel pair (Qwen3-MoE
+on four ranks: attention split over each pair, the experts over the group), and four ranks in
+two groups, where FSDP also sums the
 experts' gradients over the groups (Mixtral). Each rank holds half of every layer's experts and
 the tokens reach them by all-to-all; the logprobs are one rank's within 1e-6 (relative), a
 step's gradients within 1e-6; so are a LoRA step's (the split experts frozen). SGD with lr=1: a
@@ -16,15 +18,21 @@ from posttrain_dtensor.policy import DTensorPolicy
 
 pytestmark = pytest.mark.ray
 
-# name: (architecture, num_workers); expert_parallel_size 2 throughout, 4 experts per layer
-LAYOUTS = {"ep2": ("qwen3_moe", 2), "ep2_deepseek_v3": ("deepseek_v3", 2), "ep2_dp2": ("mixtral", 4)}
+# name: (architecture, num_workers, tensor-parallel size); expert_parallel_size 2 throughout, 4 experts per layer
+LAYOUTS = {"ep2_tp2": ("qwen3_moe", 4, 2), "ep2_deepseek_v3": ("deepseek_v3", 2, 1), "ep2_dp2": ("mixtral", 4, 1)}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def setup(request, zoo_model, virtual_cluster, dt, tmp_path_factory):
-    architecture, workers = LAYOUTS[request.param]
-    model = (dt.deepseek_v3(tmp_path_factory.mktemp("deepseek_v3"), zoo_model("qwen3_moe"))
-             if architecture == "deepseek_v3" else zoo_model(architecture))
+    from posttrain.testing.zoo import build_zoo_model
+
+    architecture, workers, tp = LAYOUTS[request.param]
+    if architecture == "deepseek_v3":
+        model = dt.deepseek_v3(tmp_path_factory.mktemp("deepseek_v3"), zoo_model("qwen3_moe"))
+    elif tp > 1:  # key/value heads the tensor-parallel size divides
+        model = str(build_zoo_model(tmp_path_factory.mktemp(architecture), architecture, num_key_value_heads=tp))
+    else:
+        model = zoo_model(architecture)
     batch = dt.make_batch()
     one_rank = DTensorPolicy(dt.policy_config(model), virtual_cluster, name=f"policy-{request.param}-one-rank")
     initial = dt.full_weights(one_rank)
@@ -32,7 +40,7 @@ def setup(request, zoo_model, virtual_cluster, dt, tmp_path_factory):
     one_rank.train(batch, dt.nll)
     one_rank_grads = dt.sgd_grads(initial, dt.full_weights(one_rank), lr=1.0)
     one_rank.shutdown()
-    config = dt.policy_config(model, num_workers=workers, moe=MoEConfig(expert_parallel_size=2))
+    config = dt.policy_config(model, num_workers=workers, tensor_parallel_size=tp, moe=MoEConfig(expert_parallel_size=2))
     policy = DTensorPolicy(config, virtual_cluster, name=f"policy-{request.param}")
     initial_ckpt = str(tmp_path_factory.mktemp(request.param) / "step_0")
     policy.save_checkpoint(initial_ckpt)
@@ -43,8 +51,9 @@ def setup(request, zoo_model, virtual_cluster, dt, tmp_path_factory):
 
 def test_each_rank_holds_half_of_the_experts(policy, setup):
     info = policy.info()
-    workers = LAYOUTS[setup["layout"]][1]
-    assert (info["world_size"], info["data_parallel_size"], info["expert_parallel_size"]) == (workers, workers, 2)
+    _, workers, tp = LAYOUTS[setup["layout"]]
+    assert (info["world_size"], info["data_parallel_size"], info["expert_parallel_size"]) == (workers, workers // tp, 2)
+    assert info["tensor_parallel_size"] == tp
     assert info["experts_per_rank"] == 2
 
 

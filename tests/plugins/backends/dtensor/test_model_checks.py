@@ -1,8 +1,8 @@
 """Models and layouts the dtensor backend cannot serve are refused when the config is loaded,
 before Ray or any worker starts, from the model's config.json: a tensor-parallel plan with
-styles it does not implement (the packed experts of a mixture of experts), head counts the
-tensor-parallel size does not divide, logit scaling, an expert-parallel size the experts cannot be
-split by. The plans it does serve (tied
+styles it does not implement, head counts the tensor-parallel size does not divide, logit
+scaling, an expert-parallel size the experts cannot be split by. A mixture of experts' experts
+stay whole under tensor parallelism. The plans it does serve (tied
 embeddings, Qwen 3's and Gemma 3's q/k norms, Phi-3's and OLMo 2's gathered projections)
 are checked against transformers by the model matrix (tests/e2e/test_model_matrix.py)."""
 
@@ -18,24 +18,43 @@ IMPLEMENTED = ("colwise, colwise_gather_output, embedding_rowwise, replicated_wi
                "rowwise_split_input")
 
 
-def refusal(tmp_path, model: str, *overrides: str) -> str:
+def load_config_text(tmp_path, model: str, *overrides: str):
     path = tmp_path / "run.yaml"
     path.write_text(f"policy:\n  backend: dtensor\n  model: {model}\n")
+    return load_config(str(path), list(overrides))
+
+
+def refusal(tmp_path, model: str, *overrides: str) -> str:
     with pytest.raises(ConfigError) as error:
-        load_config(str(path), list(overrides))
+        load_config_text(tmp_path, model, *overrides)
     return str(error.value)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_tensor_parallel_experts_are_refused_naming_the_styles(tmp_path, arch):
+def test_tensor_parallelism_splits_a_mixture_of_experts_dense_layers_and_keeps_its_experts_whole(tmp_path, arch):
+    from transformers import AutoConfig
+
+    from posttrain_dtensor.parallel import dense_plan
+
     model = str(build_zoo_model(tmp_path / arch, arch, num_key_value_heads=2))
+    config = load_config_text(tmp_path, model, "policy.num_workers=2", "policy.tensor_parallel_size=2")
+    assert config.policy.tensor_parallel_size == 2
+    plan = dense_plan(AutoConfig.from_pretrained(model))
+    assert not any(".experts" in name for name in plan)
+    assert plan["layers.*.self_attn.q_proj"] == "colwise" and plan["layers.*.self_attn.o_proj"] == "rowwise"
+
+
+def test_a_plan_style_the_backend_does_not_implement_is_refused_naming_it(tmp_path, monkeypatch):
+    from transformers import LlamaConfig
+
+    model = str(build_zoo_model(tmp_path / "llama", "llama", num_key_value_heads=2))
+    monkeypatch.setattr(LlamaConfig, "base_model_tp_plan", {"layers.*.self_attn.q_proj": "local_colwise"})
     message = refusal(tmp_path, model, "policy.num_workers=2", "policy.tensor_parallel_size=2")
     assert message == (
-        f"policy.tensor_parallel_size > 1: the tensor-parallel plan of model type '{arch}' uses styles the dtensor "
-        "backend does not implement (the packed experts of a mixture of experts, which it does not split): "
-        "{'layers.*.mlp.experts.gate_up_proj': 'packed_colwise', 'layers.*.mlp.experts': 'moe_tp_experts'}; it "
+        "policy.tensor_parallel_size > 1: the tensor-parallel plan of model type 'llama' uses styles the dtensor "
+        "backend does not implement: {'layers.*.self_attn.q_proj': 'local_colwise'}; it "
         f"implements {IMPLEMENTED}. Set policy.tensor_parallel_size=1 for this model (FSDP over policy.num_workers "
-        "shards it; policy.moe.expert_parallel_size splits its experts over ranks)"
+        "shards it)"
     )
 
 

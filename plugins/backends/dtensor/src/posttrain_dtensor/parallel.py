@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from posttrain.backend.vision import embed_with_images
 from posttrain.errors import ConfigError
+from posttrain_dtensor.experts import EXPERTS_STYLE
 from posttrain_dtensor.lora import plan_key_matches, tensor_parallel_plan
 
 #: Hugging Face tensor-parallel styles this backend applies with ``parallelize_module``, by
@@ -144,37 +145,46 @@ def check_model_fits(config: object, tp_size: int) -> None:
         check_tensor_parallel(config)
 
 
+def dense_plan(config: object) -> dict[str, str]:
+    """A (text) config's ``base_model_tp_plan`` without a mixture of experts' experts: the
+    entries of style :data:`~posttrain_dtensor.experts.EXPERTS_STYLE` and those under them. The
+    experts stay whole on every tensor-parallel rank, which all route the same tokens (their
+    inputs are whole there); expert parallelism splits them instead."""
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    experts = [name for name, style in plan.items() if style == EXPERTS_STYLE]
+    return {name: style for name, style in plan.items()
+            if not any(name == prefix or name.startswith(prefix + ".") for prefix in experts)}
+
+
 def check_tensor_parallel(config: object) -> None:
     """Refuse a model whose ``base_model_tp_plan`` is missing or uses a style this backend
-    does not serve, naming the entries and the styles it does."""
+    does not serve (outside a mixture of experts' experts, which stay whole), naming the
+    entries and the styles it does."""
     model_type = getattr(config, "model_type", "?")
-    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
-    if not plan:
+    if not getattr(config, "base_model_tp_plan", None):
         raise ConfigError(
             f"policy.tensor_parallel_size > 1, but the model type '{model_type}' has no base_model_tp_plan in "
             "transformers; set policy.tensor_parallel_size=1 (FSDP over policy.num_workers shards it)"
         )
+    plan = dense_plan(config)
     unsupported = {name: style for name, style in plan.items() if style not in (*TP_STYLES, *WHOLE_STYLES)}
     if unsupported:
-        experts = any(style in ("packed_colwise", "moe_tp_experts") for style in unsupported.values())
-        what = " (the packed experts of a mixture of experts, which it does not split)" if experts else ""
-        split = "; policy.moe.expert_parallel_size splits its experts over ranks" if experts else ""
         raise ConfigError(
             f"policy.tensor_parallel_size > 1: the tensor-parallel plan of model type '{model_type}' uses styles "
-            f"the dtensor backend does not implement{what}: {unsupported}; it implements "
+            f"the dtensor backend does not implement: {unsupported}; it implements "
             f"{', '.join(sorted((*TP_STYLES, *WHOLE_STYLES)))}. Set policy.tensor_parallel_size=1 for this model "
-            f"(FSDP over policy.num_workers shards it{split})"
+            "(FSDP over policy.num_workers shards it)"
         )
 
 
 def apply_tensor_parallel(lm: nn.Module, tp_mesh: DeviceMesh, *, adapters: bool = False) -> list[nn.Module]:
     """Shard ``lm``'s decoder (:func:`split_decoder`) over ``tp_mesh`` following its (text
-    config's) ``base_model_tp_plan`` (with
+    config's) ``base_model_tp_plan`` without the experts (:func:`dense_plan`; with
     ``adapters``, as :func:`posttrain_dtensor.lora.tensor_parallel_plan` extends it to the
     LoRA layers; the plan was checked by :func:`check_tensor_parallel`). Returns the modules
     whose parameters' gradients :func:`sum_gradients` must sum over the ranks."""
     decoder = split_decoder(lm)
-    plan = dict(lm.config.get_text_config().base_model_tp_plan)
+    plan = dense_plan(lm.config.get_text_config())
     summed = [name for name, style in plan.items() if style == "replicated_with_grad_allreduce"]
     plan = {name: style for name, style in plan.items() if style in TP_STYLES}
     if adapters:
