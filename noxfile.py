@@ -30,10 +30,13 @@ TEST_ENV = {
 
 
 def install(session: nox.Session, *packages: str) -> None:
-    """Install core, every plugin and the given extras, all through the constraints file."""
+    """Install core, every plugin and the given extras, all through the constraints file.
+    Source packages (ours, 21 of them) build with the environment's setuptools, installed
+    first: with build isolation pip sets up a build environment for each (reinstalling the 21
+    on 2 busy cores: 135 s with isolation, 44 s without)."""
     editable = [arg for path in ["core", *PLUGINS, *EXAMPLE_PLUGINS] for arg in ("-e", path)]
-    session.install("-c", "constraints.txt", "torch==2.13.0")
-    session.install("-c", "constraints.txt", *editable, "pytest", "tensorboard", *packages)
+    session.install("-c", "constraints.txt", "torch==2.13.0", "setuptools>=68")
+    session.install("-c", "constraints.txt", "--no-build-isolation", *editable, "pytest", "tensorboard", *packages)
     # run_install: also under --install-only, which skips session.run
     session.run_install("python", "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY_EXTRAS, silent=True)
 
