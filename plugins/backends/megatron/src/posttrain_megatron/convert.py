@@ -96,6 +96,10 @@ class Architecture:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def has_experts(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based, of the whole model) is a mixture-of-experts layer."""
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
     @classmethod
     def from_hf_config(cls, cfg: Any) -> Architecture:
         """Read a ``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``, ``MistralConfig``,
@@ -349,7 +353,7 @@ def hf_names(arch: Architecture) -> list[str]:
         names += attn + [f"{p}self_attn.o_proj.weight"]
         if arch.qk_norm:
             names += [p + name for name in QK_NORM_NAMES]
-        if arch.moe_layers and arch.moe_layers[i]:
+        if arch.has_experts(i):
             names += [p + name for name in _EXPERT_ORDER[arch.model_type]]
         else:
             names += [f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
@@ -391,7 +395,7 @@ def megatron_names(arch: Architecture, *, fused_norms: bool = False) -> list[str
     stacked); a tied model lists ``output_layer.weight`` too (a copy on the last pipeline stage)."""
     names = ["embedding.word_embeddings.weight"]
     for i in range(arch.num_layers):
-        experts = bool(arch.moe_layers and arch.moe_layers[i])
+        experts = arch.has_experts(i)
         per_layer = [*layer_names(fused_norms, experts=experts).values(), "self_attention.linear_qkv.weight"]
         if not experts:
             per_layer.append("mlp.linear_fc1.weight")
@@ -420,7 +424,7 @@ def hf_sources(arch: Architecture, name: str, *, fused_norms: bool = False) -> l
         return [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"]
     if rest == "mlp.linear_fc1.weight":
         return [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
-    experts = bool(arch.moe_layers and arch.moe_layers[int(m.group(1))])
+    experts = arch.has_experts(int(m.group(1)))
     for hf_name, mg_name in {**layer_names(fused_norms, experts=experts), **(QK_NORM_NAMES if arch.qk_norm else {})}.items():
         if rest == mg_name:
             return [p + hf_name]

@@ -117,7 +117,7 @@ def layer_spec(config: TransformerConfig, arch: Architecture, options: MegatronC
             ) from exc
     dense, experts = _local_layer(config, None), _local_layer(config, arch.num_experts or None)
     first = get_transformer_layer_offset(config)
-    layers = [experts if arch.moe_layers and arch.moe_layers[first + i] else dense
+    layers = [experts if arch.has_experts(first + i) else dense
               for i in range(get_num_layers_to_build(config))]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
 
@@ -159,8 +159,8 @@ def named_parameters(model: GPTModel) -> Iterator[tuple[str, torch.nn.Parameter]
     experts over the expert-parallel ranks (rank ``r`` of ``ep`` holds experts ``r * E / ep``
     onwards)."""
     offsets = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
-    first_expert = parallel_state.get_expert_model_parallel_rank() * (model.config.num_moe_experts or 0) // max(
-        parallel_state.get_expert_model_parallel_world_size(), 1)
+    first_expert = (parallel_state.get_expert_model_parallel_rank() * (model.config.num_moe_experts or 0)
+                    // parallel_state.get_expert_model_parallel_world_size())
     for name, param in model.named_parameters():
         name = _LOCAL_EXPERT.sub(lambda m: f".mlp.experts.local_experts.{first_expert + int(m.group(1))}.", name)
         yield _LAYER.sub(lambda m: f"decoder.layers.{offsets[int(m.group(1))]}.", name), param

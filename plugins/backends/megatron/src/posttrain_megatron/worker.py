@@ -408,7 +408,7 @@ class MegatronPolicyWorker(PolicyWorker):
         for name, param in named_parameters(self.model):
             expert = expert_of(name)
             whole_name = name if expert is None else expert[0]
-            if expert is None and not dense_holder or expert is not None and not expert_holder:
+            if not (dense_holder if expert is None else expert_holder):
                 continue
             if not wanted & set(exported_names(self.arch, whole_name, fused_norms=self.fused_norms)):
                 continue
