@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 # Set before anything imports transformers, ray or vllm.
@@ -43,55 +42,91 @@ def zoo_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(fork_servers):
     """One local Ray cluster for the whole session (4 logical CPUs on any machine); its worker
     processes start as a run's do (posttrain's setup hook), forked from servers that imported
     torch and transformers once (:mod:`tests.worker_forks`): one for the environment of this
-    process, one with ``OMP_WAIT_POLICY=PASSIVE`` as GRPO's workers get it."""
+    process, one with ``OMP_WAIT_POLICY=PASSIVE`` as GRPO's workers get it; and, once the
+    cluster is up, two that imported vLLM too, for this session's engines in the environments
+    the vLLM backend gives them (their workers start fresh until these listen)."""
+    import importlib.util
+
     import ray
 
     from posttrain.distributed.cluster import setup_worker_process
+    from posttrain.log import QUIET_LIBRARY_ENV
+    from tests.worker_forks import PRELOAD, PRELOAD_VLLM, ray_environment
 
     if ray.is_initialized():
         yield ray
         return
-    with worker_fork_servers([{}, {"OMP_WAIT_POLICY": "PASSIVE"}]) as py_executable:
-        # address="local": a cluster of its own, never one a developer started with `ray start`
-        hook = f"{setup_worker_process.__module__}.{setup_worker_process.__name__}"
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True, configure_logging=False,
-                 runtime_env={"worker_process_setup_hook": hook, "py_executable": py_executable})
-        yield ray
-        ray.shutdown()
+    fork_servers.start({}, PRELOAD)
+    fork_servers.start({"OMP_WAIT_POLICY": "PASSIVE"}, PRELOAD)
+    fork_servers.wait()
+    # address="local": a cluster of its own, never one a developer started with `ray start`
+    hook = f"{setup_worker_process.__module__}.{setup_worker_process.__name__}"
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True, configure_logging=False,
+             runtime_env={"worker_process_setup_hook": hook, "py_executable": fork_servers.py_executable})
+    if importlib.util.find_spec("vllm") is not None:
+        # the RAY_ variables of this job's workers (job id, raylet pid), which the servers' Ray reads at import
+        workers = ray.get(ray.remote(lambda: ray_environment(os.environ)).remote())
+        engine = {**workers, **QUIET_LIBRARY_ENV, "VLLM_LOGGING_LEVEL": "ERROR"}  # as posttrain_vllm starts its engines
+        fork_servers.start(engine, PRELOAD_VLLM)
+        fork_servers.start({**engine, "OMP_WAIT_POLICY": "PASSIVE"}, PRELOAD_VLLM)
+    yield ray
+    ray.shutdown()
 
 
-@contextlib.contextmanager
-def worker_fork_servers(environments):
-    """Fork servers (:func:`tests.worker_forks.serve`), one per extra environment in
-    ``environments``; yields the ``py_executable`` that starts Ray's workers through them."""
-    import shutil
-    import subprocess
-    import sys
-    import tempfile
-    import time
+class ForkServers:
+    """Worker fork servers (:func:`tests.worker_forks.serve`) with their sockets in one
+    directory; :attr:`py_executable` starts Ray's workers through them."""
 
-    from tests import worker_forks
+    def __init__(self, directory: str):
+        from tests import worker_forks
 
-    directory = tempfile.mkdtemp(prefix="posttrain-forks-")  # short: a socket's path has at most 107 bytes
-    servers = [subprocess.Popen([sys.executable, worker_forks.__file__, "serve", directory], env={**os.environ, **extra})
-               for extra in environments]
-    try:
-        sockets = [worker_forks.socket_path(directory, {**os.environ, **extra}) for extra in environments]
-        deadline = time.monotonic() + 180  # past it, workers start fresh until their server listens
-        while not all(path.exists() for path in sockets) and time.monotonic() < deadline:
-            if any(server.poll() is not None for server in servers):
-                raise RuntimeError(f"a worker fork server exited: {[server.returncode for server in servers]}")
+        self.directory, self.processes, self.sockets = directory, [], []
+        self.environ = dict(os.environ)  # as the workers get it: before ray.init sets the driver's PYTHONBREAKPOINT
+        self.py_executable = worker_forks.py_executable(directory)
+
+    def start(self, extra_env: dict[str, str], preload) -> None:
+        """A server for workers whose import-time environment is this process's (as it was
+        when the servers were created) plus ``extra_env``, that imports ``preload``."""
+        import subprocess
+        import sys
+
+        from tests import worker_forks
+
+        env = {**self.environ, **extra_env}
+        self.processes.append(subprocess.Popen([sys.executable, worker_forks.__file__, "serve", self.directory,
+                                                *preload], env=env))
+        self.sockets.append(worker_forks.socket_path(self.directory, env))
+
+    def wait(self, timeout_s: float = 180) -> None:
+        """Until every server started listens (past ``timeout_s``, its workers start fresh
+        until it does); a server that exits fails the session."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not all(path.exists() for path in self.sockets) and time.monotonic() < deadline:
+            if any(server.poll() is not None for server in self.processes):
+                raise RuntimeError(f"a worker fork server exited: {[server.returncode for server in self.processes]}")
             time.sleep(0.1)
-        yield worker_forks.py_executable(directory)
+
+
+@pytest.fixture(scope="session")
+def fork_servers():
+    """The session cluster's :class:`ForkServers`, killed at the session's end."""
+    import shutil
+    import tempfile
+
+    servers = ForkServers(tempfile.mkdtemp(prefix="posttrain-forks-"))  # short: a socket's path has at most 107 bytes
+    try:
+        yield servers
     finally:
-        for server in servers:
+        for server in servers.processes:
             server.kill()
             server.wait()
-        shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(servers.directory, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,12 +18,13 @@ class Probe:
     def __init__(self):
         # before this actor imports anything: what the process had when Ray handed it the actor
         self.preloaded = "transformers.modeling_utils" in sys.modules
+        self.vllm = "vllm.v1.engine.core" in sys.modules
 
     def report(self) -> dict:
         import numpy
         import torch
 
-        return {"preloaded": self.preloaded, "pid": os.getpid(), "threads": torch.get_num_threads(),
+        return {"preloaded": self.preloaded, "vllm": self.vllm, "pid": os.getpid(), "threads": torch.get_num_threads(),
                 "omp": os.environ.get("OMP_NUM_THREADS"), "wait": os.environ.get("OMP_WAIT_POLICY"),
                 "draw": float(numpy.random.random_sample()), "script": os.path.basename(sys.argv[0])}
 
@@ -52,6 +53,47 @@ def test_a_worker_whose_import_time_environment_differs_starts_fresh(ray_cluster
     active = _report(ray_cluster, runtime_env={"env_vars": {"OMP_WAIT_POLICY": "ACTIVE"}})
 
     assert not active["preloaded"] and active["wait"] == "ACTIVE" and active["threads"] == 1, active
+
+
+def test_engine_workers_are_forked_with_vllm_imported_and_other_workers_without(ray_cluster, fork_servers):
+    pytest.importorskip("vllm")
+    from posttrain.log import QUIET_LIBRARY_ENV
+
+    fork_servers.wait()  # the vLLM servers start with the cluster
+    engine = _report(ray_cluster, runtime_env={"env_vars": {**QUIET_LIBRARY_ENV, "VLLM_LOGGING_LEVEL": "ERROR"}})
+    other = _report(ray_cluster)
+
+    assert engine["preloaded"] and engine["vllm"] and other["preloaded"] and not other["vllm"], (engine, other)
+
+
+def test_a_server_that_imported_ray_refuses_another_jobs_worker_which_starts_fresh(tmp_path):
+    """A vLLM server's Ray read the RAY_ variables when it was imported: a worker of another
+    job is refused and execs a fresh interpreter (here: the client runs a script that reports
+    which)."""
+    import json
+    import subprocess
+    import time
+
+    server = subprocess.Popen([sys.executable, worker_forks.__file__, "serve", str(tmp_path), "ray._raylet"],
+                              env={**os.environ, "RAY_JOB_ID": "01000000"})
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("*.sock")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        script = tmp_path / "report.py"
+        script.write_text("import json, os, sys\nprint(json.dumps(['ray._raylet' in sys.modules, os.getpid()]))\n")
+
+        def client(job: str) -> list:
+            done = subprocess.run([sys.executable, worker_forks.__file__, "client", str(tmp_path), str(script)],
+                                  env={**os.environ, "RAY_JOB_ID": job}, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            return json.loads(done.stdout)
+
+        assert client("01000000")[0] is True  # forked from the server
+        assert client("02000000")[0] is False  # refused: a fresh interpreter
+    finally:
+        server.kill()
+        server.wait()
 
 
 def test_the_import_time_environment_names_the_servers_socket(tmp_path):

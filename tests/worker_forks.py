@@ -3,7 +3,9 @@ imported torch and transformers.
 
 A worker process that imports torch and transformers spends 5-10 s of CPU on it before its
 first line of work, and a run of the suite starts about three hundred of them on two cores.
-Here a fork server (:func:`serve`) imports them once; Ray starts each worker through
+Here a fork server (:func:`serve`) imports them once (a server for vLLM's engine workers
+imports vLLM too, :data:`PRELOAD_VLLM`, and with it Ray, so it serves only the workers
+whose ``RAY_`` variables are its own: one job's on one raylet); Ray starts each worker through
 ``runtime_env={"py_executable": ...}`` (:func:`py_executable`) as this module's client, which
 hands its command line, environment, working directory and standard streams to the server
 and waits for the forked worker to exit. The forked worker then runs Ray's own
@@ -36,9 +38,14 @@ from pathlib import Path
 #: What the server imports before it forks: the imports every policy and engine worker makes.
 PRELOAD = ("torch", "torch.distributed.tensor", "transformers", "transformers.modeling_utils",
            "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto")
+#: What a server for vLLM engine workers imports too: vLLM, the modules an engine imports
+#: while it starts on a CPU, and posttrain's engine worker (about 8 s of CPU here).
+PRELOAD_VLLM = (*PRELOAD, "vllm", "vllm.entrypoints.llm", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
+                "vllm.model_executor.model_loader", "vllm.model_executor.models.llama", "compressed_tensors",
+                "posttrain_vllm.worker", "posttrain_vllm.extension", "posttrain_vllm.transfer")
 #: Variables read when those modules load; a worker whose values differ starts fresh.
 IMPORT_TIME_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "HF_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "TOKENIZERS_",
-                        "PYTHON", "CUDA_", "LD_")
+                        "PYTHON", "CUDA_", "LD_", "VLLM_")
 #: Set by Ray after the worker starts and applied by the fork (:func:`_follow_thread_count`).
 SET_AFTER_START = frozenset({"OMP_NUM_THREADS"})
 _PR_SET_PDEATHSIG = 1
@@ -48,6 +55,12 @@ def import_time_environment(env: Mapping[str, str]) -> dict[str, str]:
     """The variables of ``env`` that the preloaded modules may read when they load."""
     return {key: value for key, value in env.items()
             if key.startswith(IMPORT_TIME_PREFIXES) and key not in SET_AFTER_START}
+
+
+def ray_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The ``RAY_`` variables of ``env``: what Ray's C++ configuration reads when Ray is
+    imported, and what the raylet gives each worker of a job (its id, the raylet's pid)."""
+    return {key: value for key, value in env.items() if key.startswith("RAY_")}
 
 
 def socket_path(directory: str | Path, env: Mapping[str, str]) -> Path:
@@ -75,6 +88,10 @@ def serve(directory: str, preload: Sequence[str] = PRELOAD) -> None:
     for name in preload:
         importlib.import_module(name)
     set_by_imports = {key: value for key, value in os.environ.items() if before.get(key) != value}
+    # Importing Ray (vLLM's engine does) reads Ray's C++ configuration once, from this
+    # environment (RAY_JOB_ID, RAY_RAYLET_PID, ...): a fork can only be a worker whose RAY_
+    # variables are these.
+    ray_env = ray_environment(os.environ) if "ray._raylet" in sys.modules else None
     import gc
 
     gc.collect()
@@ -87,9 +104,12 @@ def serve(directory: str, preload: Sequence[str] = PRELOAD) -> None:
     while True:
         conn, _ = server.accept()
         message, fds, _, _ = socket.recv_fds(conn, 1 << 22, 3)
-        if os.fork() == 0:
+        request = json.loads(message)
+        if ray_env is not None and ray_environment(request["env"]) != ray_env:
+            conn.sendall(json.dumps({"refused": f"this server's Ray was imported with {ray_env}"}).encode())
+        elif os.fork() == 0:
             server.close()
-            _run_worker(conn, json.loads(message), fds, set_by_imports)
+            _run_worker(conn, request, fds, set_by_imports)
         for fd in fds:
             os.close(fd)
         conn.close()
@@ -159,6 +179,8 @@ def client(directory: str, argv: list[str]) -> None:
     reply = conn.recv(4096)
     if not reply:
         sys.exit("the worker fork server closed the connection before forking")
+    if "refused" in json.loads(reply):  # a worker of another Ray job: a fresh interpreter
+        os.execv(sys.executable, [sys.executable, *argv])
     pid = json.loads(reply)["pid"]
 
     def forward(signum: int, _frame: object) -> None:
@@ -178,7 +200,7 @@ def client(directory: str, argv: list[str]) -> None:
 
 if __name__ == "__main__":
     role, directory, *rest = sys.argv[1:]
-    if role == "serve":
-        serve(directory)
+    if role == "serve":  # serve DIRECTORY [MODULE ...]: the modules to preload, else PRELOAD
+        serve(directory, rest or PRELOAD)
     else:
         client(directory, rest)
