@@ -147,7 +147,9 @@ def test_a_stop_discards_the_rounds_generated_ahead_and_the_resumed_run_accounts
         run(config, stop_after_step=3)
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     discarded = [e for e in events if e["event"] == "rollouts generated ahead were discarded"]
-    assert len(discarded) == 1 and discarded[0]["steps"] == [4, 5]  # rounds 4 and 5 had been released
+    # rounds 4 and 5 had been released; the stop waits for the round in progress, and round 5
+    # has not started when the stop finds round 4 still generating (on a busy machine)
+    assert len(discarded) == 1 and discarded[0]["steps"] in ([4], [4, 5]), discarded
     saved = torch.load(tmp_path / "run" / "checkpoints" / "step_3" / "dataloader.pt")
     assert saved["position"] == 3  # after step 3's prompts: rounds 4 and 5 are rolled out again
 

@@ -254,6 +254,10 @@ class GenerationConfig:
     stop_token_ids: list[int] = attrs.field(factory=list)  # end a completion, besides the model's EOS ids
     stop_strings: list[str] = attrs.field(factory=list)  # end a completion (kept in it); a batch may add its own
     ignore_eos: bool = False  # True: the model's EOS ids do not end a completion (only stop_token_ids do)
+    # rows one generate call brings at most, all engines together; engines that reserve room per row (vllm on CPUs:
+    # its KV cache) reserve it for their share of these, and run a larger call in turns. null: the algorithm's count
+    # where it has one (GRPO: the larger of a step's samples and the validation prompts), else the backend's default
+    rows_per_call: int | None = None
     colocated: bool = True  # share devices with the policy and take turns
     # run the engines inside the policy's worker processes, one per rank (backends that declare it: hf):
     # no engine processes, weights loaded in memory at refit; needs colocated (generation and training take turns).

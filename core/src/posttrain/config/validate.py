@@ -73,7 +73,8 @@ def validate_config(config: RunConfig, host: PluginHost | None = None) -> None:
     policy = config.policy
     sizes = [(f"policy.{name}", getattr(policy, name)) for name in
              ("num_workers", "train_global_batch_size", "train_micro_batch_size")]
-    for key, value in [*sizes, *config.replica_factors()]:
+    rows = [("generation.rows_per_call", config.generation.rows_per_call)] if config.generation.rows_per_call is not None else []
+    for key, value in [*sizes, *config.replica_factors(), *rows]:
         if value < 1:
             raise ConfigError(f"{key} must be at least 1, found {value}.{where_set(config, key)}")
     check_requirements(config, host)

@@ -1,5 +1,6 @@
 """The sections GRPO starts its worker groups with: asynchronous GRPO on CPUs makes the
-policy's and the engines' OpenMP threads wait passively, unless the config says otherwise."""
+policy's and the engines' OpenMP threads wait passively, unless the config says otherwise;
+the engines learn the most rows a generate call brings."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import attrs
 
 from posttrain.config import ClusterConfig, GenerationConfig, PolicyConfig, RunConfig, WorkerResources
 from posttrain_grpo.config import AsynchronousConfig, GRPOConfig
-from posttrain_grpo.workers import worker_sections
+from posttrain_grpo.workers import with_rows_per_call, worker_sections
 
 
 def config(staleness: int, *, use_gpus: bool = False, policy_env: dict[str, str] | None = None,
@@ -52,3 +53,10 @@ def test_a_wait_policy_the_config_sets_is_kept(monkeypatch):
     policy, generation = worker_sections(run, grpo)
     assert policy.resources.env_vars["OMP_WAIT_POLICY"] == "ACTIVE"
     assert "OMP_WAIT_POLICY" not in generation.resources.env_vars  # runtime_env's ACTIVE applies
+
+
+def test_rows_per_call_is_a_steps_samples_or_the_validation_prompts_whichever_is_more():
+    grpo = GRPOConfig(num_prompts_per_step=4, num_generations_per_prompt=8)
+    assert with_rows_per_call(GenerationConfig(), grpo, validation_prompts=20).rows_per_call == 32
+    assert with_rows_per_call(GenerationConfig(), grpo, validation_prompts=256).rows_per_call == 256
+    assert with_rows_per_call(GenerationConfig(rows_per_call=8), grpo, validation_prompts=256).rows_per_call == 8

@@ -1,6 +1,7 @@
 """vLLM's CPU attention has no kernel for some head sizes (16 among them): a config whose
 engines run without a GPU on such a model is refused when it is validated, before Ray starts,
-saying what to do; the sizes the check knows are vLLM's own."""
+saying what to do; the sizes the check knows are vLLM's own. An engine without a GPU runs
+its share of the rows a call brings at once, and reserves KV cache for those."""
 
 from __future__ import annotations
 
@@ -48,3 +49,24 @@ def test_the_head_sizes_are_vllms():
             "print(','.join(map(str, B.get_supported_head_sizes())))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert tuple(int(x) for x in out.strip().splitlines()[-1].split(",")) == CPU_HEAD_SIZES
+
+
+def test_an_engine_without_a_gpu_runs_its_share_of_a_calls_rows():
+    from posttrain_vllm.config import VllmGenerationConfig
+    from posttrain_vllm.generation import sized_engine_kwargs
+    from posttrain_vllm.worker import DEFAULT_MAX_NUM_SEQS
+
+    def kwargs(gpus: int = 0, rows: int | None = 33, engines: int = 2, **engine_kwargs) -> dict:
+        run = RunConfig(generation=GenerationConfig(rows_per_call=rows, num_workers=engines,
+                                                    resources=WorkerResources(gpus=gpus)))
+        return sized_engine_kwargs(run, VllmGenerationConfig(engine_kwargs=engine_kwargs))
+
+    assert kwargs() == {"max_num_seqs": 17}  # 33 rows over 2 engines, rounded up
+    assert kwargs(rows=4096, engines=1) == {"max_num_seqs": DEFAULT_MAX_NUM_SEQS}
+    assert kwargs(max_num_seqs=4, block_size=64) == {"max_num_seqs": 4, "block_size": 64}  # the user's
+    assert kwargs(rows=None) == {} and kwargs(gpus=1) == {}
+
+
+def test_rows_per_call_below_one_is_refused():
+    with pytest.raises(ConfigError, match=r"^generation.rows_per_call must be at least 1, found 0"):
+        validate_config(RunConfig(generation=GenerationConfig(rows_per_call=0)))

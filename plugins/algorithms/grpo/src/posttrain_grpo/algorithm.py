@@ -106,7 +106,7 @@ from posttrain_grpo.step import (
     step_seed,
     throughput,
 )
-from posttrain_grpo.workers import worker_sections
+from posttrain_grpo.workers import with_rows_per_call, worker_sections
 
 
 @attrs.frozen
@@ -241,6 +241,8 @@ class GRPORun(LoopSteps):
                 schedule_steps=self.plan.schedule_steps, policy=policy_section, reference=self.needs_reference
             )
         )
+        validation_prompts = 0 if self.val_prompts is None else len(self.val_prompts)
+        generation_section = with_rows_per_call(generation_section, self.grpo, validation_prompts)
         generation = startup.start("generation", lambda: ctx.build_generation(generation_section, host=policy))
         plane = startup.start("data_plane", lambda: SharedPlane(ctx.build_data_plane()))
         self.start_more(startup)

@@ -32,3 +32,12 @@ def worker_sections(config: RunConfig, grpo: GRPOConfig) -> tuple[PolicyConfig, 
         attrs.evolve(policy, resources=policy.resources.with_env_default(WAIT_POLICY, "PASSIVE")),
         attrs.evolve(generation, resources=generation.resources.with_env_default(WAIT_POLICY, "PASSIVE")),
     )
+
+
+def with_rows_per_call(generation: GenerationConfig, grpo: GRPOConfig, validation_prompts: int) -> GenerationConfig:
+    """``generation`` with ``rows_per_call`` filled where it is null: the most rows one generate
+    call of the run brings, the larger of a step's samples (``grpo.samples_per_step``; a turn
+    of a multi-turn round brings no more) and the validation prompts (one greedy row each)."""
+    if generation.rows_per_call is not None:
+        return generation
+    return attrs.evolve(generation, rows_per_call=max(grpo.samples_per_step, validation_prompts))

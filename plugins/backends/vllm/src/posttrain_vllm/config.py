@@ -43,7 +43,8 @@ class VllmGenerationConfig:
     - ``gpu_memory_utilization``: fraction of GPU memory the engine may take (GPU only).
     - ``kv_cache_bytes``: the KV cache's size in bytes (vLLM's ``kv_cache_memory_bytes``).
       None: on GPU, what ``gpu_memory_utilization`` leaves; on CPU, room for as many rows as
-      the engine runs at once (``max_num_seqs``) of ``max_model_len`` tokens each
+      the engine runs at once (``max_num_seqs``: its share of ``generation.rows_per_call``,
+      :func:`~posttrain_vllm.generation.sized_engine_kwargs`) of ``max_model_len`` tokens each
       (:func:`~posttrain_vllm.worker.cpu_kv_cache_bytes`), where vLLM's own default takes a
       fixed size (``VLLM_CPU_KVCACHE_SPACE`` GiB) whatever the model and run need.
     - ``detokenize``: load the tokenizer in the engine, which stop strings need. None: only

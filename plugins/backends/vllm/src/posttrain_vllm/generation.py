@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import attrs
 
@@ -11,7 +12,7 @@ from posttrain.config.schema import RunConfig
 from posttrain.distributed import VirtualCluster
 from posttrain.log import library_env, library_log_level
 from posttrain_vllm.config import BATCH_INVARIANT_VAR, SECTION, VllmGenerationConfig
-from posttrain_vllm.worker import VllmEngineWorker
+from posttrain_vllm.worker import DEFAULT_MAX_NUM_SEQS, VllmEngineWorker
 
 
 def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> WorkerGroupGeneration:
@@ -64,7 +65,20 @@ def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> Worker
             detokenize=options.detokenize if options.detokenize is not None else bool(gen.stop_strings),
             enable_sleep_mode=options.enable_sleep_mode and gen.colocated,
             log_level=engine_log_level,
-            engine_kwargs=dict(options.engine_kwargs),
+            engine_kwargs=sized_engine_kwargs(config, options),
             adapters=adapters,
         ),
     )
+
+
+def sized_engine_kwargs(config: RunConfig, options: VllmGenerationConfig) -> dict[str, Any]:
+    """``generation.vllm.engine_kwargs``, where they leave ``max_num_seqs`` unset and the engines
+    have no GPU, with ``max_num_seqs`` set to an engine's share of ``generation.rows_per_call``
+    (rounded up, at most vLLM's default): the engine then reserves KV cache for those rows
+    (:func:`~posttrain_vllm.worker.cpu_kv_cache_bytes`) instead of vLLM's 256, and runs a larger
+    call in turns. On GPUs the cache follows ``gpu_memory_utilization`` and nothing changes."""
+    kwargs = dict(options.engine_kwargs)
+    gen = config.generation
+    if gen.rows_per_call is not None and "max_num_seqs" not in kwargs and gen.resources.gpus == 0:
+        kwargs["max_num_seqs"] = min(-(-gen.rows_per_call // gen.num_workers), DEFAULT_MAX_NUM_SEQS)
+    return kwargs

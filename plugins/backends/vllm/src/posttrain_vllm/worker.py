@@ -208,10 +208,11 @@ class VllmEngineWorker(EngineWorker):
             completions.append(Completion(tokens, logprobs, truncated=sample.finish_reason == "length"))
         return completions
 
-    def kv_cache_blocks(self) -> tuple[int, int]:
-        """The engine's KV cache: its number of blocks and the tokens a block holds."""
-        cache = self.llm.llm_engine.vllm_config.cache_config
-        return cache.num_gpu_blocks, cache.block_size
+    def kv_cache_blocks(self) -> tuple[int, int, int]:
+        """The engine's KV cache: its number of blocks, the tokens a block holds, and the rows
+        the engine runs at once (``max_num_seqs``)."""
+        engine = self.llm.llm_engine.vllm_config
+        return engine.cache_config.num_gpu_blocks, engine.cache_config.block_size, engine.scheduler_config.max_num_seqs
 
     # ------------------------------------------------------------------ weights
 
