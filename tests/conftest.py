@@ -47,7 +47,7 @@ def ray_cluster(fork_servers):
     processes start as a run's do (posttrain's setup hook), forked from servers that imported
     torch and transformers once (:mod:`tests.worker_forks`): one for the environment of this
     process, one with ``OMP_WAIT_POLICY=PASSIVE`` as GRPO's workers get it; and, once the
-    cluster is up, two that imported vLLM too, for this session's engines in the environments
+    cluster is up, two that imported vLLM too, for the test session's engines in the environments
     the vLLM backend gives them (their workers start fresh until these listen)."""
     import importlib.util
 
