@@ -77,56 +77,21 @@ def ray_cluster(fork_servers):
     ray.shutdown()
 
 
-class ForkServers:
-    """Worker fork servers (:func:`tests.worker_forks.serve`) with their sockets in one
-    directory; :attr:`py_executable` starts Ray's workers through them."""
-
-    def __init__(self, directory: str):
-        from tests import worker_forks
-
-        self.directory, self.processes, self.sockets = directory, [], []
-        self.environ = dict(os.environ)  # as the workers get it: before ray.init sets the driver's PYTHONBREAKPOINT
-        self.py_executable = worker_forks.py_executable(directory)
-
-    def start(self, extra_env: dict[str, str], preload) -> None:
-        """A server for workers whose import-time environment is this process's (as it was
-        when the servers were created) plus ``extra_env``, that imports ``preload``."""
-        import subprocess
-        import sys
-
-        from tests import worker_forks
-
-        env = {**self.environ, **extra_env}
-        self.processes.append(subprocess.Popen([sys.executable, worker_forks.__file__, "serve", self.directory,
-                                                *preload], env=env))
-        self.sockets.append(worker_forks.socket_path(self.directory, env))
-
-    def wait(self, timeout_s: float = 180) -> None:
-        """Until every server started listens (past ``timeout_s``, its workers start fresh
-        until it does); a server that exits fails the session."""
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        while not all(path.exists() for path in self.sockets) and time.monotonic() < deadline:
-            if any(server.poll() is not None for server in self.processes):
-                raise RuntimeError(f"a worker fork server exited: {[server.returncode for server in self.processes]}")
-            time.sleep(0.1)
-
-
 @pytest.fixture(scope="session")
 def fork_servers():
-    """The session cluster's :class:`ForkServers`, killed at the session's end."""
+    """The session cluster's :class:`~tests.worker_forks.ForkServers`, killed at the session's end."""
     import shutil
     import tempfile
 
-    servers = ForkServers(tempfile.mkdtemp(prefix="posttrain-forks-"))  # short: a socket's path has at most 107 bytes
+    from tests.worker_forks import ForkServers
+
+    directory = tempfile.mkdtemp(prefix="posttrain-forks-")  # short: a socket's path has at most 107 bytes
+    servers = ForkServers(directory)
     try:
         yield servers
     finally:
-        for server in servers.processes:
-            server.kill()
-            server.wait()
-        shutil.rmtree(servers.directory, ignore_errors=True)
+        servers.close()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -163,6 +163,42 @@ def _follow_thread_count() -> None:
     utils.set_omp_num_threads_if_unset = set_and_apply
 
 
+class ForkServers:
+    """Fork servers (:func:`serve`) with their sockets in ``directory``; :attr:`py_executable`
+    starts Ray's workers through them."""
+
+    def __init__(self, directory: str | Path):
+        self.directory, self.processes, self.sockets = str(directory), [], []
+        self.environ = dict(os.environ)  # as the workers get it: before ray.init sets the driver's PYTHONBREAKPOINT
+        self.py_executable = py_executable(self.directory)
+
+    def start(self, extra_env: Mapping[str, str], preload: Sequence[str]) -> None:
+        """A server for workers whose import-time environment is this process's (as it was
+        when the servers were created) plus ``extra_env``, that imports ``preload``."""
+        import subprocess
+
+        env = {**self.environ, **extra_env}
+        self.processes.append(subprocess.Popen([sys.executable, __file__, "serve", self.directory, *preload], env=env))
+        self.sockets.append(socket_path(self.directory, env))
+
+    def wait(self, timeout_s: float = 180) -> None:
+        """Until every server started listens (past ``timeout_s``, its workers start fresh
+        until it does); a server that exits raises."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not all(path.exists() for path in self.sockets) and time.monotonic() < deadline:
+            if any(server.poll() is not None for server in self.processes):
+                raise RuntimeError(f"a worker fork server exited: {[server.returncode for server in self.processes]}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        """Kill the servers (the workers they forked live on until they exit)."""
+        for server in self.processes:
+            server.kill()
+            server.wait()
+
+
 # ----------------------------------------------------------------------------- the client
 
 
@@ -179,9 +215,10 @@ def client(directory: str, argv: list[str]) -> None:
     reply = conn.recv(4096)
     if not reply:
         sys.exit("the worker fork server closed the connection before forking")
-    if "refused" in json.loads(reply):  # a worker of another Ray job: a fresh interpreter
+    answer = json.loads(reply)
+    if "refused" in answer:  # a worker of another Ray job: a fresh interpreter
         os.execv(sys.executable, [sys.executable, *argv])
-    pid = json.loads(reply)["pid"]
+    pid = answer["pid"]
 
     def forward(signum: int, _frame: object) -> None:
         try:
