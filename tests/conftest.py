@@ -54,7 +54,6 @@ def ray_cluster(fork_servers):
     import ray
 
     from posttrain.distributed.cluster import setup_worker_process
-    from posttrain.log import QUIET_LIBRARY_ENV
     from tests.worker_forks import PRELOAD, PRELOAD_VLLM, ray_environment
 
     if ray.is_initialized():
@@ -70,7 +69,10 @@ def ray_cluster(fork_servers):
     if importlib.util.find_spec("vllm") is not None:
         # the RAY_ variables of this job's workers (job id, raylet pid), which the servers' Ray reads at import
         workers = ray.get(ray.remote(lambda: ray_environment(os.environ)).remote())
-        engine = {**workers, **QUIET_LIBRARY_ENV, "VLLM_LOGGING_LEVEL": "ERROR"}  # as posttrain_vllm starts its engines
+        from posttrain.config.schema import RunConfig
+        from posttrain_vllm.generation import engine_environment
+
+        engine = {**workers, **engine_environment(RunConfig())}  # a run's engines at the default log level
         fork_servers.start(engine, PRELOAD_VLLM)
         fork_servers.start({**engine, "OMP_WAIT_POLICY": "PASSIVE"}, PRELOAD_VLLM)
     yield ray

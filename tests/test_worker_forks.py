@@ -57,10 +57,11 @@ def test_a_worker_whose_import_time_environment_differs_starts_fresh(ray_cluster
 
 def test_engine_workers_are_forked_with_vllm_imported_and_other_workers_without(ray_cluster, fork_servers):
     pytest.importorskip("vllm")
-    from posttrain.log import QUIET_LIBRARY_ENV
+    from posttrain.config.schema import RunConfig
+    from posttrain_vllm.generation import engine_environment
 
     fork_servers.wait()  # the vLLM servers start with the cluster
-    engine = _report(ray_cluster, runtime_env={"env_vars": {**QUIET_LIBRARY_ENV, "VLLM_LOGGING_LEVEL": "ERROR"}})
+    engine = _report(ray_cluster, runtime_env={"env_vars": engine_environment(RunConfig())})
     other = _report(ray_cluster)
 
     assert engine["preloaded"] and engine["vllm"] and other["preloaded"] and not other["vllm"], (engine, other)

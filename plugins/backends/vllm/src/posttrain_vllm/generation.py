@@ -39,12 +39,7 @@ def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> Worker
     lora = config.policy.lora
     adapters = lora if lora.enabled and lora.refit == "adapter" else None
     engine_log_level = library_log_level(config.logger.level)
-    engine_env = {
-        **library_env(config.logger.level),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_LOGGING_LEVEL": logging.getLevelName(engine_log_level),
-        **({BATCH_INVARIANT_VAR: "1"} if gen.exact_logprobs else {}),
-    }
+    engine_env = engine_environment(config)
     return WorkerGroupGeneration(
         config,
         cluster,
@@ -69,6 +64,17 @@ def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> Worker
             adapters=adapters,
         ),
     )
+
+
+def engine_environment(config: RunConfig) -> dict[str, str]:
+    """The variables the engines' environment gets before ``generation.resources.env_vars``
+    (:func:`create_vllm_generation` says which)."""
+    return {
+        **library_env(config.logger.level),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_LOGGING_LEVEL": logging.getLevelName(library_log_level(config.logger.level)),
+        **({BATCH_INVARIANT_VAR: "1"} if config.generation.exact_logprobs else {}),
+    }
 
 
 def sized_engine_kwargs(config: RunConfig, options: VllmGenerationConfig) -> dict[str, Any]:
