@@ -65,6 +65,88 @@ def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
     assert (manager.latest() / "state.txt").read_text() == "one"
 
 
+#: The calls through which a checkpoint save or deletion touches the file system.
+FILE_SYSTEM_CALLS = ("mkdir", "rename", "replace", "unlink", "rmdir", "fsync")
+
+
+def _save_steps_dying_at_call(directory: Path, crash_at: int, progress: Path) -> None:
+    """In a forked child: SIGKILL itself at its ``crash_at``-th file-system call while it
+    saves steps 1 to 4 (two checkpoints kept, so steps 1 and 2 are pruned), then saves step 4
+    again as a run started over would. After each save returns, it records the save in
+    ``progress``."""
+    real_fsync = os.fsync
+    calls = 0
+
+    def dying(real):
+        def call(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == crash_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in FILE_SYSTEM_CALLS:
+        setattr(os, name, dying(getattr(os, name)))
+
+    def done(label: str) -> None:
+        with open(progress, "a") as f:
+            f.write(label + "\n")
+            f.flush()
+            real_fsync(f.fileno())
+
+    def write(payload: str):
+        def fill(folder: Path) -> None:
+            (folder / "weights").write_text(payload)
+            (folder / "optimizer").write_text(payload)
+
+        return fill
+
+    for step in range(1, 5):
+        CheckpointManager(directory, keep_top_k=2).save(step, write(f"run 1 step {step}"))
+        done(f"run 1 step {step}")
+    CheckpointManager(directory, keep_top_k=2).save(4, write("run 2 step 4"))
+    done("run 2 step 4")
+
+
+def test_a_process_killed_at_any_file_system_call_of_a_save_leaves_complete_checkpoints(tmp_path):
+    """Kill a real process at each of its file-system calls in turn, through saves, pruning
+    and a step saved again: the next manager sees only complete checkpoints, the newest at
+    least as new as the last save that returned, and no debris."""
+    crash_at = 0
+    while True:
+        crash_at += 1
+        directory, progress = tmp_path / f"crash_{crash_at}", tmp_path / f"crash_{crash_at}.progress"
+        directory.mkdir()
+        progress.touch()
+        pid = os.fork()
+        if pid == 0:  # the child never returns into pytest
+            try:
+                _save_steps_dying_at_call(directory, crash_at, progress)
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        if os.WIFEXITED(status):  # past the last call: every crash point was tried
+            break
+        assert os.WTERMSIG(status) == signal.SIGKILL
+        manager = CheckpointManager(directory, keep_top_k=2)  # the next run starts
+        left = sorted(p.name for p in directory.iterdir())
+        assert all(name.startswith("step_") for name in left), (crash_at, left)
+        for step in manager.steps():
+            folder = directory / f"step_{step}"
+            payloads = {(folder / name).read_text() for name in ("weights", "optimizer")}
+            assert payloads in ({f"run 1 step {step}"}, {f"run 2 step {step}"}), (crash_at, step, payloads)
+            assert manager.info(folder)["step"] == step
+        saved = progress.read_text().splitlines()
+        if saved:  # the last save that returned is in place, or a newer one
+            newest = manager.latest()
+            assert newest is not None and manager.steps()[-1] >= int(saved[-1].split()[-1]), (crash_at, saved, left)
+            if saved[-1] == "run 2 step 4":
+                assert (newest / "weights").read_text() == "run 2 step 4"
+    assert crash_at > 40, crash_at  # the scenario made at least that many calls
+
+
 def test_exception_during_write_keeps_previous(tmp_path):
     manager = CheckpointManager(tmp_path)
     manager.save(1, _writer("one"))

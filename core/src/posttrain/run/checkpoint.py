@@ -10,10 +10,16 @@ Layout under the checkpoint directory::
         dataloader.pt      the training data loader's position,
         rng.pt             the driver's random states
     tmp_step_13/           a save in progress (or one killed midway); never loaded
+    pruned_step_9/         a checkpoint being deleted; never loaded
+    replaced_step_12/      a checkpoint of the step being saved again; loaded back only when
+                           the save died before its new ``step_12`` was in place
 
 A save writes everything into ``tmp_step_N``, flushes it to disk, then renames it to
-``step_N`` in one ``os.rename``. A crash at any point leaves every earlier ``step_*``
-untouched, and the next manager removes the stale ``tmp_*`` folder.
+``step_N`` in one ``os.rename``. A checkpoint is deleted (pruned, or replaced by a new save
+of its step) only after it has been renamed out of the ``step_N`` names, so a ``step_N``
+folder is always complete. A process killed at any point leaves every other ``step_*``
+untouched; the next manager removes what it left behind and puts back a replaced checkpoint
+whose successor never landed.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ if TYPE_CHECKING:
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 #: A checkpoint's record of itself; a folder without it is not a complete checkpoint.
 INFO_FILE = "training_info.json"
+#: Prefixes of checkpoint folders on their way out (see the module docstring).
+PRUNED, REPLACED = "pruned_", "replaced_"
 
 
 def checkpoint_dir(config: Any) -> Path:
@@ -111,10 +119,13 @@ class CheckpointManager:
             if full is not None:
                 raise full from exc
             raise
-        if final.exists():  # re-saving a step (e.g. after resume): replace it
-            shutil.rmtree(final)
+        replaced = self.directory / f"{REPLACED}{final.name}"
+        if final.exists():  # a step saved again (a run started over with resume off)
+            os.rename(final, replaced)
         os.rename(tmp, final)
         _fsync_dir(self.directory)
+        if replaced.exists():
+            shutil.rmtree(replaced, ignore_errors=True)  # what remains, the next manager removes
         get_logger().info("checkpoint saved", step=step, path=str(final))
         self._prune()
         return final
@@ -148,9 +159,18 @@ class CheckpointManager:
         _fsync_dir(folder)
 
     def _remove_incomplete(self) -> None:
-        for p in self.directory.glob("tmp_step_*"):
-            get_logger().warning("removing incomplete checkpoint", path=str(p))
-            shutil.rmtree(p, ignore_errors=True)
+        """Remove what a killed save or deletion left; put back a replaced checkpoint whose
+        new save never landed (its deletion starts only once the new ``step_N`` is in place)."""
+        for p in self.directory.glob(f"{REPLACED}step_*"):
+            final = self.directory / p.name.removeprefix(REPLACED)
+            if not final.exists():
+                get_logger().warning("restoring a checkpoint whose new save did not complete", path=str(final))
+                os.rename(p, final)
+                _fsync_dir(self.directory)
+        for pattern in ("tmp_step_*", f"{PRUNED}step_*", f"{REPLACED}step_*"):
+            for p in self.directory.glob(pattern):
+                get_logger().warning("removing incomplete checkpoint", path=str(p))
+                shutil.rmtree(p, ignore_errors=True)
 
     def _prune(self) -> None:
         steps = self.steps()
@@ -159,7 +179,10 @@ class CheckpointManager:
         keep = set(sorted(steps, key=self._rank_key, reverse=True)[: self.keep_top_k]) | {steps[-1]}
         for step in steps:
             if step not in keep:
-                shutil.rmtree(self.directory / f"step_{step}", ignore_errors=True)
+                doomed = self.directory / f"{PRUNED}step_{step}"
+                os.rename(self.directory / f"step_{step}", doomed)
+                _fsync_dir(self.directory)
+                shutil.rmtree(doomed, ignore_errors=True)
 
     def _rank_key(self, step: int) -> tuple[float, int]:
         if self.metric is None:
