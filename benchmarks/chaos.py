@@ -3,10 +3,13 @@ in a clean stop or a transparent restart, and the finished run must log the metr
 never interrupted.
 
     python benchmarks/chaos.py [--kills 20] [--seed 0] [--steps N] [--out runs/chaos]
+                               [--asynchronous] [--data-plane memory|transferqueue]
 
 The run is ``posttrain run grpo`` on ``examples/configs/grpo_math_tiny.yaml`` with the tiny
 model (built here, nothing downloaded), a checkpoint every step and
-``checkpointing.max_restarts`` as large as the number of kills. First an uninterrupted run
+``checkpointing.max_restarts`` as large as the number of kills; ``--asynchronous`` makes it
+asynchronous GRPO (``max_staleness_steps: 1``, the engine on a CPU of its own) and
+``--data-plane transferqueue`` keeps its samples in TransferQueue. First an uninterrupted run
 gives the reference metrics. Then, for each kill, the harness waits until the run has logged
 1 to 3 more steps (drawn at random), waits a random fraction of a second more (the moment
 falls in a rollout, a refit, a training pass or a checkpoint write), and kills a process drawn
@@ -19,6 +22,11 @@ at random:
   and resume when the command is run again;
 - ``driver-kill``: the ``posttrain run`` process (SIGKILL): the command run again must resume
   from the last complete checkpoint;
+- ``driver-save``: the ``posttrain run`` process (SIGKILL) while it writes a checkpoint (the
+  moment its ``tmp_step_N`` folder appears): the same;
+- ``engine``: the generation engine's worker (SIGKILL): the run must restart by itself;
+- ``tq-controller``, ``tq-storage`` (with ``--data-plane transferqueue``): TransferQueue's
+  controller or storage unit (SIGKILL): the run must restart by itself;
 - ``raylet``: the Ray node's raylet (SIGKILL): the run may go on (its workers talk to each other
   directly), restart, or stop within 30 s naming the failure and resume.
 
@@ -26,7 +34,11 @@ After every exit the harness checks that no Ray process of the run is left alive
 command again. It prints one row per kill (what, at which step, what happened, seconds to exit
 or restart) and whether the finished run's training metrics equal the reference's, times and
 the counts of samples sent to an environment again (``env/<name>/retried``) aside
-(``--out`` keeps the runs and a ``chaos.json`` of the rows).
+(``--out`` keeps the runs and a ``chaos.json`` of the rows). An asynchronous run that restarts
+generates its rounds again from the restored weights, so its numbers may differ; it must still
+log every step once and train every step's prompts, the uninterrupted run's, once: the
+harness compares the trained groups and prompts of each step (``async/groups_trained``,
+``mean_prompt_length``).
 """
 
 from __future__ import annotations
@@ -49,7 +61,15 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "examples/configs/grpo_math_tiny.yaml"
-TARGETS = ("policy", "verifier", "driver-term", "driver-kill", "raylet")
+TARGETS = ("policy", "verifier", "driver-term", "driver-kill", "driver-save", "engine", "raylet")
+#: Targets added with ``--data-plane transferqueue``.
+QUEUE_TARGETS = ("tq-controller", "tq-storage")
+#: What a target's process has in its command line (Ray names an actor's process after its class).
+PATTERNS = {"policy": "DTensorPolicyWorker", "verifier": "posttrain.deadline_pool", "raylet": "raylet/raylet",
+            "engine": "EngineWorker", "tq-controller": "ray::TransferQueueController",
+            "tq-storage": "ray::SimpleStorageUnit"}
+#: What an asynchronous run must train as the uninterrupted one did, step by step.
+ASYNC_TRAINED = ("async/groups_trained", "mean_prompt_length", "num_valid_samples")
 #: Metrics that measure time, not what was computed.
 TIMED = ("timing/", "throughput/", "refit/seconds", "step_time_s", "time")
 #: Metrics that count what a fault cost (samples sent to an environment again), not what was trained.
@@ -81,10 +101,29 @@ class Outcome:
     result: str = ""  # restarted | went on | exited N | missed (the target was not running)
     seconds: float | None = None  # to the exit or the restart event
     message: str = ""  # the exit's error or stopped line
-    left_behind: list[str] = attrs.field(factory=list)  # Ray processes alive after the exit
+    left_behind: list[str] = attrs.field(factory=list)  # Ray processes alive LEFT_BEHIND_S after the exit
+    ray_processes: list[psutil.Process] = attrs.field(factory=list, repr=False)  # the run's, when it exited
+    exited_at: float | None = attrs.field(default=None, repr=False)  # time.monotonic()
 
 
-def command(model: Path, run_dir: Path, steps: int, restarts: int) -> list[str]:
+@attrs.frozen
+class Setup:
+    """The run under test: synchronous or asynchronous GRPO, and its data plane."""
+
+    asynchronous: bool = False
+    data_plane: str = "memory"
+
+    def overrides(self) -> list[str]:
+        words = [f"data_plane.backend={self.data_plane}"]
+        if self.asynchronous:
+            words += ["grpo.asynchronous.max_staleness_steps=1", "generation.colocated=false"]
+        return words
+
+    def targets(self) -> tuple[str, ...]:
+        return TARGETS + (QUEUE_TARGETS if self.data_plane == "transferqueue" else ())
+
+
+def command(model: Path, run_dir: Path, steps: int, restarts: int, setup: Setup = Setup()) -> list[str]:
     return [
         sys.executable, "-m", "posttrain.cli", "run", "grpo", "--config", CONFIG, f"policy.model={model}",
         f"run_dir={run_dir}", f"grpo.max_num_steps={steps}", "grpo.max_num_epochs=1000", "grpo.val_at_start=false",
@@ -92,6 +131,7 @@ def command(model: Path, run_dir: Path, steps: int, restarts: int) -> list[str]:
         "checkpointing.save_period=1", "checkpointing.keep_top_k=2", f"checkpointing.max_restarts={restarts}",
         "checkpointing.restart_backoff_s=0.5", "logger.progress_bar=false",
         "policy.in_driver=false",  # a policy worker process of its own, to kill
+        *setup.overrides(),
     ]
 
 
@@ -134,7 +174,7 @@ def find(proc: subprocess.Popen, target: str) -> psutil.Process | None:
     run's process, or a worker orphaned by a killed raylet (adopted by init) since it started."""
     if target.startswith("driver"):
         return psutil.Process(proc.pid)
-    pattern = {"policy": "DTensorPolicyWorker", "verifier": "posttrain.deadline_pool", "raylet": "raylet/raylet"}[target]
+    pattern = PATTERNS[target]
     try:
         driver = psutil.Process(proc.pid)
         candidates = driver.children(recursive=True) + [p for p in psutil.process_iter() if _orphan_since(p, driver)]
@@ -202,7 +242,12 @@ def inflict(kill: Kill, proc: subprocess.Popen, run_dir: Path, log: Path, mark: 
     if not wait(lambda: len(train_records(run_dir)) >= step or proc.poll() is not None, 600) or proc.poll() is not None:
         outcome.result = "missed (the run had ended)"
         return outcome, proc.poll() is not None
-    time.sleep(kill.delay_s)
+    if kill.target == "driver-save":
+        if not saving(run_dir, proc):
+            outcome.result = "missed (no checkpoint write seen)"
+            return outcome, proc.poll() is not None
+    else:
+        time.sleep(kill.delay_s)
     outcome.step = len(train_records(run_dir))
     victim = find(proc, kill.target)
     if victim is None:
@@ -221,7 +266,7 @@ def inflict(kill: Kill, proc: subprocess.Popen, run_dir: Path, log: Path, mark: 
     outcome.seconds = round(time.monotonic() - killed, 1)
     if proc.poll() is not None:
         outcome.result, outcome.message = f"exited {proc.returncode}", last_line(log, log_size)
-        outcome.left_behind = alive_after(ours)
+        outcome.ray_processes, outcome.exited_at = ours, time.monotonic()  # checked at the end: see run_chaos
         return outcome, True
     if events(run_dir, "restarting") > restarts:
         outcome.result = "restarted"
@@ -230,8 +275,22 @@ def inflict(kill: Kill, proc: subprocess.Popen, run_dir: Path, log: Path, mark: 
     return outcome, False
 
 
+def saving(run_dir: Path, proc: subprocess.Popen, timeout_s: float = 120.0) -> bool:
+    """Wait until the run is writing a checkpoint (a ``tmp_step_N`` folder exists); False when
+    none appeared within ``timeout_s`` or the run ended."""
+    folder, deadline = run_dir / "checkpoints", time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if any(entry.name.startswith("tmp_step_") for entry in os.scandir(folder)):
+                return True
+        except FileNotFoundError:
+            pass
+        time.sleep(0.002)
+    return False
+
+
 def alive_after(processes: list[psutil.Process], grace_s: float = LEFT_BEHIND_S) -> list[str]:
-    """Which of ``processes`` still run ``grace_s`` seconds on (see :data:`LEFT_BEHIND_S`)."""
+    """Which of ``processes`` still run ``grace_s`` seconds from now (see :data:`LEFT_BEHIND_S`)."""
 
     def alive() -> list[str]:
         found = []
@@ -247,21 +306,30 @@ def alive_after(processes: list[psutil.Process], grace_s: float = LEFT_BEHIND_S)
     return alive()
 
 
-def plan(kills: int, seed: int) -> list[Kill]:
+def plan(kills: int, seed: int, setup: Setup = Setup()) -> list[Kill]:
     """``kills`` kills of random targets, each 1 to 3 steps after the previous one's outcome,
     a random fraction of a second into the step."""
     rng = random.Random(seed)
-    return [Kill(rng.choice(TARGETS), rng.randint(1, 3), round(rng.uniform(0.0, 1.0), 2)) for _ in range(kills)]
+    targets = setup.targets()
+    return [Kill(rng.choice(targets), rng.randint(1, 3), round(rng.uniform(0.0, 1.0), 2)) for _ in range(kills)]
 
 
-def run_chaos(kills: list[Kill], steps: int, out: Path, model: Path) -> dict[str, Any]:
+def compared(record: dict[str, Any], setup: Setup) -> dict[str, Any]:
+    """What of a step's record must equal the uninterrupted run's: everything it computed
+    (:func:`trained`) when synchronous; what it trained on when asynchronous (module docstring)."""
+    if setup.asynchronous:
+        return {"step": record["step"], **{key: record.get(key) for key in ASYNC_TRAINED}}
+    return trained(record)
+
+
+def run_chaos(kills: list[Kill], steps: int, out: Path, model: Path, setup: Setup = Setup()) -> dict[str, Any]:
     """The reference run, then the killed one; the rows and whether the metrics matched."""
     out.mkdir(parents=True, exist_ok=True)
     reference_dir, chaos_dir = out / "reference", out / "chaos"
-    reference = start(command(model, reference_dir, steps, 0), out / "reference.log")
+    reference = start(command(model, reference_dir, steps, 0, setup), out / "reference.log")
     if reference.wait(timeout=1800) != 0:
         raise SystemExit(f"the uninterrupted run failed: see {out / 'reference.log'}")
-    words, log = command(model, chaos_dir, steps, len(kills)), out / "chaos.log"
+    words, log = command(model, chaos_dir, steps, len(kills), setup), out / "chaos.log"
     proc = start(words, log)
     outcomes = []
     for kill in kills:
@@ -276,18 +344,30 @@ def run_chaos(kills: list[Kill], steps: int, out: Path, model: Path) -> dict[str
         ours = ray_processes(proc) if proc.poll() is None else ours
         proc.wait(timeout=1800)
     records = train_records(chaos_dir)
-    found, expected = [trained(r) for r in records], [trained(r) for r in train_records(reference_dir)]
+    found = [compared(r, setup) for r in records]
+    expected = [compared(r, setup) for r in train_records(reference_dir)]
     retried = sum(v for r in records for k, v in r.items() if k.endswith(FAULT_COUNTS))
-    return {"kills": [attrs.asdict(o) for o in outcomes], "steps": steps, "final_exit": proc.returncode,
-            "matched": found == expected, "steps_logged": [r["step"] for r in found], "samples_retried": retried,
-            "left_behind_at_end": alive_after(ours)}
+    return {"steps": steps, "final_exit": proc.returncode,
+            "matched": found == expected, "steps_logged": [r["step"] for r in records], "samples_retried": retried,
+            "identical": [trained(r) for r in records] == [trained(r) for r in train_records(reference_dir)],
+            "left_behind_at_end": alive_after(ours), "kills": left_behind(outcomes)}
+
+
+def left_behind(outcomes: list[Outcome]) -> list[dict[str, Any]]:
+    """The rows, with each exit's Ray processes still alive :data:`LEFT_BEHIND_S` after it.
+    Checked once the run is over, not before the command runs again: Ray's agents can take a
+    minute to exit after a driver killed with SIGKILL, and they hold nothing the next run needs."""
+    for outcome in outcomes:
+        if outcome.exited_at is not None:
+            grace = max(0.0, outcome.exited_at + LEFT_BEHIND_S - time.monotonic())
+            outcome.left_behind = alive_after(outcome.ray_processes, grace)
+    return [attrs.asdict(o, filter=lambda a, _: a.repr) for o in outcomes]
 
 
 def row(outcome: Outcome) -> str:
     kill = outcome.kill
     took = "" if outcome.seconds is None else f"{outcome.seconds:5.1f} s"
-    left = f" LEFT BEHIND: {outcome.left_behind}" if outcome.left_behind else ""
-    return f"{kill.target:12s} at step {outcome.step:3d} +{kill.delay_s:4.2f} s  {outcome.result:30s} {took:8s} {outcome.message}{left}"
+    return f"{kill.target:13s} at step {outcome.step:3d} +{kill.delay_s:4.2f} s  {outcome.result:33s} {took:8s} {outcome.message}"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -296,21 +376,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: 6 per kill, plus 4)")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
+    parser.add_argument("--asynchronous", action="store_true", help="asynchronous GRPO, max_staleness_steps 1")
+    parser.add_argument("--data-plane", choices=("memory", "transferqueue"), default="memory")
     args = parser.parse_args(argv)
     from posttrain.models.tiny import build_tiny_model
 
     out = args.out or Path(tempfile.mkdtemp(prefix="chaos_"))
     model = build_tiny_model(out / "tiny_model", size="tiny", seed=0)
     steps = args.steps or 6 * args.kills + 4
-    result = run_chaos(plan(args.kills, args.seed), steps, out, model)
+    setup = Setup(args.asynchronous, args.data_plane)
+    result = run_chaos(plan(args.kills, args.seed, setup), steps, out, model, setup)
     (out / "chaos.json").write_text(json.dumps(result, indent=1))
+    for kill in result["kills"]:
+        if kill["left_behind"]:
+            print(f"Ray processes alive {LEFT_BEHIND_S:g} s after the exit of the kill of {kill['kill']['target']} at step "
+                  f"{kill['step']}: {kill['left_behind']}")
     if result["left_behind_at_end"]:
         print(f"Ray processes of the run alive after it ended: {result['left_behind_at_end']}")
     failed = [k for k in result["kills"] if k["left_behind"] or
               (k["result"].startswith("exited") and (k["seconds"] or 0) > EXIT_LIMIT_S)]
     print(f"{len(result['kills'])} kills; final exit {result['final_exit']}; steps logged {result['steps_logged']}; "
-          f"samples sent to an environment again: {result['samples_retried']:g}; metrics (times and retry counts "
-          f"aside) equal to the uninterrupted run's: {result['matched']}; kills with a problem: {len(failed)}")
+          f"samples sent to an environment again: {result['samples_retried']:g}; "
+          + ("trained groups and prompts of every step" if setup.asynchronous else "metrics (times and retry counts aside)")
+          + f" equal to the uninterrupted run's: {result['matched']} (every metric: {result['identical']}); "
+          f"kills with a problem: {len(failed)}")
     return result
 
 

@@ -101,3 +101,25 @@ def test_the_command_collects_garbage_less_often(monkeypatch):
     seen: list[tuple[int, ...]] = []
     cli.main(["config", "show", "sftt"])
     assert seen == [THRESHOLDS]
+
+
+def test_sigterm_outside_a_run_s_steps_exits_143_saying_so(monkeypatch, capsys):
+    """While a command starts up or shuts down (no run's stop handling installed), SIGTERM
+    stops it at once with 128 + 15, as Slurm and Kubernetes expect, not as a Ctrl-C."""
+    import os
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    def terminated(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler interrupts this
+        return 0
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(cli, "parse_arguments", lambda parser, argv: SimpleNamespace(func=terminated))
+    try:
+        assert cli.main(["config", "show", "sft"]) == 143
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert capsys.readouterr().err == "terminated by SIGTERM\n"

@@ -8,7 +8,7 @@ import pytest
 from ray.exceptions import RayActorError
 
 from posttrain.config.schema import CheckpointConfig, RunConfig
-from posttrain.errors import ConfigError, NodeLost, WorkerError
+from posttrain.errors import ConfigError, NodeLost, ProcessDied, WorkerError
 from posttrain.run import restarts
 from posttrain.run.restarts import died, run_with_restarts
 
@@ -84,6 +84,8 @@ def test_a_death_is_told_from_a_method_that_raised():
     failure = WorkerError("worker group 'policy' rank 0: __init__() raised ImportError")
     failure.__cause__ = init_failed
     assert died(death()) and not died(raised()) and not died(failure) and died(NodeLost("node lost"))
+    # a method that raised because another process of the run died under it (an engine during a refit)
+    assert died(ProcessDied("worker group 'policy' rank 0: send_weights() raised ProcessDied: weight sync: ..."))
 
 
 def test_a_negative_max_restarts_is_refused(yaml_file):

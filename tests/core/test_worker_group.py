@@ -15,7 +15,7 @@ import torch
 
 from posttrain.config.schema import ClusterConfig, WorkerResources
 from posttrain.distributed import VirtualCluster, Worker, WorkerGroup
-from posttrain.errors import ConfigError, WorkerError
+from posttrain.errors import ConfigError, ProcessDied, WorkerError
 
 pytestmark = pytest.mark.ray
 
@@ -286,6 +286,9 @@ class SeededWorker(Worker):
     def fail(self, message: str) -> None:
         raise ValueError(message)
 
+    def lose_a_peer(self) -> None:
+        raise ProcessDied("weight sync: generation engine 0 failed while receiving: The actor died")
+
 
 def start(cluster, place: str, name: str, worker_cls: type = SeededWorker, args: tuple = (5,), **env: str) -> WorkerGroup:
     resources = WorkerResources(cpus=1, env_vars={"POSTTRAIN_TEST_FLAG": "on", **env})
@@ -336,6 +339,10 @@ def test_calls_and_errors_read_as_an_actor_rank_s(cluster):
             with pytest.raises(WorkerError) as raised:
                 group.run_rank0(SeededWorker.fail, "bad shard 17")
             said[place] = str(raised.value)
+            assert not isinstance(raised.value, ProcessDied)
+            with pytest.raises(ProcessDied) as lost:  # another process died under the call: kept as such
+                group.run_rank0(SeededWorker.lose_a_peer)
+            said[f"{place} peer"] = str(lost.value)
             assert group.run_rank0(SeededWorker.take, [7]) == [7]  # an exception leaves the rank usable
         with pytest.raises(WorkerError, match="worker group 'calls' is shut down; cannot call take"):
             group.run_rank0(SeededWorker.take, [8])
@@ -346,6 +353,8 @@ def test_calls_and_errors_read_as_an_actor_rank_s(cluster):
     assert said == {
         "actor": "worker group 'calls' rank 0: fail() raised ValueError: bad shard 17",
         "driver": "worker group 'calls' rank 0: fail() raised ValueError: bad shard 17",
+        **{f"{place} peer": "worker group 'calls' rank 0: lose_a_peer() raised posttrain.errors.ProcessDied: weight sync: generation "
+                            "engine 0 failed while receiving: The actor died" for place in ("actor", "driver")},
         "actor __init__": "worker group 'broken' rank 0: __init__() raised RuntimeError: no model at /nowhere",
         "driver __init__": "worker group 'broken' rank 0: __init__() raised RuntimeError: no model at /nowhere",
     }

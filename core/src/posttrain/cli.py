@@ -14,7 +14,8 @@
 Errors posttrain raises on purpose print as one ``error:`` paragraph and exit with status 2.
 A run stopped by SIGINT / SIGTERM saves a checkpoint at the step boundary, prints one
 ``stopped:`` line and exits with 128 + the signal number (130, 143); a second signal stops
-at once with 130. ``posttrain run`` shuts down the Ray it started (not one this process was
+at once with 130. SIGTERM outside a run's steps (while it starts or shuts down) stops at once
+with 143. ``posttrain run`` shuts down the Ray it started (not one this process was
 already connected to), and starts a run whose worker died again from its checkpoint up to
 ``checkpointing.max_restarts`` times (:mod:`posttrain.run.restarts`).
 Heavy modules (torch, ray) are imported only by the commands that need them.
@@ -134,8 +135,12 @@ def _plugin_commands() -> dict[str, Command]:
     return commands
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM outside a run's own stop handling (before its steps start or after they end)."""
+
+
 def _terminate_as_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise _Terminated(f"signal {signum}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -160,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PosttrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except _Terminated:
+        print("terminated by SIGTERM", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -39,6 +39,12 @@ class WorkerError(PosttrainError):
     """A Ray worker died or failed; the message names its group and rank."""
 
 
+class ProcessDied(WorkerError):
+    """Another process of the run died under a worker's call (a generation engine during a
+    weight sync, a data-plane actor): raised by the worker that saw it, and kept as this type
+    when it reaches the driver, so the run restarts as for a worker that died itself."""
+
+
 class NodeLost(WorkerError):
     """A worker of the run died with its node (the Ray cluster marked the node dead). Never
     contained: the run stops, naming the node, and resumes from its checkpoint when started

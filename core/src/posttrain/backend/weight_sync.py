@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.backend.hf_export import bucket_names
-from posttrain.errors import WorkerError
+from posttrain.errors import ProcessDied, WorkerError
 from posttrain.interfaces.generation import RefitStats
 
 if TYPE_CHECKING:
@@ -688,7 +688,8 @@ class WeightSender:
                 try:
                     ray.get(ref)
                 except Exception as exc:
-                    raise WorkerError(
+                    died = isinstance(exc, ray.exceptions.RayActorError) and not exc.actor_init_failed
+                    raise (ProcessDied if died else WorkerError)(
                         f"weight sync: {self.endpoint.name} engine {i} failed while receiving: {_last_line(str(exc))}"
                     ) from exc
 

@@ -40,7 +40,7 @@ from posttrain.distributed.cluster import VirtualCluster
 from posttrain.distributed.driver_rank import DriverCall, DriverRank, rank_threads
 from posttrain.distributed.nodes import all_nodes, node_dead, node_label
 from posttrain.distributed.placement import DevicePlacement, Placement, this_process_devices
-from posttrain.errors import NodeLost, WorkerError
+from posttrain.errors import NodeLost, ProcessDied, WorkerError
 from posttrain.log import get_logger
 from posttrain.plugins import plugin_host
 
@@ -338,13 +338,14 @@ class WorkerGroup(Generic[W]):
             raise WorkerError(f"worker group '{self.name}' rank 0: __init__() raised {_raised(error)}") from error
 
     def _driver_values(self, calls: DriverCall | Sequence[DriverCall]) -> Any:
-        """The values of calls a driver rank made; the first failure as :class:`WorkerError`."""
+        """The values of calls a driver rank made; the first failure as :class:`WorkerError`
+        (:class:`ProcessDied` when the rank's call saw another process die)."""
         listed = [calls] if isinstance(calls, DriverCall) else list(calls)
         try:
             for call in listed:
                 if call.error is not None:
                     _, method = self._owner(call)  # type: ignore[arg-type]
-                    raise WorkerError(
+                    raise (ProcessDied if isinstance(call.error, ProcessDied) else WorkerError)(
                         f"worker group '{self.name}' rank 0: {method}() raised {_raised(call.error)}"
                     ) from call.error
         finally:
@@ -422,7 +423,7 @@ class WorkerGroup(Generic[W]):
             ) from err
         except ray.exceptions.RayTaskError as err:
             rank, method = self._owner(ref)
-            raise WorkerError(
+            raise (ProcessDied if isinstance(err.cause, ProcessDied) else WorkerError)(
                 f"worker group '{self.name}' rank {rank}: {method}() raised {_last_line(str(err))}"
             ) from err
 
@@ -514,8 +515,11 @@ def _actor_class(worker_cls: type[Worker]) -> type:
 
 
 def _raised(error: BaseException) -> str:
-    """``Type: message``, as the last line of a traceback names an exception."""
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    """``Type: message``, as the last line of a traceback names an exception (``module.Type``
+    outside the builtins)."""
+    kind = type(error)
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    return f"{name}: {error}" if str(error) else name
 
 
 def _last_line(text: str) -> str:

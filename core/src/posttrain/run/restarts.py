@@ -1,8 +1,10 @@
 """Automatic restarts: a run whose worker, engine or node died starts again from its last
 checkpoint, up to ``checkpointing.max_restarts`` times, without a person.
 
-Only a process that died restarts a run (a worker group's rank that died, or a node the
-cluster lost: :class:`~posttrain.errors.WorkerError` caused by Ray's actor-death error);
+Only a process that died restarts a run (a worker group's rank that died, a node the
+cluster lost, or a process a worker's call depended on: :class:`~posttrain.errors.WorkerError`
+caused by Ray's actor-death error, :class:`~posttrain.errors.NodeLost`,
+:class:`~posttrain.errors.ProcessDied`);
 a method that raised, a config or data error, a diverged loss or a stop signal ends the run
 as before, since a restart would meet it again. Between attempts the Ray this process started
 is shut down, and the next attempt waits ``restart_backoff_s`` seconds, doubled after each
@@ -19,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from posttrain.config.schema import RunConfig
-from posttrain.errors import NodeLost, WorkerError
+from posttrain.errors import NodeLost, ProcessDied, WorkerError
 from posttrain.log import get_logger
 
 
@@ -46,9 +48,9 @@ def run_with_restarts(config: RunConfig, run: Callable[[RunConfig], dict[str, An
 
 
 def died(failure: WorkerError) -> bool:
-    """Whether ``failure`` is a process of the run that died (a node lost, or a rank whose
-    actor died), not a method that raised."""
-    if isinstance(failure, NodeLost):
+    """Whether ``failure`` is a process of the run that died (a node lost, a rank whose
+    actor died, or a process a worker's call depended on), not a method that raised."""
+    if isinstance(failure, (NodeLost, ProcessDied)):
         return True
     from ray.exceptions import RayActorError
 

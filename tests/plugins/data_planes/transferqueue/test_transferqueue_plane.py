@@ -1,6 +1,7 @@
 """The transferqueue data plane: the shared data-plane contract, partition hygiene (clear,
 crashed writers), dynamic sampling that never moves dropped samples, Ray workers reading
-their own shards, and a start that fails with a message instead of hanging.
+their own shards, a start that fails with a message instead of hanging, and a call on a dead
+controller that fails instead of waiting forever.
 
 The first two tests must start TransferQueue themselves, so they run before the module's
 shared plane exists (pytest keeps file order); the second then creates it.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
@@ -28,12 +31,12 @@ from ray.util.placement_group import placement_group, remove_placement_group  # 
 
 from posttrain.config.schema import ClusterConfig, RunConfig, WorkerResources  # noqa: E402
 from posttrain.distributed import VirtualCluster, Worker, WorkerGroup  # noqa: E402
-from posttrain.errors import ConfigError, WorkerError  # noqa: E402
+from posttrain.errors import ConfigError, ProcessDied, WorkerError  # noqa: E402
 from posttrain.plugins import new_plugin_host  # noqa: E402
 from posttrain.testing import DataPlaneContract  # noqa: E402
 from posttrain_transferqueue.config import SECTION, TransferQueueConfig  # noqa: E402
 from posttrain_transferqueue.plane import TransferQueueDataPlane  # noqa: E402
-from posttrain_transferqueue.runtime import STORAGE_UNIT_NAME, controller_running  # noqa: E402
+from posttrain_transferqueue.runtime import STORAGE_UNIT_NAME, WATCH_S, controller_running  # noqa: E402
 
 pytestmark = [pytest.mark.transferqueue, pytest.mark.ray]
 pytest_plugins = ["posttrain.testing.pytest_plugin"]
@@ -344,3 +347,20 @@ def test_ray_workers_attach_and_read_their_own_shards(shared_plane: Any) -> None
     assert shared_plane.get("train/5", keys, ["rank"])["rank"].tolist() == [0, 1] * 4
     assert controller_running(), "a worker's plane must not stop TransferQueue"
     shared_plane.clear("train/5")
+
+
+def test_a_call_on_a_dead_controller_fails_as_a_process_death_instead_of_waiting(shared_plane: Any) -> None:
+    """TransferQueue's client waits forever on a controller that died; the plane's call fails
+    within seconds, as a death the run restarts from. Last in the module: it kills the shared
+    plane's controller (the next plane to start finds it dead and starts another)."""
+    from transfer_queue import interface as tq_state
+
+    shared_plane.put("train/9", ["a", "b"], {"input_ids": torch.ones(2, 4, dtype=torch.long)})
+    pid = ray.get(tq_state._TQ_CONTROLLER.__ray_call__.remote(lambda _: os.getpid()))
+    os.kill(pid, signal.SIGKILL)  # as a crash or the OOM killer would
+    assert _wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 30)
+    started = time.monotonic()
+    with pytest.raises(ProcessDied, match=r"^TransferQueue's TransferQueueController actor died during a data-plane "
+                                          r"call: the samples it held are lost\. The run restarts"):
+        shared_plane.keys("train/9")
+    assert time.monotonic() - started < WATCH_S + 10

@@ -61,6 +61,7 @@ class TransferQueueDataPlane(DataPlane):
         self._prefix = f"{namespace}:"
         self._started = runtime.connect(options, joined)
         self._client = tq.get_client()
+        runtime.watch_actors(self._client, options)
         # partition -> field -> kind: TransferQueue fixes a field's dtype within a partition.
         self._kinds: dict[str, dict[str, str]] = {}
         self._closed = False

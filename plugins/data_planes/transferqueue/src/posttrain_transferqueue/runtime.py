@@ -4,11 +4,15 @@ TransferQueue keeps one named controller actor per Ray cluster plus its storage 
 process that starts them owns them: Ray kills them when that process exits, crashed or not,
 so a crashed run leaves no queue behind. Any other process (a second plane, a Ray worker)
 attaches to the running controller. Starting never hangs silently: it is bounded by
-``init_timeout_s`` and fails naming what it asked Ray for and what Ray has.
+``init_timeout_s`` and fails naming what it asked Ray for and what Ray has. Nor does a call
+wait on a dead actor: TransferQueue's client would wait forever on a controller or storage
+unit that died (:func:`watch_actors`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import threading
 from typing import Any
@@ -16,13 +20,16 @@ from typing import Any
 import psutil
 import ray
 
-from posttrain.errors import ConfigError, WorkerError
+from posttrain.errors import ConfigError, ProcessDied, WorkerError
 from posttrain_transferqueue.config import SECTION, TransferQueueConfig, check
 
 # TransferQueue's own names (transfer_queue/interface.py and its SimpleStorage bootstrap).
 CONTROLLER_NAME = "TransferQueueController"
 CONTROLLER_NAMESPACE = "transfer_queue"
 STORAGE_UNIT_NAME = "TransferQueueStorageUnit#{rank}"
+#: Seconds a TransferQueue call runs before :func:`watch_actors` checks the queue's actors,
+#: and again every as many seconds after.
+WATCH_S = 2.0
 
 # TransferQueue caps torch threads per call at this and warns on every put/get when it
 # exceeds the physical cores; set it before transfer_queue is imported.
@@ -166,3 +173,49 @@ def _forget_dead_controller() -> None:
         ray.get(tq_state._TQ_CONTROLLER.get_config.remote(), timeout=60)
     except ray.exceptions.RayActorError:
         tq.close()
+
+
+def watch_actors(client: Any, options: TransferQueueConfig) -> None:
+    """Make every call of TransferQueue's ``client`` raise a :class:`ProcessDied` when the
+    controller or a storage unit dies under it. A call that has run :data:`WATCH_S` seconds
+    checks the actors, and again every :data:`WATCH_S` seconds until it returns. A run with
+    ``checkpointing.max_restarts`` then restarts."""
+    loop = client._loop
+
+    def run_coroutine(coro: Any) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
+        while True:
+            try:
+                return future.result(timeout=WATCH_S)
+            except concurrent.futures.TimeoutError:
+                dead = _dead_actor(options)
+                if dead is not None:
+                    future.cancel()
+                    name, death = dead
+                    raise ProcessDied(
+                        f"TransferQueue's {name} actor died during a data-plane call: the samples it held are lost. "
+                        "The run restarts from its last checkpoint when checkpointing.max_restarts allows"
+                    ) from death
+
+    client._run_coroutine = run_coroutine  # TransferQueue's sync methods all call it
+
+
+def _dead_actor(options: TransferQueueConfig) -> tuple[str, ray.exceptions.RayActorError] | None:
+    """The first of TransferQueue's actors found dead, with Ray's error; None when all answer
+    (or are too busy to answer within a second: not dead)."""
+    from transfer_queue import interface as tq_state
+
+    names = [(CONTROLLER_NAME, CONTROLLER_NAMESPACE)]
+    names += [(STORAGE_UNIT_NAME.format(rank=rank), None) for rank in range(options.num_storage_units)]
+    for name, namespace in names:
+        handle = tq_state._TQ_CONTROLLER if name == CONTROLLER_NAME and tq_state._TQ_CONTROLLER else None
+        try:
+            handle = handle or ray.get_actor(name, namespace=namespace)
+            ping = handle.__ray_ready__.remote()
+            if ray.wait([ping], timeout=1.0)[0]:
+                ray.get(ping)
+        except ValueError:  # its name is gone from the cluster: it died
+            return name, ray.exceptions.ActorDiedError()
+        except ray.exceptions.RayActorError as death:
+            return name, death
+    return None
