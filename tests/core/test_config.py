@@ -540,3 +540,11 @@ def test_dump_then_load_round_trips(in_tmp, host):
     assert again.run_dir == "1e5" and again.generation.model == "/models/a"
     assert again.section("toy").cap == 9
     assert again != load_config("dumped.yaml", ["toy.cap=8"], host=host)  # sections take part in ==
+
+
+def test_an_algorithm_s_rows_per_call_fills_only_what_the_user_left_null():
+    from posttrain.config.schema import GenerationConfig
+
+    assert GenerationConfig().with_rows_per_call(36).rows_per_call == 36
+    assert GenerationConfig(rows_per_call=8).with_rows_per_call(36).rows_per_call == 8
+    assert GenerationConfig().with_rows_per_call(0).rows_per_call == 1  # no call brings fewer than one row

@@ -256,7 +256,7 @@ class GenerationConfig:
     ignore_eos: bool = False  # True: the model's EOS ids do not end a completion (only stop_token_ids do)
     # rows one generate call brings at most, all engines together; engines that reserve room per row (vllm on CPUs:
     # its KV cache) reserve it for their share of these, and run a larger call in turns. null: the algorithm's count
-    # where it has one (GRPO: the larger of a step's samples and the validation prompts), else the backend's default
+    # (GRPO and distillation: the larger of a step's samples and the validation prompts; eval: prompts x samples)
     rows_per_call: int | None = None
     colocated: bool = True  # share devices with the policy and take turns
     # run the engines inside the policy's worker processes, one per rank (backends that declare it: hf):
@@ -273,6 +273,11 @@ class GenerationConfig:
     refit_checksums: bool = False  # debug: after every refit the engines check each tensor they loaded against the trainer's checksum (costs a pass over the weights on each side)
     weight_transport: str = "auto"  # how weights go from the policy's workers to the engines: auto | gloo | nccl (auto: nccl when the policy and the engines have GPUs, through CUDA IPC to engines on policy rank 0's own GPU; else gloo)
     resources: WorkerResources = attrs.field(factory=WorkerResources)  # what each engine asks Ray for
+
+    def with_rows_per_call(self, rows: int) -> GenerationConfig:
+        """This section with ``rows_per_call`` set to ``rows`` (an algorithm's count of the
+        most rows one generate call brings), unless the user set it."""
+        return self if self.rows_per_call is not None else attrs.evolve(self, rows_per_call=max(1, rows))
 
 
 @attrs.define

@@ -42,11 +42,17 @@ def distill_config(student: str, teacher: str, tmp_path: Path, **distill) -> obj
 
 
 @pytest.mark.ray
-def test_the_students_kl_to_the_teacher_falls(ray_cluster, tiny_model_path, tmp_path):
+def test_the_students_kl_to_the_teacher_falls(ray_cluster, tiny_model_path, tmp_path, monkeypatch):
     from posttrain.models.tiny import build_tiny_model
+    from posttrain.run.context import RunContext
 
+    sections = []
+    build_generation = RunContext.build_generation
+    monkeypatch.setattr(RunContext, "build_generation", lambda self, generation=None, **kw: sections.append(generation)
+                        or build_generation(self, generation, **kw))
     teacher = str(build_tiny_model(tmp_path / "teacher", size="tiny", seed=1))
     run_algorithm(distill_config(tiny_model_path, teacher, tmp_path))
+    assert sections[0].rows_per_call == 4 * 4  # a step's samples (more than the 4 validation prompts)
 
     train = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
     assert [r["step"] for r in train] == list(range(1, 9))

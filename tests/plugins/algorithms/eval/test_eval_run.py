@@ -48,9 +48,13 @@ def test_logged_scores_are_those_of_the_written_completions(ray_cluster, tiny_mo
     })
     seed_everything(config.seed)
     context = RunContext(config)
+    sections = []
+    build_generation = context.build_generation
+    context.build_generation = lambda generation=None, **kw: sections.append(generation) or build_generation(generation, **kw)
     try:
         result = Eval(environment_plugins=[FIRST_CHAR]).run(context)
         assert context.cluster.colocate == {}  # the engines would wait for a policy that never starts
+        assert sections[0].rows_per_call == 6 * 6  # its one call: every prompt's samples
     finally:
         context.close()
 

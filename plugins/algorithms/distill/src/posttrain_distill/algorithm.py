@@ -127,7 +127,9 @@ class DistillRun(LoopSteps):
         )
         student = startup.start("policy", lambda: ctx.build_policy(schedule_steps=self.plan.schedule_steps, reference=False))
         teacher = startup.start("teacher", lambda: ctx.build_policy(policy=self.options.teacher, name="teacher", reference=False))
-        generation = startup.start("generation", lambda: ctx.build_generation(host=student))
+        rows = max(self.options.samples_per_step, 0 if self.val_prompts is None else len(self.val_prompts))
+        sized = self.config.generation.with_rows_per_call(rows)
+        generation = startup.start("generation", lambda: ctx.build_generation(sized, host=student))
         plane = startup.start("data_plane", ctx.build_data_plane)
         startup.wait()
         self.student, self.teacher, self.plane = student.value, teacher.value, plane.value

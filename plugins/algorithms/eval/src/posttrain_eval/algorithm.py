@@ -64,7 +64,8 @@ class Eval(Algorithm):
             environments = startup.start(
                 "environments", lambda: context.build_environments(names, plugins=plugins), shutdown_environments
             )
-            generation = startup.start("generation", context.build_generation)
+            sized = config.generation.with_rows_per_call(count * options.num_samples)  # one call: every sample
+            generation = startup.start("generation", lambda: context.build_generation(sized))
             startup.wait()
             if options.checkpoint:
                 load_checkpoint_weights(context, generation.value, options.checkpoint, step)

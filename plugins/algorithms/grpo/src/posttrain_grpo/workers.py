@@ -38,6 +38,4 @@ def with_rows_per_call(generation: GenerationConfig, grpo: GRPOConfig, validatio
     """``generation`` with ``rows_per_call`` filled where it is null: the most rows one generate
     call of the run brings, the larger of a step's samples (``grpo.samples_per_step``; a turn
     of a multi-turn round brings no more) and the validation prompts (one greedy row each)."""
-    if generation.rows_per_call is not None:
-        return generation
-    return attrs.evolve(generation, rows_per_call=max(grpo.samples_per_step, validation_prompts))
+    return generation.with_rows_per_call(max(grpo.samples_per_step, validation_prompts))
