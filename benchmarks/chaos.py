@@ -24,7 +24,8 @@ at random:
   from the last complete checkpoint;
 - ``driver-save``: the ``posttrain run`` process (SIGKILL) while it writes a checkpoint (the
   moment its ``tmp_step_N`` folder appears): the same;
-- ``engine``: the generation engine's worker (SIGKILL): the run must restart by itself;
+- ``engine`` (with ``--asynchronous``: a synchronous run's engine is inside the policy worker):
+  the generation engine's worker (SIGKILL): the run must restart by itself;
 - ``tq-controller``, ``tq-storage`` (with ``--data-plane transferqueue``): TransferQueue's
   controller or storage unit (SIGKILL): the run must restart by itself;
 - ``raylet``: the Ray node's raylet (SIGKILL): the run may go on (its workers talk to each other
@@ -124,7 +125,10 @@ class Setup:
         return words
 
     def targets(self) -> tuple[str, ...]:
-        return TARGETS + (QUEUE_TARGETS if self.data_plane == "transferqueue" else ())
+        """What a kill may hit: the generation engine only when asynchronous (a synchronous run's
+        hf engine lives inside the policy worker by default), TransferQueue's actors with it."""
+        ours = TARGETS if self.asynchronous else tuple(t for t in TARGETS if t != "engine")
+        return ours + (QUEUE_TARGETS if self.data_plane == "transferqueue" else ())
 
 
 def command(model: Path, run_dir: Path, steps: int, restarts: int, setup: Setup = Setup()) -> list[str]:
