@@ -69,6 +69,8 @@ QUEUE_TARGETS = ("tq-controller", "tq-storage")
 PATTERNS = {"policy": "DTensorPolicyWorker", "verifier": "posttrain.deadline_pool", "raylet": "raylet/raylet",
             "engine": "EngineWorker", "tq-controller": "ray::TransferQueueController",
             "tq-storage": "ray::SimpleStorageUnit"}
+#: Targets without which no step can finish: a run that "went on" after their kill did not lose them.
+MUST_NOT_GO_ON = ("policy", "engine", "tq-controller", "tq-storage")
 #: What an asynchronous run must train as the uninterrupted one did, step by step.
 ASYNC_TRAINED = ("async/groups_trained", "mean_prompt_length", "num_valid_samples")
 #: Metrics that measure time, not what was computed.
@@ -102,6 +104,7 @@ class Outcome:
     result: str = ""  # restarted | went on | exited N | missed (the target was not running)
     seconds: float | None = None  # to the exit or the restart event
     message: str = ""  # the exit's error or stopped line
+    victim: str = ""  # the process killed: pid, start time and command line
     left_behind: list[str] = attrs.field(factory=list)  # Ray processes alive LEFT_BEHIND_S after the exit
     ray_processes: list[psutil.Process] = attrs.field(factory=list, repr=False)  # the run's, when it exited
     exited_at: float | None = attrs.field(default=None, repr=False)  # time.monotonic()
@@ -177,50 +180,43 @@ def events(run_dir: Path, name: str) -> int:
     return found
 
 
+#: Every process seen under each run's command (by the command's pid): a raylet killed leaves
+#: its workers running, adopted by init, and they are still the run's.
+_SEEN: dict[int, set[psutil.Process]] = {}
+
+
+def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The run's processes alive now: those under its command, and those seen under it before
+    (orphaned since). Never another run's, which may share this machine."""
+    seen = _SEEN.setdefault(proc.pid, set())
+    try:
+        seen.update(psutil.Process(proc.pid).children(recursive=True))
+    except psutil.NoSuchProcess:
+        pass
+    return [p for p in seen if p.is_running()]
+
+
 def find(proc: subprocess.Popen, target: str) -> psutil.Process | None:
-    """The process ``target`` names among the run's (None when there is none now): under the
-    run's process, or a worker orphaned by a killed raylet (adopted by init) since it started."""
+    """The process ``target`` names among the run's (None when there is none now)."""
     if target.startswith("driver"):
         return psutil.Process(proc.pid)
-    pattern = PATTERNS[target]
-    try:
-        driver = psutil.Process(proc.pid)
-        candidates = driver.children(recursive=True) + [p for p in psutil.process_iter() if _orphan_since(p, driver)]
-    except psutil.NoSuchProcess:
-        return None
-    for candidate in candidates:
+    for candidate in descendants(proc):
         try:
-            if pattern in " ".join(candidate.cmdline()):
+            if PATTERNS[target] in " ".join(candidate.cmdline()):
                 return candidate
         except psutil.Error:  # exited, or a zombie (a killed raylet until its parent reaps it)
             pass
     return None
 
 
-def _orphan_since(process: psutil.Process, driver: psutil.Process) -> bool:
-    """Whether ``process`` started after ``driver`` and its Ray parent is gone (a raylet's
-    workers outlive it, adopted by init or the nearest subreaper)."""
-    try:
-        parent = process.parent()
-        return process.create_time() >= driver.create_time() and (parent is None or "raylet" not in parent.name()
-                                                                   and parent.pid != driver.pid)
-    except psutil.Error:
-        return False
-
-
 def ray_processes(proc: subprocess.Popen) -> list[psutil.Process]:
-    """The Ray processes under the run's process now: its cluster's daemons and workers (not
-    another cluster's on this machine)."""
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
+    """The run's Ray processes now: its cluster's daemons and workers."""
     found = []
-    for child in children:
+    for process in descendants(proc):
         try:
-            if any(name in " ".join(child.cmdline()) for name in RAY_PROCESSES):
-                found.append(child)
-        except psutil.NoSuchProcess:
+            if any(name in " ".join(process.cmdline()) for name in RAY_PROCESSES):
+                found.append(process)
+        except psutil.Error:
             pass
     return found
 
@@ -247,7 +243,12 @@ def inflict(kill: Kill, proc: subprocess.Popen, run_dir: Path, log: Path, mark: 
     past ``mark``; the outcome, and whether ``proc`` exited."""
     outcome = Outcome(kill)
     step = mark + kill.gap
-    if not wait(lambda: len(train_records(run_dir)) >= step or proc.poll() is not None, 600) or proc.poll() is not None:
+
+    def reached() -> bool:
+        descendants(proc)  # record the run's workers while their raylet lives
+        return len(train_records(run_dir)) >= step or proc.poll() is not None
+
+    if not wait(reached, 600) or proc.poll() is not None:
         outcome.result = "missed (the run had ended)"
         return outcome, proc.poll() is not None
     if kill.target == "driver-save":
@@ -261,6 +262,11 @@ def inflict(kill: Kill, proc: subprocess.Popen, run_dir: Path, log: Path, mark: 
     if victim is None:
         outcome.result = "missed (no such process now)"
         return outcome, False
+    try:
+        outcome.victim = f"{victim.pid} started {time.strftime('%H:%M:%S', time.localtime(victim.create_time()))}: " \
+                         f"{' '.join(victim.cmdline())[:80]}"
+    except psutil.Error:
+        pass
     restarts, ours, log_size = events(run_dir, "restarting"), ray_processes(proc), log.stat().st_size
     killed = time.monotonic()
     try:
@@ -402,7 +408,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if result["left_behind_at_end"]:
         print(f"Ray processes of the run alive after it ended: {result['left_behind_at_end']}")
     failed = [k for k in result["kills"] if k["left_behind"] or
-              (k["result"].startswith("exited") and (k["seconds"] or 0) > EXIT_LIMIT_S)]
+              (k["result"].startswith("exited") and (k["seconds"] or 0) > EXIT_LIMIT_S) or
+              (k["result"] == "went on" and k["kill"]["target"] in MUST_NOT_GO_ON)]
+    for kill in failed:
+        print(f"a problem: {kill['kill']['target']} at step {kill['step']}: {kill['result']}; killed {kill['victim']}")
     print(f"{len(result['kills'])} kills; final exit {result['final_exit']}; steps logged {result['steps_logged']}; "
           f"samples sent to an environment again: {result['samples_retried']:g}; "
           + ("trained groups and prompts of every step" if setup.asynchronous else "metrics (times and retry counts aside)")
