@@ -43,7 +43,8 @@ PIP_TO_UV = {"index-url": "UV_DEFAULT_INDEX", "extra-index-url": "UV_EXTRA_INDEX
 def uv_settings_from_pip() -> dict[str, str]:
     """uv's environment variables for what pip is configured with here (its config files and
     ``PIP_*`` variables, as ``pip config list`` shows them), leaving those already set alone.
-    Extra indexes are searched as pip does, for the best release across all of them."""
+    Extra indexes are searched as pip does, for the best release across all of them, and the
+    installed modules are compiled, as pip does."""
     try:
         listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
                                 timeout=60).stdout
@@ -59,6 +60,9 @@ def uv_settings_from_pip() -> dict[str, str]:
         settings["UV_FIND_LINKS"] = ",".join(settings["UV_FIND_LINKS"].split())
     if "UV_EXTRA_INDEX_URL" in settings:
         settings["UV_INDEX_STRATEGY"] = "unsafe-best-match"
+    # pip compiles the installed modules; without it every process compiles torch, transformers
+    # and vLLM again where PYTHONDONTWRITEBYTECODE is set (imports took 11 s instead of 5.4 s)
+    settings["UV_COMPILE_BYTECODE"] = "1"
     return {name: value for name, value in settings.items() if name not in os.environ}
 
 
