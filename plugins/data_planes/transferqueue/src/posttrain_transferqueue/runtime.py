@@ -36,6 +36,12 @@ WATCH_S = 2.0
 os.environ.setdefault("TQ_NUM_THREADS", str(max(1, min(8, psutil.cpu_count(logical=False) or 1))))
 
 
+def actor_names(options: TransferQueueConfig) -> list[tuple[str, str | None]]:
+    """TransferQueue's actors, as (name, Ray namespace): the controller, then each storage unit."""
+    units = [(STORAGE_UNIT_NAME.format(rank=rank), None) for rank in range(options.num_storage_units)]
+    return [(CONTROLLER_NAME, CONTROLLER_NAMESPACE), *units]
+
+
 def transferqueue_conf(options: TransferQueueConfig) -> dict[str, Any]:
     """The override of TransferQueue's default config that ``tq.init`` receives."""
     return {
@@ -150,9 +156,7 @@ def _abandon_start(options: TransferQueueConfig, init_thread: threading.Thread) 
     what the attempt left in this process: nothing of it survives."""
     import transfer_queue as tq
 
-    names = [(CONTROLLER_NAME, CONTROLLER_NAMESPACE)]
-    names += [(STORAGE_UNIT_NAME.format(rank=rank), None) for rank in range(options.num_storage_units)]
-    for name, namespace in names:
+    for name, namespace in actor_names(options):
         try:
             ray.kill(ray.get_actor(name, namespace=namespace))
         except ValueError:
@@ -205,9 +209,7 @@ def _dead_actor(options: TransferQueueConfig) -> tuple[str, ray.exceptions.RayAc
     (or are too busy to answer within a second: not dead)."""
     from transfer_queue import interface as tq_state
 
-    names = [(CONTROLLER_NAME, CONTROLLER_NAMESPACE)]
-    names += [(STORAGE_UNIT_NAME.format(rank=rank), None) for rank in range(options.num_storage_units)]
-    for name, namespace in names:
+    for name, namespace in actor_names(options):
         handle = tq_state._TQ_CONTROLLER if name == CONTROLLER_NAME and tq_state._TQ_CONTROLLER else None
         try:
             handle = handle or ray.get_actor(name, namespace=namespace)
