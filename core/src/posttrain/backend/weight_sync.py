@@ -682,14 +682,15 @@ class WeightSender:
     def _raise_for_dead_engine(self, refs: list[Any]) -> None:
         import ray
 
+        from posttrain.distributed.worker_group import actor_died
+
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
         for i, ref in enumerate(refs):
             if ref in done:
                 try:
                     ray.get(ref)
                 except Exception as exc:
-                    died = isinstance(exc, ray.exceptions.RayActorError) and not exc.actor_init_failed
-                    raise (ProcessDied if died else WorkerError)(
+                    raise (ProcessDied if actor_died(exc) else WorkerError)(
                         f"weight sync: {self.endpoint.name} engine {i} failed while receiving: {_last_line(str(exc))}"
                     ) from exc
 

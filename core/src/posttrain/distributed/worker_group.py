@@ -403,8 +403,7 @@ class WorkerGroup(Generic[W]):
             try:
                 self._value(ref)
             except WorkerError as error:
-                cause = error.__cause__
-                if isinstance(cause, ray.exceptions.RayActorError) and not cause.actor_init_failed:
+                if actor_died(error.__cause__):
                     return error
         return None
 
@@ -426,6 +425,12 @@ class WorkerGroup(Generic[W]):
             raise (ProcessDied if isinstance(err.cause, ProcessDied) else WorkerError)(
                 f"worker group '{self.name}' rank {rank}: {method}() raised {_last_line(str(err))}"
             ) from err
+
+
+def actor_died(error: BaseException | None) -> bool:
+    """Whether ``error`` is Ray's word that an actor's process died after it had started (not
+    an ``__init__`` that raised)."""
+    return isinstance(error, ray.exceptions.RayActorError) and not error.actor_init_failed
 
 
 def check_driver_rank(name: str, num_workers: int, resources: WorkerResources) -> None:

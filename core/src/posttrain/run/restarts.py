@@ -52,10 +52,9 @@ def died(failure: WorkerError) -> bool:
     actor died, or a process a worker's call depended on), not a method that raised."""
     if isinstance(failure, (NodeLost, ProcessDied)):
         return True
-    from ray.exceptions import RayActorError
+    from posttrain.distributed.worker_group import actor_died
 
-    cause = failure.__cause__
-    return isinstance(cause, RayActorError) and not cause.actor_init_failed
+    return actor_died(failure.__cause__)
 
 
 def _latest(config: RunConfig) -> str | None:
