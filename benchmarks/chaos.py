@@ -3,13 +3,15 @@ in a clean stop or a transparent restart, and the finished run must log the metr
 never interrupted.
 
     python benchmarks/chaos.py [--kills 20] [--seed 0] [--steps N] [--out runs/chaos]
-                               [--asynchronous] [--data-plane memory|transferqueue]
+                               [--asynchronous] [--data-plane memory|transferqueue] [--nodes 1|2]
 
 The run is ``posttrain run grpo`` on ``examples/configs/grpo_math_tiny.yaml`` with the tiny
 model (built here, nothing downloaded), a checkpoint every step and
 ``checkpointing.max_restarts`` as large as the number of kills; ``--asynchronous`` makes it
 asynchronous GRPO (``max_staleness_steps: 1``, the engine on a CPU of its own) and
-``--data-plane transferqueue`` keeps its samples in TransferQueue. First an uninterrupted run
+``--data-plane transferqueue`` keeps its samples in TransferQueue, and ``--nodes 2`` runs it on
+a Ray cluster of two nodes on this machine (``ray start``, 3 CPUs each; the run joins it with
+``RAY_ADDRESS``, one policy rank on each node). First an uninterrupted run
 gives the reference metrics. Then, for each kill, the harness waits until the run has logged
 1 to 3 more steps (drawn at random), waits a random fraction of a second more (the moment
 falls in a rollout, a refit, a training pass or a checkpoint write), and kills a process drawn
@@ -29,10 +31,13 @@ at random:
 - ``tq-controller``, ``tq-storage`` (with ``--data-plane transferqueue``): TransferQueue's
   controller or storage unit (SIGKILL): the run must restart by itself;
 - ``raylet``: the Ray node's raylet (SIGKILL): the run may go on (its workers talk to each other
-  directly), restart, or stop within 30 s naming the failure and resume.
+  directly), restart, or stop within 30 s naming the failure and resume;
+- ``node`` (with ``--nodes 2``, instead of ``raylet``): every process of the node without the
+  driver (SIGKILL, as a machine that lost power), and a new node started in its place: the run
+  must restart by itself once the new node has joined.
 
-After every exit the harness checks that no Ray process of the run is left alive, then runs the
-command again. It prints one row per kill (what, at which step, what happened, seconds to exit
+After every exit the harness checks that no Ray process of the run is left alive (on two nodes:
+no actor of the run), then runs the command again. It prints one row per kill (what, at which step, what happened, seconds to exit
 or restart) and whether the finished run's training metrics equal the reference's, times and
 the counts of samples sent to an environment again (``env/<name>/retried``) aside
 (``--out`` keeps the runs and a ``chaos.json`` of the rows). An asynchronous run that restarts
@@ -52,6 +57,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -60,9 +66,15 @@ from typing import Any
 import attrs
 import psutil
 
+from posttrain.testing.ray_nodes import LocalCluster
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "examples/configs/grpo_math_tiny.yaml"
 TARGETS = ("policy", "verifier", "driver-term", "driver-kill", "driver-save", "engine", "raylet")
+#: What ``--nodes 2`` kills instead of the raylet: every process of the node without the driver.
+NODE_TARGET = "node"
+#: CPUs of each node with ``--nodes 2``: a policy rank (2 CPUs) on each, the engine beside rank 0.
+NODE_CPUS = 3
 #: Targets added with ``--data-plane transferqueue``.
 QUEUE_TARGETS = ("tq-controller", "tq-storage")
 #: What a target's process has in its command line (Ray names an actor's process after its class).
@@ -70,7 +82,7 @@ PATTERNS = {"policy": "DTensorPolicyWorker", "verifier": "posttrain.deadline_poo
             "engine": "EngineWorker", "tq-controller": "ray::TransferQueueController",
             "tq-storage": "ray::SimpleStorageUnit"}
 #: Targets without which no step can finish: a run that "went on" after their kill did not lose them.
-MUST_NOT_GO_ON = ("policy", "engine", "tq-controller", "tq-storage")
+MUST_NOT_GO_ON = ("policy", "engine", "tq-controller", "tq-storage", NODE_TARGET)
 #: What an asynchronous run must train as the uninterrupted one did, step by step.
 ASYNC_TRAINED = ("async/groups_trained", "mean_prompt_length", "num_valid_samples")
 #: Metrics that measure time, not what was computed.
@@ -112,13 +124,18 @@ class Outcome:
 
 @attrs.frozen
 class Setup:
-    """The run under test: synchronous or asynchronous GRPO, and its data plane."""
+    """The run under test: synchronous or asynchronous GRPO, its data plane, and on how many
+    Ray nodes (1: a cluster the run starts itself; 2: a cluster of this machine's nodes)."""
 
     asynchronous: bool = False
     data_plane: str = "memory"
+    nodes: int = 1
 
     def overrides(self) -> list[str]:
         words = [f"data_plane.backend={self.data_plane}"]
+        if self.nodes > 1:
+            words += [f"cluster.num_nodes={self.nodes}", f"policy.num_workers={self.nodes}", "policy.resources.cpus=2",
+                      "cluster.node_wait_s=120"]
         if self.asynchronous:
             words += ["grpo.asynchronous.max_staleness_steps=1", "generation.colocated=false",
                       # the tiny example's learning rate moves the policy so far between two weight versions that,
@@ -129,8 +146,11 @@ class Setup:
 
     def targets(self) -> tuple[str, ...]:
         """What a kill may hit: the generation engine only when asynchronous (a synchronous run's
-        hf engine lives inside the policy worker by default), TransferQueue's actors with it."""
+        hf engine lives inside the policy worker by default), TransferQueue's actors with it, a
+        node instead of the raylet on two nodes."""
         ours = TARGETS if self.asynchronous else tuple(t for t in TARGETS if t != "engine")
+        if self.nodes > 1:
+            ours = tuple(t for t in ours if t != "raylet") + (NODE_TARGET,)
         return ours + (QUEUE_TARGETS if self.data_plane == "transferqueue" else ())
 
 
@@ -146,9 +166,10 @@ def command(model: Path, run_dir: Path, steps: int, restarts: int, setup: Setup 
     ]
 
 
-def start(words: list[str], log: Path) -> subprocess.Popen:
-    """The command in a Ray cluster of its own, its output appended to ``log``."""
-    env = {**os.environ, "RAY_ADDRESS": "", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
+def start(words: list[str], log: Path, cluster: LocalCluster | None = None) -> subprocess.Popen:
+    """The command in a Ray cluster of its own (or on ``cluster``), its output appended to ``log``."""
+    address = cluster.address if cluster else ""
+    env = {**os.environ, "RAY_ADDRESS": address, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
     with log.open("a") as out:
         return subprocess.Popen(words, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
 
@@ -196,11 +217,30 @@ def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
     return [p for p in seen if p.is_running()]
 
 
-def find(proc: subprocess.Popen, target: str) -> psutil.Process | None:
+#: Processes of a node that Ray names like actors but that are the cluster's: an idle worker of
+#: its pool and the node's agents.
+NODE_DAEMONS = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
+
+
+def actors(cluster: LocalCluster | None) -> list[psutil.Process]:
+    """The actor processes on ``cluster``'s nodes now (Ray names them ``ray::<class>``)."""
+    found = []
+    for node in cluster.nodes if cluster else ():
+        for process in node.processes():
+            try:
+                words = process.cmdline()
+            except psutil.Error:
+                continue
+            if words and words[0].startswith("ray::") and words[0].split()[0] not in NODE_DAEMONS:
+                found.append(process)
+    return found
+
+
+def find(proc: subprocess.Popen, target: str, cluster: LocalCluster | None = None) -> psutil.Process | None:
     """The process ``target`` names among the run's (None when there is none now)."""
     if target.startswith("driver"):
         return psutil.Process(proc.pid)
-    for candidate in descendants(proc):
+    for candidate in descendants(proc) + actors(cluster):
         try:
             if PATTERNS[target] in " ".join(candidate.cmdline()):
                 return candidate
@@ -209,8 +249,9 @@ def find(proc: subprocess.Popen, target: str) -> psutil.Process | None:
     return None
 
 
-def ray_processes(proc: subprocess.Popen) -> list[psutil.Process]:
-    """The run's Ray processes now: its cluster's daemons and workers."""
+def ray_processes(proc: subprocess.Popen, cluster: LocalCluster | None = None) -> list[psutil.Process]:
+    """The run's Ray processes now: its cluster's daemons and workers (on ``cluster``, the
+    cluster's daemons are not the run's: its actors)."""
     found = []
     for process in descendants(proc):
         try:
@@ -218,7 +259,7 @@ def ray_processes(proc: subprocess.Popen) -> list[psutil.Process]:
                 found.append(process)
         except psutil.Error:
             pass
-    return found
+    return found + actors(cluster)
 
 
 def wait(condition: Callable[[], bool], timeout_s: float) -> bool:
@@ -238,9 +279,11 @@ def last_line(log: Path, start: int) -> str:
     return lines[-1][:200] if lines else ""
 
 
-def inflict(kill: Kill, proc: subprocess.Popen, run_dir: Path, log: Path, mark: int) -> tuple[Outcome, bool]:
-    """Carry out ``kill`` on the running ``proc`` once the run has logged ``kill.gap`` steps
-    past ``mark``; the outcome, and whether ``proc`` exited."""
+def inflict(kill: Kill, proc: subprocess.Popen, run_dir: Path, log: Path, mark: int,
+            cluster: LocalCluster | None = None) -> tuple[Outcome, bool]:
+    """Carry out ``kill`` on the running ``proc`` (on ``cluster``, when it runs on one) once
+    the run has logged ``kill.gap`` steps past ``mark``; the outcome, and whether ``proc``
+    exited. A node killed is replaced by a new one before this returns."""
     outcome = Outcome(kill)
     step = mark + kill.gap
 
@@ -258,26 +301,36 @@ def inflict(kill: Kill, proc: subprocess.Popen, run_dir: Path, log: Path, mark: 
     else:
         time.sleep(kill.delay_s)
     outcome.step = len(train_records(run_dir))
-    victim = find(proc, kill.target)
-    if victim is None:
-        outcome.result = "missed (no such process now)"
-        return outcome, False
-    try:
-        outcome.victim = f"{victim.pid} started {time.strftime('%H:%M:%S', time.localtime(victim.create_time()))}: " \
-                         f"{' '.join(victim.cmdline())[:80]}"
-    except psutil.Error:
-        pass
-    restarts, ours, log_size = events(run_dir, "restarting"), ray_processes(proc), log.stat().st_size
-    killed = time.monotonic()
-    try:
-        victim.send_signal(signal.SIGTERM if kill.target == "driver-term" else signal.SIGKILL)
-    except psutil.NoSuchProcess:
-        outcome.result = "missed (it had exited)"
-        return outcome, False
+    restarts, ours, log_size = events(run_dir, "restarting"), ray_processes(proc, cluster), log.stat().st_size
+    if kill.target == NODE_TARGET:
+        lost = cluster.nodes[-1]
+        outcome.victim = f"node {lost.node_id()[:12]}: {len(lost.processes())} processes"
+        killed = time.monotonic()
+        lost.kill()
+        replacement = threading.Thread(target=cluster.add_node, args=(NODE_CPUS,))
+        replacement.start()
+    else:
+        victim = find(proc, kill.target, cluster)
+        if victim is None:
+            outcome.result = "missed (no such process now)"
+            return outcome, False
+        try:
+            outcome.victim = f"{victim.pid} started {time.strftime('%H:%M:%S', time.localtime(victim.create_time()))}: " \
+                             f"{' '.join(victim.cmdline())[:80]}"
+        except psutil.Error:
+            pass
+        killed = time.monotonic()
+        try:
+            victim.send_signal(signal.SIGTERM if kill.target == "driver-term" else signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            outcome.result = "missed (it had exited)"
+            return outcome, False
     logged = len(train_records(run_dir))
     wait(lambda: proc.poll() is not None or events(run_dir, "restarting") > restarts
          or len(train_records(run_dir)) >= logged + 2, 120)
     outcome.seconds = round(time.monotonic() - killed, 1)
+    if kill.target == NODE_TARGET:
+        replacement.join()
     if proc.poll() is not None:
         outcome.result, outcome.message = f"exited {proc.returncode}", last_line(log, log_size)
         outcome.ray_processes, outcome.exited_at = ours, time.monotonic()  # checked at the end: see run_chaos
@@ -339,23 +392,38 @@ def compared(record: dict[str, Any], setup: Setup) -> dict[str, Any]:
 def run_chaos(kills: list[Kill], steps: int, out: Path, model: Path, setup: Setup = Setup()) -> dict[str, Any]:
     """The reference run, then the killed one; the rows and whether the metrics matched."""
     out.mkdir(parents=True, exist_ok=True)
+    cluster = None
+    if setup.nodes > 1:  # its folder short: Ray's socket paths live under it
+        cluster = LocalCluster(Path(tempfile.mkdtemp(prefix="chaos", dir="/tmp")), cwd=out)
+        cluster.start_head(NODE_CPUS)
+        for _ in range(setup.nodes - 1):
+            cluster.add_node(NODE_CPUS)
+    try:
+        return _run_chaos(kills, steps, out, model, setup, cluster)
+    finally:
+        if cluster:
+            cluster.stop()
+
+
+def _run_chaos(kills: list[Kill], steps: int, out: Path, model: Path, setup: Setup,
+               cluster: LocalCluster | None) -> dict[str, Any]:
     reference_dir, chaos_dir = out / "reference", out / "chaos"
-    reference = start(command(model, reference_dir, steps, 0, setup), out / "reference.log")
+    reference = start(command(model, reference_dir, steps, 0, setup), out / "reference.log", cluster)
     if reference.wait(timeout=1800) != 0:
         raise SystemExit(f"the uninterrupted run failed: see {out / 'reference.log'}")
     words, log = command(model, chaos_dir, steps, len(kills), setup), out / "chaos.log"
-    proc = start(words, log)
+    proc = start(words, log, cluster)
     outcomes = []
     for kill in kills:
-        outcome, exited = inflict(kill, proc, chaos_dir, log, len(train_records(chaos_dir)))
+        outcome, exited = inflict(kill, proc, chaos_dir, log, len(train_records(chaos_dir)), cluster)
         outcomes.append(outcome)
         print(row(outcome), flush=True)
         if exited:  # the same command again
-            proc = start(words, log)
-    ours = ray_processes(proc)
+            proc = start(words, log, cluster)
+    ours = ray_processes(proc, cluster)
     if proc.wait(timeout=1800) != 0:
-        proc = start(words, log)  # the last kill may have ended it after its final step began
-        ours = ray_processes(proc) if proc.poll() is None else ours
+        proc = start(words, log, cluster)  # the last kill may have ended it after its final step began
+        ours = ray_processes(proc, cluster) if proc.poll() is None else ours
         proc.wait(timeout=1800)
     records = train_records(chaos_dir)
     found = [compared(r, setup) for r in records]
@@ -392,13 +460,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
     parser.add_argument("--asynchronous", action="store_true", help="asynchronous GRPO, max_staleness_steps 1")
     parser.add_argument("--data-plane", choices=("memory", "transferqueue"), default="memory")
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                        help="2: run on a Ray cluster of two nodes of this machine, a node as a target")
     args = parser.parse_args(argv)
     from posttrain.models.tiny import build_tiny_model
 
-    out = args.out or Path(tempfile.mkdtemp(prefix="chaos_"))
+    out = (args.out or Path(tempfile.mkdtemp(prefix="chaos_"))).resolve()
     model = build_tiny_model(out / "tiny_model", size="tiny", seed=0)
     steps = args.steps or 6 * args.kills + 4
-    setup = Setup(args.asynchronous, args.data_plane)
+    setup = Setup(args.asynchronous, args.data_plane, args.nodes)
     result = run_chaos(plan(args.kills, args.seed, setup), steps, out, model, setup)
     (out / "chaos.json").write_text(json.dumps(result, indent=1))
     for kill in result["kills"]:

@@ -31,9 +31,9 @@ from pathlib import Path
 import pytest
 
 from posttrain.run.metrics import read_metrics
+from posttrain.testing.ray_nodes import FAST_HEALTH_CHECK, LocalCluster, LocalNode, node_ip
 from tests.docs.commands import command_lines
 from tests.docs.pages import REPO, blocks
-from tests.e2e.ray_nodes import FAST_HEALTH_CHECK, LocalNode, free_port, node_ip
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -77,57 +77,27 @@ class RunProcess:
         return code, self.stderr.read_text()
 
 
-class TwoNodes:
+class TwoNodes(LocalCluster):
     """The docs' cluster on this machine: the head and one more node, in ``root``."""
 
     def __init__(self, root: Path):
-        self.root = root
-        self.port = free_port()
-        self.address = f"{node_ip()}:{self.port}"
-        self.elsewhere = root / "elsewhere"  # where the nodes start: not the run's folder
-        self.elsewhere.mkdir()
+        elsewhere = root / "elsewhere"  # where the nodes start: not the run's folder
+        elsewhere.mkdir()
+        super().__init__(root, elsewhere)
         self.head_args, self.worker_args, self.run_words = (self.here(words) for words in docs_commands())
-        self.nodes: list[LocalNode] = []
         self.runs = 0
 
     def launch(self) -> None:
         """Start the head, then the other node; return once both joined."""
-        self.head = self.join(self.head_args, "head", 1, head=True, env=FAST_HEALTH_CHECK)
+        self.head = self.join(self.head_args[2:], "head", 1, cpus=NODE_CPUS, head=True, env=FAST_HEALTH_CHECK)
         self.worker = self.start_worker()
 
     def here(self, words: list[str]) -> list[str]:
         return [word.replace(DOCS_HEAD, node_ip()).replace(DOCS_PORT, str(self.port)) for word in words]
 
-    def start(self, words: list[str], name: str, *, head: bool = False, cpus: int = NODE_CPUS, **options) -> LocalNode:
-        node = LocalNode([*words[2:], f"--num-cpus={cpus}"], temp_dir=self.root / f"t{len(self.nodes)}",
-                         cwd=self.elsewhere, log=self.root / f"{name}.log", head=head, **options)
-        self.nodes.append(node)
-        return node
-
     def start_worker(self) -> LocalNode:
         """Start the other node (again) and wait until the cluster has 2 alive nodes."""
-        return self.join(self.worker_args, "worker", 2)
-
-    def join(self, words: list[str], name: str, count: int, *, attempts: int = 3, **options) -> LocalNode:
-        """Start a node and return once the cluster has ``count`` alive nodes. A node whose
-        ``ray start`` gave up is started again: Ray gives a raylet 30 s to register, which a
-        loaded machine can exceed."""
-        logs = []
-        for attempt in range(attempts):
-            node = self.start(words, f"{name}-{attempt}", **options)
-            logs.append(self.root / f"{name}-{attempt}.log")
-            deadline = time.monotonic() + 300
-            while node.process.poll() is None and time.monotonic() < deadline:
-                if self.joined(count):
-                    return node
-            node.kill()
-        raise AssertionError(f"node {name} did not join in {attempts} tries:\n{logs[-1].read_text()[-3000:]}")
-
-    def joined(self, count: int, timeout_s: float = 10) -> bool:
-        """Whether the cluster has ``count`` alive nodes within ``timeout_s`` (posttrain launch wait)."""
-        done = subprocess.run([POSTTRAIN, "launch", "wait", "--address", self.address, "--num-nodes", str(count),
-                               "--timeout-s", str(timeout_s)], capture_output=True, text=True, timeout=120)
-        return done.returncode == 0
+        return self.join(self.worker_args[2:], "worker", 2, cpus=NODE_CPUS)
 
     def run(self, cwd: Path, run_dir: str, *extra: str) -> RunProcess:
         """The docs' run command (its RAY_ADDRESS pointing here), with the test's sizes."""
@@ -136,10 +106,6 @@ class TwoNodes:
         argv = [POSTTRAIN, *self.run_words[2:], *SIZES, f"run_dir={run_dir}", *extra]
         self.runs += 1
         return RunProcess(argv, cwd, env, cwd / f"run{self.runs}.stderr")
-
-    def stop(self) -> None:
-        for node in reversed(self.nodes):
-            node.kill()
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +266,7 @@ def test_a_node_without_the_run_directory_stops_the_run_before_any_step(cluster,
     if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
         pytest.skip("unshare -rm (a user and mount namespace) is not allowed here: no node can have its own mounts")
     runs = workspace / "runs"
-    blind = cluster.join(cluster.worker_args, "blind", 3, cpus=1,
+    blind = cluster.join(cluster.worker_args[2:], "blind", 3, cpus=1,
                          wrapper=["unshare", "-rm", "sh", "-c", f'mount -t tmpfs none {runs} && exec "$0" "$@"'])
     blind_id = blind.node_id()
     try:

@@ -1,5 +1,6 @@
 """Ray nodes on this machine, started with ``ray start --block`` as a user would on each node
-of a cluster, and stopped by their own process group.
+of a cluster, and stopped by their own process group: multi-node behaviour (placement over
+nodes, a node lost mid-run) tested on one machine.
 
 Each node gets a private Ray temp folder: ``ray start`` records the cluster's address in
 ``<temp>/ray_current_cluster``, which ``ray.init()`` without an address (in any process of
@@ -16,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -104,3 +105,75 @@ def _alive(proc: psutil.Process) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+class LocalCluster:
+    """A Ray cluster of :class:`LocalNode` s on this machine: a head, then nodes that join it,
+    each started in ``cwd`` with a Ray temp folder and a log under ``root`` (keep ``root`` short:
+    Ray's socket paths live under it). ``address`` is the head's, for ``RAY_ADDRESS``."""
+
+    def __init__(self, root: Path, cwd: Path):
+        self.root, self.cwd = root, cwd
+        self.port = free_port()
+        self.address = f"{node_ip()}:{self.port}"
+        self.nodes: list[LocalNode] = []
+
+    def start(self, args: Sequence[str], name: str, *, cpus: int, head: bool = False, **options) -> LocalNode:
+        """A node started with ``ray start`` ``args`` and ``cpus`` CPUs (returns at once)."""
+        node = LocalNode([*args, f"--num-cpus={cpus}"], temp_dir=self.root / f"t{len(self.nodes)}", cwd=self.cwd,
+                         log=self.root / f"{name}.log", head=head, **options)
+        self.nodes.append(node)
+        return node
+
+    def start_head(self, cpus: int, env: Mapping[str, str] = FAST_HEALTH_CHECK) -> LocalNode:
+        """The head (on ``address``), once it is up."""
+        return self.join(["--head", f"--port={self.port}"], "head", 1, cpus=cpus, head=True, env=dict(env))
+
+    def add_node(self, cpus: int, name: str = "worker") -> LocalNode:
+        """One more node, once the cluster counts it alive."""
+        alive = len([node for node in self.nodes if node.process.poll() is None])
+        return self.join([f"--address={self.address}"], name, alive + 1, cpus=cpus)
+
+    def join(self, args: Sequence[str], name: str, count: int, *, attempts: int = 3, **options) -> LocalNode:
+        """Start a node and return once the cluster has ``count`` alive nodes. A node whose
+        ``ray start`` gave up is started again: Ray gives a raylet 30 s to register, which a
+        loaded machine can exceed."""
+        logs = []
+        for attempt in range(attempts):
+            node = self.start(args, f"{name}-{attempt}", **options)
+            logs.append(self.root / f"{name}-{attempt}.log")
+            deadline = time.monotonic() + 300
+            while node.process.poll() is None and time.monotonic() < deadline:
+                if self.joined(count):
+                    return node
+            node.kill()
+        raise AssertionError(f"node {name} did not join in {attempts} tries:\n{logs[-1].read_text()[-3000:]}")
+
+    def joined(self, count: int, timeout_s: float = 10) -> bool:
+        """Whether the cluster has ``count`` alive nodes within ``timeout_s`` (asked from a
+        process of its own, so that this one never connects to Ray)."""
+        try:
+            done = subprocess.run([sys.executable, "-c", _COUNT_NODES, self.address, str(count), str(timeout_s)],
+                                  capture_output=True, text=True, timeout=timeout_s + 60,
+                                  env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        except subprocess.TimeoutExpired:
+            return False
+        return done.returncode == 0
+
+    def stop(self) -> None:
+        """Kill every node, the head last."""
+        for node in reversed(self.nodes):
+            node.kill()
+
+
+#: argv: address, count, timeout (s); exits 0 once the cluster has that many alive nodes.
+_COUNT_NODES = """
+import sys, time, ray
+address, count, timeout_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+deadline = time.monotonic() + timeout_s
+while sum(node["Alive"] for node in ray.nodes()) < count:
+    if time.monotonic() > deadline:
+        sys.exit(1)
+    time.sleep(0.2)
+"""
