@@ -68,7 +68,7 @@ def test_placeholders_widen_to_each_images_tokens_and_never_carry_loss(encoder, 
     assert not mask[ids == placeholder].any()
     assert encoder.tokenizer.decode(ids[mask.bool()]) == "2<|im_end|>\n"
     assert batch["image_grid_thw"][0].tolist() == [[1, 4, 4], [1, 6, 8]]
-    want = encoder.images.image_processor(images=[image(56, 56), image(112, 84)], return_tensors="pt")["pixel_values"]
+    want = encoder.images.processor(images=[image(56, 56), image(112, 84)], return_tensors="pt")["pixel_values"]
     torch.testing.assert_close(batch["pixel_values"][0], want)
 
 
@@ -196,8 +196,8 @@ def test_an_image_in_a_preference_completion_is_refused(encoder, images):
         build_dataset(path, "preference", encoder)
 
 
-def test_a_family_whose_image_processor_gives_no_patch_grid_is_refused(model, tmp_path):
-    """LLaVA-style: a CLIP image processor (a fixed token count per image, no merge size)."""
+def test_a_qwen_vl_folder_whose_image_processor_gives_no_patch_grid_is_refused(model, tmp_path):
+    """A CLIP image processor (a fixed token count per image, no merge size) in a Qwen2-VL folder."""
     import shutil
 
     folder = tmp_path / "model"
@@ -206,7 +206,25 @@ def test_a_family_whose_image_processor_gives_no_patch_grid_is_refused(model, tm
     with pytest.raises(ConfigError) as info:
         ImageInputs.from_model(str(folder), load_tokenizer(str(folder)))
     assert str(info.value) == (
-        f"policy.model: '{folder}' is a qwen2_vl vision-language model; image rows are read for models whose image "
-        "processor gives patch grids (image_grid_thw) and whose config names its image token (image_token_id): "
-        "Qwen2-VL and Qwen2.5-VL"
+        f"policy.model: '{folder}' is a vision-language model (qwen2_vl) but its image processor cannot be loaded "
+        "(it is a CLIPImageProcessorPil, which gives no patch grids (image_grid_thw)); copy its "
+        "preprocessor_config.json into the folder"
+    )
+
+
+def test_a_vision_language_family_without_image_rows_is_refused(model, tmp_path):
+    """Gemma 3 (an image is a fixed number of soft tokens): refused when the data is read,
+    naming the model types whose image rows posttrain reads."""
+    import shutil
+
+    from transformers import Gemma3Config
+
+    folder = tmp_path / "model"
+    shutil.copytree(model, folder)
+    Gemma3Config().to_json_file(folder / "config.json")
+    with pytest.raises(ConfigError) as info:
+        ImageInputs.from_model(str(folder), load_tokenizer(str(folder)))
+    assert str(info.value) == (
+        f"policy.model: '{folder}' is a gemma3 vision-language model; image rows are read for the model types "
+        "qwen2_vl, qwen2_5_vl, idefics3, smolvlm"
     )

@@ -168,18 +168,18 @@ VISION_PATHS: dict[str, VisionColumn] = {
                            "gives the trainer's final validation loss (1e-4)"),
 }
 #: Vision-language zoo architecture -> the row's label.
-VISION_ROWS: dict[str, str] = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"}
+VISION_ROWS: dict[str, str] = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "idefics3": "Idefics3 (SmolVLM)"}
 #: Path id -> the architectures its test runs; a cell of another architecture is "not tested".
 VISION_CELLS: dict[str, tuple[str, ...]] = {
-    "sft": ("qwen2_vl", "qwen2_5_vl"),
-    "fsdp2": ("qwen2_vl", "qwen2_5_vl"),
-    "tp2": ("qwen2_vl",),
-    "frozen": ("qwen2_vl", "qwen2_5_vl"),
-    "lora": ("qwen2_vl", "qwen2_5_vl"),
-    "hf": ("qwen2_vl", "qwen2_5_vl"),
-    "grpo": ("qwen2_vl",),
-    "dpo": ("qwen2_vl",),
-    "export": ("qwen2_vl",),
+    "sft": ("qwen2_vl", "qwen2_5_vl", "idefics3"),
+    "fsdp2": ("qwen2_vl", "qwen2_5_vl", "idefics3"),
+    "tp2": ("qwen2_vl", "idefics3"),
+    "frozen": ("qwen2_vl", "qwen2_5_vl", "idefics3"),
+    "lora": ("qwen2_vl", "qwen2_5_vl", "idefics3"),
+    "hf": ("qwen2_vl", "qwen2_5_vl", "idefics3"),
+    "grpo": ("qwen2_vl", "idefics3"),
+    "dpo": ("qwen2_vl", "idefics3"),
+    "export": ("qwen2_vl", "idefics3"),
 }
 
 

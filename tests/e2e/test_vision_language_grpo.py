@@ -1,4 +1,4 @@
-"""GRPO on image prompts: a tiny Qwen2-VL (:func:`posttrain.testing.zoo.build_zoo_vlm`) asked to
+"""GRPO on image prompts: a tiny Qwen2-VL and Idefics3 (:func:`posttrain.testing.zoo.build_zoo_vlm`) asked to
 count coloured squares (:mod:`posttrain.testing.shapes`), the count checked by the math
 environment; the dtensor policy and the hf engine in Ray actors.
 
@@ -58,8 +58,9 @@ def prompts(tmp_path_factory):
     return str(write_counting_rows(tmp_path_factory.mktemp("shapes"), 8, seed=3, prompts=True, text_rows=1))
 
 
-def test_the_trainer_scores_the_engines_samples_with_their_images(zoo_model, prompts, ray_cluster, tmp_path):
-    run_algorithm(grpo_config(zoo_model("qwen2_vl"), prompts, tmp_path / "run"))
+@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3"])
+def test_the_trainer_scores_the_engines_samples_with_their_images(zoo_model, prompts, ray_cluster, tmp_path, arch):
+    run_algorithm(grpo_config(zoo_model(arch), prompts, tmp_path / "run"))
     train = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
     assert [r["step"] for r in train] == [1, 2]
     for record in train:

@@ -32,8 +32,9 @@ class GenerationRequest:
     temperature: float
     top_p: float
     top_k: int | None
-    #: A vision-language model's prompt images, per row: pixel values [patches, features] and
-    #: patch grids [images, 3] (no rows for a text prompt); None when no prompt has images.
+    #: A vision-language model's prompt images, per row: pixel values and its family's grids
+    #: [images, 3] (:data:`~posttrain.data.images.PIXEL_ROWS`; no rows for a text prompt); None
+    #: when no prompt has images.
     images: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __len__(self) -> int:

@@ -30,7 +30,7 @@ from posttrain.backend.sampling import sample_seeds
 from posttrain.backend.weight_sync import BroadcastEndpoint
 from posttrain.batch import Batch, padded_tensor
 from posttrain.config.schema import GenerationConfig, RunConfig, WorkerResources
-from posttrain.data.images import sample_images
+from posttrain.data.images import image_fields, sample_images
 from posttrain.distributed import VirtualCluster, WorkerGroup
 from posttrain.errors import ConfigError, DataError
 from posttrain.interfaces.generation import ROUTES_FIELD, Generation
@@ -144,7 +144,7 @@ def build_request(
             )
         budgets.append(min(generation.max_new_tokens, room))
     row_stops = batch["stop_strings"] if "stop_strings" in batch else [None] * len(prompts)
-    images = [sample_images(batch, i) for i in range(len(prompts))] if "image_grid_thw" in batch else None
+    images = [sample_images(batch, i) for i in range(len(prompts))] if image_fields(batch) else None
     return GenerationRequest(
         prompts=prompts,
         seeds=list(seeds),

@@ -113,11 +113,11 @@ class ChatEncoder:
 
     def encode(
         self, messages: Sequence[Message], *, loss_from: int = 0, max_length: int | None = None,
-        tools: Sequence[Any] | None = None, image_tokens: Sequence[int] = (),
+        tools: Sequence[Any] | None = None, image_grids: Sequence[Sequence[int]] = (),
     ) -> Encoded:
         """Tokenise a whole conversation (with ``tools`` rendered by the template); mask the
-        assistant turns at index ``loss_from`` and after. ``image_tokens``: the tokens of each
-        of the conversation's images, in order (:meth:`ImageInputs.tokens`).
+        assistant turns at index ``loss_from`` and after. ``image_grids``: the grid of each of the
+        conversation's images, in order (:meth:`ImageInputs.grids`).
 
         ``loss_from`` > 0 leaves earlier assistant turns (part of a preference prompt) unmasked.
         """
@@ -132,17 +132,18 @@ class ChatEncoder:
             prompt_ids = self._render(messages[:loss_from], add_generation_prompt=True)[0]
             boundary = _common_prefix_length(prompt_ids, ids)
             mask[:boundary] = [0] * boundary
-        return self._truncate(ids, mask, max_length, image_tokens)
+        return self._truncate(ids, mask, max_length, image_grids)
 
     def encode_prompt(
-        self, messages: Sequence[Message], *, max_length: int | None = None, image_tokens: Sequence[int] = ()
+        self, messages: Sequence[Message], *, max_length: int | None = None,
+        image_grids: Sequence[Sequence[int]] = (),
     ) -> Encoded:
         """Tokenise a prompt followed by the generation prompt (the assistant turn header); no
-        loss tokens. ``image_tokens`` as for :meth:`encode`."""
+        loss tokens. ``image_grids`` as for :meth:`encode`."""
         self._check_images(messages)
         self._check_roles(messages)
         ids = self._render(messages, add_generation_prompt=True)[0]
-        return self._truncate(ids, [0] * len(ids), max_length, image_tokens)
+        return self._truncate(ids, [0] * len(ids), max_length, image_grids)
 
     def _check_images(self, messages: Sequence[Message]) -> None:
         """Refuse image parts for a text-only model."""
@@ -153,18 +154,18 @@ class ChatEncoder:
                 "vision_config); set policy.model to a vision-language model, or leave the images out of the data"
             )
 
-    def _truncate(self, ids: list[int], mask: list[int], max_length: int | None, image_tokens: Sequence[int]) -> Encoded:
+    def _truncate(
+        self, ids: list[int], mask: list[int], max_length: int | None, image_grids: Sequence[Sequence[int]]
+    ) -> Encoded:
         """The images' placeholders widened, then :func:`_truncate`, the cut moved to before
         an image it would split."""
-        if self.images is None or not image_tokens:
+        if self.images is None or not image_grids:
             return _truncate(ids, mask, max_length)
-        ids, mask = self.images.widen(ids, mask, image_tokens)
+        ids, mask, spans = self.images.widen(ids, mask, image_grids)
         if max_length is not None and len(ids) > max_length:
-            placeholder = self.images.placeholder_id
-            while max_length > 0 and ids[max_length] == placeholder and ids[max_length - 1] == placeholder:
-                max_length -= 1
+            max_length = next((start for start, end in spans if start < max_length < end), max_length)
         out = _truncate(ids, mask, max_length)
-        return attrs.evolve(out, num_images=self.images.kept_images(out.input_ids, image_tokens))
+        return attrs.evolve(out, num_images=sum(end <= len(out.input_ids) for _, end in spans))
 
     def _prefix_mask(self, messages: Sequence[Message], ids: list[int], tools: Sequence[Any] | None = None) -> list[int]:
         """Assistant turn ``i`` spans from the end of ``messages[:i]`` rendered with the

@@ -18,7 +18,8 @@ tokens (for a pair: when either side has none) and for a truncated prompt.
 
 Image rows (:mod:`posttrain.data.images`): the example keeps its images' encoded bytes (an
 ``images`` column; a pair keeps its prompt's once, and how many each side kept) and the batch
-gains the per-sample ``pixel_values`` and ``image_grid_thw`` lists the vision-language model takes.
+gains the per-sample ``pixel_values`` and grids lists the vision-language model takes
+(:data:`~posttrain.data.images.IMAGE_FIELDS`).
 
 Examples are stored tokenised in a Hugging Face ``datasets.Dataset`` (Arrow, in memory),
 so a large dataset costs a few bytes per token rather than a Python object per token.
@@ -263,8 +264,8 @@ def _encode(
     """The stored columns of one example, whether truncation cut it, and its tokens before
     truncation (the longer side of a pair). Relative image paths are read from ``folder``."""
     if isinstance(example, SFTExample):
-        images, tokens = _images(example.messages, example.images, encoder, folder)
-        enc = encoder.encode(example.messages, max_length=max_length, tools=example.tools, image_tokens=tokens)
+        images, grids = _images(example.messages, example.images, encoder, folder)
+        enc = encoder.encode(example.messages, max_length=max_length, tools=example.tools, image_grids=grids)
         columns = {"input_ids": enc.input_ids, "token_mask": enc.token_mask, "sample_mask": int(enc.num_loss_tokens > 0)}
         if encoder.images is not None:
             columns["images"] = images[:enc.num_images]
@@ -272,10 +273,10 @@ def _encode(
     if isinstance(example, PreferenceExample):
         if image_parts(example.chosen) or image_parts(example.rejected):
             raise RowError("'chosen' or 'rejected' holds an image part; images go in the prompt, which both share")
-        images, tokens = _images(example.prompt, example.images, encoder, folder)
+        images, grids = _images(example.prompt, example.images, encoder, folder)
         pair: list[Encoded] = [
             encoder.encode([*example.prompt, *completion], loss_from=len(example.prompt), max_length=max_length,
-                           image_tokens=tokens)
+                           image_grids=grids)
             for completion in (example.chosen, example.rejected)
         ]
         c, r = pair
@@ -287,8 +288,8 @@ def _encode(
                            rejected_images=r.num_images)
         return columns, c.truncated or r.truncated, max(c.full_length, r.full_length)
     assert isinstance(example, PromptExample)
-    images, tokens = _images(example.messages, example.images, encoder, folder)
-    enc = encoder.encode_prompt(example.messages, max_length=max_length, image_tokens=tokens)
+    images, grids = _images(example.messages, example.images, encoder, folder)
+    enc = encoder.encode_prompt(example.messages, max_length=max_length, image_grids=grids)
     columns = {"input_ids": enc.input_ids, "token_mask": enc.token_mask, "sample_mask": int(not enc.truncated),
                "messages": json.dumps(example.messages), "answer": json.dumps(example.answer, default=str),
                "metadata": json.dumps(example.metadata, default=str), "task": example.task}
@@ -300,12 +301,12 @@ def _encode(
 def _images(
     messages: Sequence[Any], row_images: Sequence[Any] | None, encoder: ChatEncoder, folder: str | None
 ) -> tuple[list[bytes], list[int]]:
-    """The encoded bytes of a conversation's images and the tokens each becomes (none for a
-    text-only model: its encoder refuses image parts)."""
+    """The encoded bytes of a conversation's images and their grids (none for a text-only
+    model: its encoder refuses image parts)."""
     images = [read_image(ref, folder) for ref in image_references(messages, row_images)]
     if not images or encoder.images is None:
         return images, []
-    return images, [encoder.images.tokens(grid) for grid in encoder.images.grids(images)]
+    return images, encoder.images.grids(images)
 
 
 class _TableBuilder:

@@ -7,11 +7,19 @@ bytes, a Hugging Face datasets ``Image`` value (``{"bytes": ..., "path": ...}``)
 image. A part ``{"type": "image"}`` without one takes the next entry of the row's ``images``
 column (TRL's layout). Nothing is downloaded: a URL is refused.
 
-The chat template writes one placeholder token per image (Qwen-VL's ``<|image_pad|>``); the
-model's image processor resizes each image into a grid of ``t x h x w`` patches, and the vision
-tower gives one feature per ``merge_size x merge_size`` patches, so the placeholder is widened
-to that many tokens. Those tokens are never loss tokens. A dataset keeps each image as its
-encoded bytes; :meth:`ImageInputs.model_inputs` makes pixel values when a batch is collated.
+The chat template writes one placeholder token per image, which is widened to the image's
+tokens (:meth:`ImageInputs.expansion`), never loss tokens, as each family's processor does:
+
+- Qwen-VL (:class:`PatchGridImages`): the image processor resizes an image into a grid of
+  ``t x h x w`` patches and the vision tower gives one feature per ``merge_size x merge_size``
+  patches, so the placeholder ``<|image_pad|>`` becomes that many of itself;
+- Idefics3 / SmolVLM (:class:`TiledImages`): the image processor cuts an image into rows x
+  columns tiles and adds the whole image as one more tile; ``<image>`` becomes, per tile,
+  ``<fake_token_around_image>``, the tile's tag (``<row_1_col_2>``, ``<global-img>``) and the
+  tile's ``image_seq_len`` ``<image>`` tokens.
+
+A dataset keeps each image as its encoded bytes; :meth:`ImageInputs.model_inputs` makes pixel
+values when a batch is collated.
 """
 
 from __future__ import annotations
@@ -27,20 +35,30 @@ import torch
 from posttrain.data.formats import Message, RowError
 from posttrain.errors import ConfigError
 
-#: Batch fields of image rows: per sample, a [patches, features] float tensor and an
-#: [images, 3] int64 tensor of (t, h, w) patch grids (both with 0 rows for a text-only
-#: sample). A batch holds them as lists, or stacked and padded (a data plane's round trip
-#: stacks per-sample tensors): a padded grid row is all zeros.
-IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
+#: Each family's field of per-image grids, an [images, 3] int64 tensor per sample beside its
+#: ``pixel_values``: Qwen-VL's (t, h, w) patch grids, whose patches are its pixel rows
+#: ([patches, features]); Idefics3's (tiles, rows, columns), whose tiles are its pixel rows
+#: ([tiles, 3 x side x side]). Each pixel row belongs to one image, in order.
+PIXEL_ROWS = {"image_grid_thw": lambda grids: grids.prod(-1), "image_tiles": lambda grids: grids[:, 0]}
+#: Batch fields of image rows: ``pixel_values`` and one family's grids (both with 0 rows for a
+#: text-only sample). A batch holds them as lists, or stacked and padded (a data plane's round
+#: trip stacks per-sample tensors): a padded grid row is all zeros.
+IMAGE_FIELDS = ("pixel_values", *PIXEL_ROWS)
+
+
+def image_fields(batch: Mapping[str, Any]) -> tuple[str, ...]:
+    """The image fields ``batch`` holds: ``pixel_values`` and its family's grids, or none."""
+    return next((("pixel_values", name) for name in PIXEL_ROWS if name in batch), ())
 
 
 def sample_images(fields: Mapping[str, Any], i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample ``i``'s pixel values [patches, features] and patch grids [images, 3] from the
-    :data:`IMAGE_FIELDS` of ``fields`` (a batch), listed or stacked: the grids' nonzero rows
-    are the images, whose patches lead the pixel rows."""
-    grid = fields["image_grid_thw"][i]
+    """Sample ``i``'s pixel values and grids [images, 3] from the image fields of ``fields``
+    (a batch, :func:`image_fields`), listed or stacked: the grids' nonzero rows are the
+    images, whose pixel rows lead its pixel values."""
+    (_, name) = image_fields(fields)
+    grid = fields[name][i]
     grid = grid[grid.prod(-1) > 0]
-    return fields["pixel_values"][i][: int(grid.prod(-1).sum())], grid
+    return fields["pixel_values"][i][: int(PIXEL_ROWS[name](grid).sum())], grid
 
 
 def image_parts(messages: Sequence[Message]) -> list[dict[str, Any]]:
@@ -125,21 +143,28 @@ def decode_image(data: bytes) -> Any:
 
 
 class ImageInputs:
-    """A vision-language model's image processor and image placeholder: how many tokens an
-    image becomes, and its pixel values. :meth:`from_model` reads them from the model folder."""
+    """A vision-language model's image processor and image placeholder: the tokens an image
+    becomes and its pixel values. :meth:`from_model` reads them from the model folder; each
+    family is a subclass."""
 
-    def __init__(self, image_processor: Any, placeholder_id: int, placeholder: str):
-        self.image_processor = image_processor
+    #: The batch field of this family's per-image grids (:data:`PIXEL_ROWS`).
+    grid_field: str
+
+    def __init__(self, processor: Any, placeholder_id: int, placeholder: str):
+        self.processor = processor
         self.placeholder_id = placeholder_id
         self.placeholder = placeholder
-        self.merge_size = int(getattr(image_processor, "merge_size", 1) or 1)
+
+    @property
+    def fields(self) -> tuple[str, str]:
+        """The batch fields of this family's images."""
+        return "pixel_values", self.grid_field
 
     @classmethod
     def from_model(cls, model_path: str, tokenizer: Any) -> ImageInputs | None:
         """The image inputs of the model folder ``model_path``; None for a text-only model. A
-        vision-language model whose image processor gives no patch grids (``image_grid_thw``) is
-        refused: its image tokens are counted otherwise."""
-        from transformers import AutoConfig, AutoImageProcessor
+        vision-language family other than Qwen-VL's and Idefics3's is refused, naming them."""
+        from transformers import AutoConfig
 
         from posttrain.models.auto import is_vision_language
 
@@ -150,69 +175,92 @@ class ImageInputs:
         except (OSError, ValueError, AttributeError):
             return None  # the model folder's own checks name what is wrong with it
         config = AutoConfig.from_pretrained(model_path)
-        placeholder_id = getattr(config, "image_token_id", None)
-        if placeholder_id is None:
-            placeholder_id = getattr(config, "image_token_index", None)
+        family = next((f for f in (PatchGridImages, TiledImages) if config.model_type in f.model_types), None)
+        if family is None:
+            known = ", ".join(t for f in (PatchGridImages, TiledImages) for t in f.model_types)
+            raise ConfigError(
+                f"policy.model: '{model_path}' is a {config.model_type} vision-language model; image rows are "
+                f"read for the model types {known}"
+            )
         try:
-            processor = AutoImageProcessor.from_pretrained(model_path)
+            processor = family.load_processor(model_path)
         except (OSError, ValueError) as exc:
             raise ConfigError(
                 f"policy.model: '{model_path}' is a vision-language model ({config.model_type}) but its image "
                 f"processor cannot be loaded ({exc}); copy its preprocessor_config.json into the folder"
             ) from None
-        if placeholder_id is None or not hasattr(processor, "merge_size"):
-            raise ConfigError(
-                f"policy.model: '{model_path}' is a {config.model_type} vision-language model; image rows are "
-                "read for models whose image processor gives patch grids (image_grid_thw) and whose config names "
-                "its image token (image_token_id): Qwen2-VL and Qwen2.5-VL"
-            )
-        return cls(processor, int(placeholder_id), tokenizer.convert_ids_to_tokens(int(placeholder_id)))
+        placeholder_id = int(config.image_token_id)
+        return family(processor, placeholder_id, tokenizer.convert_ids_to_tokens(placeholder_id))
+
+    @staticmethod
+    def load_processor(model_path: str) -> Any:
+        """The family's processor of the model folder ``model_path``."""
+        raise NotImplementedError
 
     def grids(self, images: Sequence[bytes]) -> list[tuple[int, int, int]]:
-        """The (t, h, w) patch grid of each image."""
+        """Each image's grid (:data:`PIXEL_ROWS`)."""
         if not images:
             return []
-        out = self.image_processor(images=[decode_image(b) for b in images], return_tensors="pt")
-        return [tuple(int(v) for v in row) for row in out["image_grid_thw"]]
+        return [tuple(int(v) for v in row) for row in self.model_inputs([images])[self.grid_field][0]]
 
-    def tokens(self, grid: Sequence[int]) -> int:
-        """The tokens an image of patch ``grid`` becomes."""
-        t, h, w = grid
-        return t * h * w // self.merge_size**2
+    def expansion(self, grid: Sequence[int]) -> list[int]:
+        """The tokens that replace the placeholder of an image of ``grid``."""
+        raise NotImplementedError
 
-    def widen(self, ids: list[int], mask: list[int], counts: Sequence[int]) -> tuple[list[int], list[int]]:
-        """``ids`` with the ``k``-th placeholder repeated ``counts[k]`` times, and ``mask`` with
-        0 on every placeholder. A :class:`RowError` when the placeholders are not one per image."""
+    def model_inputs(self, samples: Sequence[Sequence[bytes]]) -> dict[str, list[torch.Tensor]]:
+        """The image fields (:attr:`fields`) of each sample (a list of encoded images)."""
+        raise NotImplementedError
+
+    def widen(
+        self, ids: list[int], mask: list[int], grids: Sequence[Sequence[int]]
+    ) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """``ids`` with the ``k``-th placeholder replaced by the tokens of an image of ``grids[k]``,
+        ``mask`` with 0 on them, and the [start, end) span of each image's tokens. A
+        :class:`RowError` when the placeholders are not one per image."""
         found = ids.count(self.placeholder_id)
-        if found != len(counts):
+        if found != len(grids):
             raise RowError(
-                f"the row has {len(counts)} images, but the chat template wrote {found} image placeholders "
+                f"the row has {len(grids)} images, but the chat template wrote {found} image placeholders "
                 f"({self.placeholder}); each image needs one {{'type': 'image'}} part in the messages"
             )
         out_ids: list[int] = []
         out_mask: list[int] = []
-        widths = iter(counts)
+        spans = []
+        expansions = iter([self.expansion(grid) for grid in grids])
         for token, m in zip(ids, mask, strict=True):
-            n = next(widths) if token == self.placeholder_id else 1
-            out_ids += [token] * n
-            out_mask += [0 if token == self.placeholder_id else m] * n
-        return out_ids, out_mask
+            if token == self.placeholder_id:
+                tokens = next(expansions)
+                spans.append((len(out_ids), len(out_ids) + len(tokens)))
+                out_ids += tokens
+                out_mask += [0] * len(tokens)
+            else:
+                out_ids.append(token)
+                out_mask.append(m)
+        return out_ids, out_mask, spans
 
-    def kept_images(self, ids: Sequence[int], counts: Sequence[int]) -> int:
-        """How many whole images the (truncated) ``ids`` hold: the leading images whose every
-        token is there."""
-        have = list(ids).count(self.placeholder_id)
-        kept = total = 0
-        for n in counts:
-            total += n
-            if total > have:
-                break
-            kept += 1
-        return kept
+
+class PatchGridImages(ImageInputs):
+    """Qwen2-VL and Qwen2.5-VL: an image is a (t, h, w) grid of patches, one token per
+    ``merge_size x merge_size`` of them."""
+
+    model_types = ("qwen2_vl", "qwen2_5_vl")
+    grid_field = "image_grid_thw"
+
+    @staticmethod
+    def load_processor(model_path: str) -> Any:
+        from transformers import AutoImageProcessor
+
+        processor = AutoImageProcessor.from_pretrained(model_path)
+        if not hasattr(processor, "merge_size"):
+            raise ValueError(f"it is a {type(processor).__name__}, which gives no patch grids (image_grid_thw)")
+        return processor
+
+    def expansion(self, grid: Sequence[int]) -> list[int]:
+        t, h, w = grid
+        return [self.placeholder_id] * (t * h * w // int(self.processor.merge_size) ** 2)
 
     def model_inputs(self, samples: Sequence[Sequence[bytes]]) -> dict[str, list[torch.Tensor]]:
-        """The :data:`IMAGE_FIELDS` of each sample (a list of encoded images)."""
-        outputs = [self.image_processor(images=[decode_image(b) for b in images], return_tensors="pt") if images
+        outputs = [self.processor(images=[decode_image(b) for b in images], return_tensors="pt") if images
                    else None for images in samples]
         features = next((out["pixel_values"].shape[1] for out in outputs if out is not None), 0)
         return {
@@ -220,3 +268,41 @@ class ImageInputs:
             "image_grid_thw": [out["image_grid_thw"].long() if out else torch.zeros(0, 3, dtype=torch.long)
                                for out in outputs],
         }
+
+
+class TiledImages(ImageInputs):
+    """Idefics3 and SmolVLM: an image is cut into rows x columns tiles (none when the processor
+    does not split it) plus the whole image as one more tile, each tile ``image_seq_len``
+    tokens after its tag. Each tile's pixels are one row of ``pixel_values``."""
+
+    model_types = ("idefics3", "smolvlm")
+    grid_field = "image_tiles"
+
+    @staticmethod
+    def load_processor(model_path: str) -> Any:
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(model_path)
+
+    def expansion(self, grid: Sequence[int]) -> list[int]:
+        _, rows, cols = grid
+        text = self.processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, 0)
+        return list(self.processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def model_inputs(self, samples: Sequence[Sequence[bytes]]) -> dict[str, list[torch.Tensor]]:
+        pixels, tiles = [], []
+        side = int(self.processor.image_processor.max_image_size["longest_edge"])
+        for images in samples:
+            own, grid = [], []
+            for data in images:
+                out = self.processor.image_processor(images=[[decode_image(data)]], return_row_col_info=True,
+                                                     return_tensors="pt")
+                if not bool(out["pixel_attention_mask"].all()):
+                    raise RowError("the image processor padded an image's tiles; posttrain takes tiles it fills "
+                                   "(set do_pad false, or resize the images to whole tiles)")
+                values = out["pixel_values"][0]
+                own.append(values.reshape(len(values), -1).float())
+                grid.append((len(values), int(out["rows"][0][0]), int(out["cols"][0][0])))
+            pixels.append(torch.cat(own) if own else torch.zeros(0, 3 * side * side))
+            tiles.append(torch.tensor(grid, dtype=torch.long).reshape(-1, 3))
+        return {"pixel_values": pixels, "image_tiles": tiles}

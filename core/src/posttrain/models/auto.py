@@ -1,7 +1,7 @@
 """Which transformers auto class builds a model folder's generative model.
 
 A causal LM loads with ``AutoModelForCausalLM``. A vision-language model (its config has a
-``vision_config``: Qwen2-VL, Qwen2.5-VL, Gemma 3, ...) loads with
+``vision_config``: Qwen2-VL, Qwen2.5-VL, Idefics3, Gemma 3, ...) loads with
 ``AutoModelForImageTextToText``: the vision tower, the language model and its head, under
 the names its checkpoint uses. Both give the output embedding (``get_output_embeddings``)
 and a ``base_model`` whose forward returns the final hidden states.
@@ -40,6 +40,8 @@ def generative_class(config: Any) -> Any:
 def vision_tower(model: Any) -> list[Any]:
     """The vision tower of a transformers vision-language ``model`` (with the merger that
     projects its features into the language model: Qwen-VL's ``visual``, LLaVA-style
-    ``vision_tower`` and ``multi_modal_projector``), as a list of modules; empty for a causal LM."""
+    ``vision_tower`` and ``multi_modal_projector``, Idefics3's ``vision_model`` and
+    ``connector``), as a list of modules; empty for a causal LM."""
     base = model.base_model
-    return [m for name in ("visual", "vision_tower", "multi_modal_projector") if (m := getattr(base, name, None)) is not None]
+    names = ("visual", "vision_tower", "multi_modal_projector", "vision_model", "connector")
+    return [m for name in names if (m := getattr(base, name, None)) is not None]

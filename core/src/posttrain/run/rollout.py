@@ -68,7 +68,7 @@ import torch
 
 from posttrain.backend.routing import NO_ROUTE, padded_routes
 from posttrain.batch import Batch, padded_tensor
-from posttrain.data.images import ImageInputs, sample_images
+from posttrain.data.images import ImageInputs, image_fields, sample_images
 from posttrain.errors import ConfigError
 from posttrain.interfaces import Environment, EnvironmentReturn, Generation, Message
 from posttrain.interfaces.generation import ROUTES_FIELD
@@ -144,7 +144,7 @@ def run_rollout(
         if not active:
             break
         with timer("generation"):
-            outputs = generation.generate(generation_batch(active, chat.pad_token_id), greedy=greedy)
+            outputs = generation.generate(generation_batch(active, chat.pad_token_id, chat.images), greedy=greedy)
         versions_known = versions_known and "weight_versions" in outputs
         for row, conversation in enumerate(active):
             conversation.add_assistant_turn(outputs, row, chat, max_total_length)
@@ -162,7 +162,8 @@ def run_rollout(
                 conversation.add_environment_step(step.result, k, chat, max_total_length, last_turn=turn == max_turns)
 
     batch = training_batch(conversations, chat.pad_token_id, with_versions=versions_known)
-    batch.update(image_fields(conversations, always=images is not None))
+    if images is not None:
+        batch.update(image_columns(conversations, images.fields))
     metrics = rollout_metrics(batch)
     for task, indices in _by_task(conversations).items():
         failures = [(c.origin, c.failed) for c in (conversations[i] for i in indices) if c.failed is not None]
@@ -218,11 +219,11 @@ class ChatFormat:
         return self.encode(self.render(messages, generation_prompt=True, tools=tools))
 
     def widen_images(self, token_ids: list[int], grids: torch.Tensor) -> list[int]:
-        """``token_ids`` with each image placeholder widened to the tokens of its image (patch
-        ``grids`` [images, 3], in order)."""
+        """``token_ids`` with each image placeholder widened to the tokens of its image (its
+        family's ``grids`` [images, 3], in order)."""
         if self.images is None or not len(grids):
             return token_ids
-        return self.images.widen(token_ids, [0] * len(token_ids), [self.images.tokens(g) for g in grids.tolist()])[0]
+        return self.images.widen(token_ids, [0] * len(token_ids), grids.tolist())[0]
 
     def bridge_ids(
         self, messages: Sequence[Message], generated: Sequence[int], observations: Sequence[Message],
@@ -270,8 +271,8 @@ class Conversation:
     #: int16 [len(token_ids), layers, k]: the experts each token went through in the engine (-1 on
     #: tokens it did not run), when the generation reports them (``routed_experts``)
     routes: torch.Tensor | None = None
-    #: The prompt's images as the model takes them: pixel values [patches, features] and patch
-    #: grids [images, 3] (:data:`~posttrain.data.images.IMAGE_FIELDS`); None for text samples.
+    #: The prompt's images as the model takes them: pixel values and its family's grids [images, 3]
+    #: (:data:`~posttrain.data.images.IMAGE_FIELDS`); None for text samples.
     images: tuple[torch.Tensor, torch.Tensor] | None = None
     stop_strings: list[str] | None = None
     answer: str | None = None
@@ -356,7 +357,7 @@ def _start_conversations(
     answers = samples["answer"] if "answer" in samples else [None] * len(messages)
     origins = samples["origin"] if "origin" in samples else [f"sample {i}" for i in range(len(messages))]
     sources = samples["source"] if "source" in samples else [None] * len(messages)
-    images = [sample_images(samples, i) for i in range(len(messages))] if "image_grid_thw" in samples else None
+    images = [sample_images(samples, i) for i in range(len(messages))] if image_fields(samples) else None
     conversations = []
     tools_of: dict[str, list[Any]] = {}
     prompt_ids: dict[tuple[Any, ...], list[int]] = {}  # a prompt repeated for its group is encoded once
@@ -414,27 +415,27 @@ def _by_task(conversations: Sequence[Conversation]) -> dict[str, list[int]]:
     return dict(groups)
 
 
-def generation_batch(active: Sequence[Conversation], pad_token_id: int) -> Batch:
-    """The input of one ``generate`` call: each conversation's tokens so far, its stop strings."""
+def generation_batch(active: Sequence[Conversation], pad_token_id: int, images: ImageInputs | None = None) -> Batch:
+    """The input of one ``generate`` call: each conversation's tokens so far, its stop strings
+    and, for a vision-language model's ``images`` when a conversation has some, its images."""
     batch = Batch(
         input_ids=padded_tensor([c.token_ids for c in active], pad_token_id, torch.long),
         input_lengths=torch.tensor([len(c.token_ids) for c in active], dtype=torch.long),
     )
     if any(c.stop_strings for c in active):
         batch["stop_strings"] = [c.stop_strings for c in active]
-    batch.update(image_fields(active))
+    if images is not None and any(c.images is not None for c in active):
+        batch.update(image_columns(active, images.fields))
     return batch
 
 
-def image_fields(conversations: Sequence[Conversation], *, always: bool = False) -> dict[str, list[torch.Tensor]]:
-    """The image fields of ``conversations``: none when no conversation has images, unless
-    ``always`` (a vision-language model's batch: every pass reads them)."""
-    if all(c.images is None for c in conversations) and not always:
-        return {}
+def image_columns(conversations: Sequence[Conversation], fields: tuple[str, str]) -> dict[str, list[torch.Tensor]]:
+    """The image ``fields`` (pixel values, the family's grids) of ``conversations``, empty for
+    a text conversation."""
     features = next((c.images[0].shape[1] for c in conversations if c.images is not None), 0)
     empty = (torch.zeros(0, features), torch.zeros(0, 3, dtype=torch.long))
     own = [c.images if c.images is not None else empty for c in conversations]
-    return {"pixel_values": [pixels for pixels, _ in own], "image_grid_thw": [grid for _, grid in own]}
+    return {fields[0]: [pixels for pixels, _ in own], fields[1]: [grid for _, grid in own]}
 
 
 def training_batch(conversations: Sequence[Conversation], pad_token_id: int, *, with_versions: bool) -> Batch:

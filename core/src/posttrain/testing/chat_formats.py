@@ -3,7 +3,8 @@
 :func:`build_chat_tokenizer` trains a byte-level BPE (the kind GPT-2, Llama 3, Qwen and OLMo
 ship) on :data:`CORPUS` with the ``tokenizers`` library, then adds a family's special tokens
 after the learned vocabulary and its chat template: :data:`FORMATS` holds ChatML (Qwen 2 and,
-with ``{% generation %}`` markers, Qwen 3; with image parts, Qwen-VL), Llama 3's headers, Gemma 2's and Gemma 3's turns,
+with ``{% generation %}`` markers, Qwen 3; with image parts, Qwen-VL), SmolVLM's (Idefics3) role
+prefixes with image parts, Llama 3's headers, Gemma 2's and Gemma 3's turns,
 Phi-3's role tags, Mistral's ``[INST]`` and OLMo 2's (Tulu) tags. Nothing is downloaded; the
 same arguments give the same tokenizer on every machine.
 
@@ -97,6 +98,24 @@ _CHATML_VISION = (
 )
 _VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
 
+#: SmolVLM's (Idefics3) turns: "User:", "Assistant:" and the text, each image part one ``<image>``
+#: (the processor widens it to the image's tiles: ``<fake_token_around_image>``, a tile tag such
+#: as ``<row_1_col_2>`` or ``<global-img>``, then the tile's ``<image>`` tokens).
+_SMOLVLM = (
+    "{{- '<|im_start|>' }}"
+    "{%- for message in messages %}"
+    "{{- message['role'] | capitalize }}"
+    "{%- if message['content'] is string %}{{- ': ' + message['content'] }}"
+    "{%- else %}{{- ':' if message['content'][0]['type'] == 'image' else ': ' }}"
+    "{%- for part in message['content'] %}{%- if part['type'] == 'image' %}{{- '<image>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<end_of_utterance>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'Assistant:' }}{%- endif %}"
+)
+_SMOLVLM_TOKENS = ("<|im_start|>", "<|im_end|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
+                   "<global-img>", *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)))
+
 _LLAMA3 = (
     "{{- bos_token }}"
     "{%- for message in messages %}"
@@ -176,6 +195,10 @@ FORMATS: dict[str, ChatFormat] = {
         (*_CHATML_TOKENS, *_VISION_TOKENS), eos="<|im_end|>", pad="<|endoftext|>", stops=("<|im_end|>", "<|endoftext|>"),
         qwen_split=True,
         template=_CHATML_VISION.replace("__ASSISTANT__", "{{- render(message['content']) + '<|im_end|>' }}"),
+    ),
+    "smolvlm": ChatFormat(
+        _SMOLVLM_TOKENS, bos="<|im_start|>", eos="<end_of_utterance>", pad="<|im_end|>", stops=("<end_of_utterance>",),
+        template=_SMOLVLM,
     ),
     "llama3": ChatFormat(
         ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",

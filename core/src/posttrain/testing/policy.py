@@ -39,6 +39,7 @@ import pytest
 import torch
 
 from posttrain.backend.sampling import logprob_temperature
+from posttrain.backend.vision import TILED
 from posttrain.batch import Batch
 from posttrain.config.schema import (
     ClusterConfig,
@@ -48,6 +49,7 @@ from posttrain.config.schema import (
     RunConfig,
     WorkerResources,
 )
+from posttrain.data.images import image_fields, sample_images
 from posttrain.distributed import VirtualCluster
 from posttrain.interfaces.generation import RefitStats
 from posttrain.interfaces.policy import Policy
@@ -103,15 +105,24 @@ def reference_logprobs(model: Any, batch: Batch, temperature: float = 1.0) -> to
     out = torch.zeros(batch["input_ids"].shape, dtype=dtype)
     for i, n in enumerate(batch["input_lengths"].tolist()):
         ids = batch["input_ids"][i : i + 1, :n]
-        images = {}
-        if "image_grid_thw" in batch and len(batch["image_grid_thw"][i]):
-            images = dict(pixel_values=batch["pixel_values"][i].to(dtype), image_grid_thw=batch["image_grid_thw"][i],
-                          mm_token_type_ids=(ids == model.config.image_token_id).int())
+        images = reference_image_inputs(model, *sample_images(batch, i), ids) if image_fields(batch) else {}
         logp = (model(ids, **images).logits[0, :-1] / temperature).log_softmax(-1)
         out[i, 1:n] = logp.gather(-1, ids[0, 1:, None])[:, 0]
     if "token_mask" in batch:
         out = out * batch["token_mask"].to(out.dtype)
     return out
+
+
+def reference_image_inputs(model: Any, pixels: torch.Tensor, grids: torch.Tensor, ids: torch.Tensor) -> dict[str, Any]:
+    """One sample's images (its pixel values and grids, :func:`~posttrain.data.images.sample_images`)
+    as transformers' forward of ``model`` on ``ids`` [1, n] takes them; none when it has none."""
+    if not len(grids):
+        return {}
+    pixels = pixels.to(next(model.parameters()).dtype)
+    if model.config.model_type in TILED:  # Idefics3: [1, tiles, 3, side, side]
+        side = model.config.vision_config.image_size
+        return {"pixel_values": pixels.view(1, -1, 3, side, side)}
+    return {"pixel_values": pixels, "image_grid_thw": grids, "mm_token_type_ids": (ids == model.config.image_token_id).int()}
 
 
 def reference_step(model_path: str | Path, batch: Batch, temperature: float = 1.0) -> tuple[float, dict[str, torch.Tensor]]:

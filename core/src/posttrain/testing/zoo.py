@@ -253,38 +253,64 @@ def build_zoo_model(path: str | Path, name: str, *, seed: int = 0, tokenizer: st
 PATCH = 14
 #: The images the zoo's processors take are resized to at most this many pixels (16 image tokens).
 MAX_IMAGE_PIXELS = (4 * PATCH * 2) ** 2
+#: Side, in pixels, of an Idefics3 tile: 4 x 4 patches, 2 x 2 image tokens.
+TILE = 4 * PATCH
 
 
-def _qwen_vl(config_cls: Any, vision: dict[str, Any], text: dict[str, Any] | None = None, **kw: Any):
+def _token_ids(tok: Any, text: dict[str, Any] | None) -> dict[str, Any]:
+    """The language model's vocabulary and special ids for tokenizer ``tok``, then ``text``."""
+    return {"vocab_size": -(-len(tok) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, "pad_token_id": tok.pad_token_id,
+            "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, **(text or {})}
+
+
+def _qwen_vl(config_cls: Any, vision: dict[str, Any], tok: Any, text: dict[str, Any] | None):
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")}
     text = {**_COMMON, "head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                             "mrope_section": [4, 6, 6]}, **(text or {})}
-    text.update({k: kw.pop(k) for k in list(kw) if k in ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")})
-    return config_cls(text_config=text, vision_config={"depth": 1, "hidden_size": _COMMON["hidden_size"],
-                                                       "patch_size": PATCH, "spatial_merge_size": 2, **vision}, **kw)
+                                                             "mrope_section": [4, 6, 6]}, **_token_ids(tok, text)}
+    return config_cls(
+        text_config=text, vision_config={"depth": 1, "hidden_size": _COMMON["hidden_size"], "patch_size": PATCH,
+                                         "spatial_merge_size": 2, **vision},
+        image_token_id=ids["<|image_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], **{k: text[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")},
+    )
 
 
-def _qwen2_vl(**kw: Any):
+def _qwen2_vl(tok: Any, text: dict[str, Any] | None = None):
     from transformers import Qwen2VLConfig
 
-    return _qwen_vl(Qwen2VLConfig, {"embed_dim": 32, "num_heads": 2, "mlp_ratio": 2}, **kw)
+    return _qwen_vl(Qwen2VLConfig, {"embed_dim": 32, "num_heads": 2, "mlp_ratio": 2}, tok, text)
 
 
-def _qwen2_5_vl(**kw: Any):
+def _qwen2_5_vl(tok: Any, text: dict[str, Any] | None = None):
     from transformers import Qwen2_5_VLConfig
 
     vision = {"intermediate_size": 64, "num_heads": 2, "out_hidden_size": _COMMON["hidden_size"],
-              "window_size": 2 * PATCH * 2, "fullatt_block_indexes": [0]}
-    return _qwen_vl(Qwen2_5_VLConfig, {**vision, "hidden_size": 32}, **kw)
+              "window_size": 2 * PATCH * 2, "fullatt_block_indexes": [0], "hidden_size": 32}
+    return _qwen_vl(Qwen2_5_VLConfig, vision, tok, text)
 
 
-#: Vision-language architecture name -> config builder: a vision tower of one block before
-#: the language model of :data:`ARCHITECTURES`' size (its tokenizer: :data:`VISION_CHAT_FORMATS`).
+def _idefics3(tok: Any, text: dict[str, Any] | None = None):
+    """SmolVLM's architecture: a vision tower over tiles of :data:`TILE` pixels whose 4 x 4
+    patches the connector shuffles into 2 x 2 tokens, before a Llama."""
+    from transformers import Idefics3Config
+
+    text = {"model_type": "llama", **_COMMON, "head_dim": 32, **_token_ids(tok, text)}
+    vision = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": TILE, "patch_size": PATCH, "initializer_range": INIT_STD}
+    return Idefics3Config(text_config=text, vision_config=vision, scale_factor=2, pad_token_id=text["pad_token_id"],
+                          image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+
+
+#: Vision-language architecture name -> config builder (given the family's tokenizer and
+#: overrides of the language model's config): a vision tower of one block before the language
+#: model of :data:`ARCHITECTURES`' size (its tokenizer: :data:`VISION_CHAT_FORMATS`).
 VISION_ARCHITECTURES: dict[str, Callable[..., Any]] = {
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_5_vl,
+    "idefics3": _idefics3,
 }
 #: Vision-language architecture name -> its family's chat format (with image parts).
-VISION_CHAT_FORMATS: dict[str, str] = {"qwen2_vl": "chatml_vision", "qwen2_5_vl": "chatml_vision"}
+VISION_CHAT_FORMATS: dict[str, str] = {"qwen2_vl": "chatml_vision", "qwen2_5_vl": "chatml_vision", "idefics3": "smolvlm"}
 
 
 def build_zoo_vlm(path: str | Path, name: str, *, seed: int = 0, text: dict[str, Any] | None = None) -> Path:
@@ -299,20 +325,29 @@ def build_zoo_vlm(path: str | Path, name: str, *, seed: int = 0, text: dict[str,
     path = Path(path)
     fmt = VISION_CHAT_FORMATS[name]
     tok = build_chat_tokenizer(fmt)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")}
-    config = VISION_ARCHITECTURES[name](
-        vocab_size=-(-len(tok) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, image_token_id=ids["<|image_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"], text=text,
-    )
+    config = VISION_ARCHITECTURES[name](tok, text)
     model = _seeded_model(config, seed)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = [tok.convert_tokens_to_ids(t) for t in FORMATS[fmt].stops]
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
-    image_processor(config).save_pretrained(path)
+    if config.model_type == "idefics3":
+        _idefics3_processor(tok).save_pretrained(path)
+    else:
+        image_processor(config).save_pretrained(path)
     return path
+
+
+def _idefics3_processor(tok: Any) -> Any:
+    """SmolVLM's processor at the zoo's size: an image resized to at most 2 x 2 tiles of
+    :data:`TILE` pixels, each tile and the whole image resized to one tile (a global view) of
+    4 image tokens. The PIL image processor (torchvision's needs a CUDA build here)."""
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    images = Idefics3ImageProcessorPil(do_image_splitting=True, size={"longest_edge": 2 * TILE},
+                                       max_image_size={"longest_edge": TILE})
+    return Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=(TILE // PATCH // 2) ** 2)
 
 
 def image_processor(config: Any) -> Any:

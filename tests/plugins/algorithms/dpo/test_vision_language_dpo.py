@@ -1,4 +1,4 @@
-"""DPO of a vision-language model (tiny Qwen2-VL) on image preference rows end to end: the
+"""DPO of a vision-language model (tiny Qwen2-VL and Idefics3) on image preference rows end to end: the
 prompt shows coloured squares (:mod:`posttrain.testing.shapes`), the chosen answer is their
 count and the rejected one is off by one. Step 1's loss is ln 2 (policy = reference, images
 included on both sides), and after training every pair prefers its chosen answer."""
@@ -32,8 +32,8 @@ def preference_rows(folder) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def records(zoo_model, ray_cluster, tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2_vl", "idefics3"])
+def records(request, zoo_model, ray_cluster, tmp_path_factory):
     folder = tmp_path_factory.mktemp("vlm_dpo")
     pairs = preference_rows(folder)
     tree = {
@@ -41,7 +41,7 @@ def records(zoo_model, ray_cluster, tmp_path_factory):
         "seed": 0,
         "run_dir": str(folder / "run"),
         "policy": {
-            "model": zoo_model("qwen2_vl"),
+            "model": zoo_model(request.param),
             "train_global_batch_size": 8,  # 4 pairs
             "train_micro_batch_size": 4,
             "max_total_sequence_length": 96,

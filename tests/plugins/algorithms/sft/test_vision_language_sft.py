@@ -1,4 +1,4 @@
-"""SFT of a vision-language model (tiny Qwen2-VL) on image rows end to end: counting coloured
+"""SFT of a vision-language model (tiny Qwen2-VL and Idefics3) on image rows end to end: counting coloured
 squares (:mod:`posttrain.testing.shapes`), packed rows on the dtensor backend. The validation
 loss falls, and the Hugging Face export loads with transformers' own classes
 (``AutoModelForImageTextToText``, its image processor and tokenizer) and gives the trainer's
@@ -20,12 +20,14 @@ from posttrain.testing.policy import reference_logprobs
 from posttrain.testing.shapes import write_counting_rows
 
 STEPS = 6
+#: Each architecture's image processor, as its export's folder gives it.
+IMAGE_PROCESSORS = {"qwen2_vl": "Qwen2VLImageProcessorPil", "idefics3": "Idefics3ImageProcessorPil"}
 
 pytestmark = pytest.mark.ray
 
 
-@pytest.fixture(scope="module")
-def run(zoo_model, ray_cluster, tmp_path_factory):
+@pytest.fixture(scope="module", params=list(IMAGE_PROCESSORS))
+def run(request, zoo_model, ray_cluster, tmp_path_factory):
     data = tmp_path_factory.mktemp("shapes")
     train = write_counting_rows(data / "train", 48, seed=1)
     val = write_counting_rows(data / "val", 8, seed=2)
@@ -35,7 +37,7 @@ def run(zoo_model, ray_cluster, tmp_path_factory):
         "seed": 0,
         "run_dir": str(run_dir),
         "policy": {
-            "model": zoo_model("qwen2_vl"),
+            "model": zoo_model(request.param),
             "train_global_batch_size": 8,
             "train_micro_batch_size": 4,
             "max_total_sequence_length": 96,
@@ -49,22 +51,22 @@ def run(zoo_model, ray_cluster, tmp_path_factory):
                 "export_dir": str(run_dir / "hf")},
     }
     run_algorithm(config_from_dict(tree, []))
-    return run_dir, str(val), read_metrics(run_dir / "metrics.jsonl")
+    return run_dir, str(val), read_metrics(run_dir / "metrics.jsonl"), request.param
 
 
 def test_the_validation_loss_falls(run):
-    _, _, records = run
+    _, _, records, _ = run
     val = [r for r in records if r["phase"] == "validation"]
     assert [r["step"] for r in val] == [0, STEPS]
     assert val[-1]["loss"] < 0.8 * val[0]["loss"]
 
 
 def test_the_export_loads_with_transformers_classes_and_gives_the_trainers_loss(run):
-    run_dir, val, records = run
+    run_dir, val, records, arch = run
     folder = str(run_dir / "hf")
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float64, attn_implementation="eager")
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    assert type(AutoImageProcessor.from_pretrained(folder)).__name__ == "Qwen2VLImageProcessorPil"
+    assert type(AutoImageProcessor.from_pretrained(folder)).__name__ == IMAGE_PROCESSORS[arch]
     batch = build_dataset(val, "sft", ChatEncoder(tokenizer, images=ImageInputs.from_model(folder, tokenizer))).collate(
         range(8))
     mask = batch["token_mask"].double()

@@ -1,4 +1,5 @@
-"""Vision-language models on the dtensor backend: tiny Qwen2-VL and Qwen2.5-VL checkpoints
+"""Vision-language models on the dtensor backend: tiny Qwen2-VL, Qwen2.5-VL and Idefics3
+(SmolVLM's architecture, images cut into tiles) checkpoints
 (:func:`posttrain.testing.zoo.build_zoo_vlm`) on rows whose user turn holds an image of
 coloured squares (:mod:`posttrain.testing.shapes`), some rows without one.
 
@@ -20,7 +21,7 @@ import torch
 from posttrain.config.schema import LoraConfig, SequencePackingConfig
 from posttrain.data.chat import ChatEncoder, load_tokenizer
 from posttrain.data.dataset import build_dataset
-from posttrain.data.images import ImageInputs
+from posttrain.data.images import ImageInputs, image_fields, sample_images
 from posttrain.testing.policy import reference_logprobs, reference_model, reference_step
 from posttrain.testing.shapes import write_counting_rows
 from posttrain.testing.zoo import build_zoo_vlm
@@ -28,7 +29,9 @@ from posttrain_dtensor.policy import DTensorPolicy
 
 pytestmark = pytest.mark.ray
 
-ARCHITECTURES = ("qwen2_vl", "qwen2_5_vl")
+ARCHITECTURES = ("qwen2_vl", "qwen2_5_vl", "idefics3")
+#: Where each architecture's vision tower and the merger feeding its language model live.
+VISION_TOWER = ("model.visual.", "model.vision_model.", "model.connector.")
 WORKERS = {"one_rank": 1, "fsdp_dp2": 2}
 PACKING = SequencePackingConfig(enabled=True, max_tokens_per_row=96)
 
@@ -70,7 +73,8 @@ def setup(request, virtual_cluster, dt, counting_rows, zoo_model, tmp_path_facto
 
 
 def test_the_batch_holds_images_and_text_only_rows(setup):
-    grids = setup["batch"]["image_grid_thw"]
+    (_, field) = image_fields(setup["batch"])
+    grids = setup["batch"][field]
     assert [len(g) for g in grids] == [1, 0, 1, 1, 0, 1, 1, 1]
 
 
@@ -92,7 +96,7 @@ def test_step_zero_loss_and_gradients_equal_transformers(policy, setup, dt, pack
     assert metrics["loss"] == pytest.approx(setup["ref_loss"], abs=1e-5)
     for name, want in setup["ref_grads"].items():  # float32 against float64: 1e-5 of the larger gradients' scale
         assert float((grads[name] - want).abs().max()) < 1e-5 * max(1.0, float(want.abs().max())), name
-    assert any("visual" in name and g.abs().max() > 0 for name, g in grads.items())
+    assert any(name.startswith(VISION_TOWER) and g.abs().max() > 0 for name, g in grads.items())
 
 
 def one_step(virtual_cluster, dt, path: str, batch, name: str, **policy) -> tuple[dict, dict, DTensorPolicy]:
@@ -113,7 +117,7 @@ def test_a_frozen_vision_tower_keeps_its_weights_while_the_language_model_learns
                                      freeze_vision_tower=True)
     policy.shutdown()
     changed = {name for name in before if not torch.equal(before[name], after[name])}
-    assert changed == {name for name in before if not name.startswith("model.visual.")}
+    assert changed == {name for name in before if not name.startswith(VISION_TOWER)}
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -136,16 +140,17 @@ def test_lora_adapts_the_language_model_only(virtual_cluster, dt, zoo_model, cou
     finally:
         policy.shutdown()
     targets = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]
-    assert targets and all(".language_model." in target for target in targets)
+    assert targets and all(".language_model." in target or ".text_model." in target for target in targets)
     changed = {name for name in before if not torch.equal(before[name], after[name])}
-    assert changed and not any(name.startswith("model.visual.") for name in changed)
+    assert changed and not any(name.startswith(VISION_TOWER) for name in changed)
 
 
 def test_a_placeholder_the_policy_generated_is_scored_as_text(policy, setup):
-    """A sample whose answer holds ``<|image_pad|>`` (a young policy samples one now and then):
-    its image's features go on the prompt's placeholders only, the generated one is embedded as
-    the token it is, as the engine decoded it. Reference: transformers in float64, given those
-    embeddings and the positions of the prompt's image tokens alone."""
+    """A sample whose answer holds the image token (``<|image_pad|>``, ``<image>``; a young
+    policy samples one now and then): its image's features go on the prompt's image tokens
+    only, the generated one is embedded as the token it is, as the engine decoded it.
+    Reference: transformers in float64, given those embeddings and (Qwen-VL) the positions of
+    the prompt's image tokens alone."""
     batch = setup["batch"].select(list(range(len(setup["batch"]))))
     model = reference_model(setup["path"])
     placeholder, n = model.config.image_token_id, int(batch["input_lengths"][0])
@@ -153,13 +158,18 @@ def test_a_placeholder_the_policy_generated_is_scored_as_text(policy, setup):
     batch["input_ids"][0, n - 2] = placeholder  # the answer's last token before the end of the turn
     got = policy.get_logprobs(batch)["logprobs"][0, :n]
 
-    ids, pixels, grid = batch["input_ids"][:1, :n], batch["pixel_values"][0].double(), batch["image_grid_thw"][0]
+    ids, (pixels, grid) = batch["input_ids"][:1, :n], sample_images(batch, 0)
     with torch.no_grad():
-        features = torch.cat(model.model.get_image_features(pixels, grid, return_dict=True).pooler_output)
         image = (ids == placeholder) & (torch.arange(n) < n - 2)
+        if "image_tiles" in batch:
+            side = model.config.vision_config.image_size
+            out = model.model.get_image_features(pixels.double().view(1, -1, 3, side, side), return_dict=True)
+            features, positions = out.pooler_output.reshape(-1, model.config.text_config.hidden_size), None
+        else:
+            features = torch.cat(model.model.get_image_features(pixels.double(), grid, return_dict=True).pooler_output)
+            positions, _ = model.model.get_rope_index(ids, image.int(), image_grid_thw=grid)
         assert int(image.sum()) == features.shape[0]
         embeds = model.get_input_embeddings()(ids).masked_scatter(image[..., None], features)
-        positions, _ = model.model.get_rope_index(ids, image.int(), image_grid_thw=grid)
         logits = model(inputs_embeds=embeds, position_ids=positions).logits[0, :-1]
     want = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0] * batch["token_mask"][0, 1:n].double()
     torch.testing.assert_close(got[1:].double(), want, rtol=2e-6, atol=1e-5)
@@ -183,17 +193,18 @@ def test_packed_rows_give_the_padded_rows_logprobs_and_gradients(policy, setup, 
         assert float((packed_grads[name] - want).abs().max()) <= 5e-6 * max(1.0, float(want.abs().max())), name
 
 
+@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3"])
 def test_tensor_parallel_splits_the_language_model_and_keeps_the_vision_tower_whole(virtual_cluster, dt,
-                                                                                    counting_rows, tmp_path):
-    """Two tensor-parallel ranks (a Qwen2-VL with two key-value heads, so both head counts
-    split): the language model follows its text config's plan, the vision tower is whole on
-    each rank; logprobs, the step-0 loss and every gradient equal transformers' float64
-    forward, as at one rank."""
-    path = str(build_zoo_vlm(tmp_path / "qwen2_vl_kv2", "qwen2_vl", text={"num_key_value_heads": 2}))
+                                                                                    counting_rows, tmp_path, arch):
+    """Two tensor-parallel ranks (two key-value heads, so both head counts split): the
+    language model follows its text config's plan, the vision tower is whole on each rank;
+    logprobs, the step-0 loss and every gradient equal transformers' float64 forward, as at
+    one rank."""
+    path = str(build_zoo_vlm(tmp_path / f"{arch}_kv2", arch, text={"num_key_value_heads": 2}))
     batch = image_batch(path, counting_rows)
     ref_loss, ref_grads = reference_step(path, batch)
     config = dt.policy_config(path, max_total_sequence_length=96, num_workers=2, tensor_parallel_size=2)
-    policy = DTensorPolicy(config, virtual_cluster, name="policy-vlm-tp2")
+    policy = DTensorPolicy(config, virtual_cluster, name=f"policy-vlm-tp2-{arch}")
     try:
         assert policy.info()["tensor_parallel_size"] == 2
         got = policy.get_logprobs(batch)["logprobs"]

@@ -1,4 +1,4 @@
-"""The hf engine on vision-language models (tiny Qwen2-VL and Qwen2.5-VL), without Ray: prompts with images
+"""The hf engine on vision-language models (tiny Qwen2-VL, Qwen2.5-VL and Idefics3), without Ray: prompts with images
 of different sizes, and one without, batched and left-padded. Each row's sampled tokens and
 their logprobs are what transformers' forward of that row alone, with its image, gives. A
 placeholder token the model generates is text: prefilled again (the next turn of a
@@ -14,15 +14,16 @@ from posttrain.batch import Batch
 from posttrain.config.schema import GenerationConfig
 from posttrain.data.chat import ChatEncoder, load_tokenizer
 from posttrain.data.dataset import build_dataset
-from posttrain.data.images import IMAGE_FIELDS, ImageInputs, sample_images
+from posttrain.data.images import ImageInputs, image_fields, sample_images
 from posttrain.interfaces import Generation
 from posttrain.run.rollout import run_rollout
+from posttrain.testing.policy import reference_image_inputs
 from posttrain.testing.shapes import write_counting_rows
 from posttrain_env_math.math_env import MathEnvironment, MathOptions
 from posttrain_hf.worker import HFEngineWorker
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "idefics3"])
 def prompts(request, zoo_model, tmp_path_factory):
     """Three prompt rows: two images of different sizes, then the question alone."""
     path = zoo_model(request.param)
@@ -35,8 +36,11 @@ def prompts(request, zoo_model, tmp_path_factory):
 
 def test_each_rows_tokens_and_logprobs_are_transformers_forward_with_its_image(prompts):
     path, batch = prompts
-    assert [len(g) for g in batch["image_grid_thw"]] == [1, 1, 0]
-    assert batch["image_grid_thw"][0].tolist() != batch["image_grid_thw"][1].tolist()
+    pixels, field = image_fields(batch)
+    assert [len(g) for g in batch[field]] == [1, 1, 0]
+    assert not torch.equal(batch[pixels][0], batch[pixels][1])
+    if field == "image_grid_thw":  # images of two sizes: a square image is always 2 x 2 tiles for Idefics3
+        assert batch[field][0].tolist() != batch[field][1].tolist()
     engine = HFEngineWorker(model_path=path, dtype="float32", max_batch_size=4, attn_implementation="sdpa")
     rows = [ids[:n].tolist() for ids, n in zip(batch["input_ids"], batch["input_lengths"], strict=True)]
     images = [sample_images(batch, i) for i in range(3)]
@@ -47,8 +51,7 @@ def test_each_rows_tokens_and_logprobs_are_transformers_forward_with_its_image(p
     for prompt, (pixels, grid), completion in zip(rows, images, completions, strict=True):
         assert len(completion.token_ids) == 6
         ids = torch.tensor([prompt + completion.token_ids])
-        extra = {} if not len(grid) else dict(pixel_values=pixels, image_grid_thw=grid,
-                                              mm_token_type_ids=(ids == model.config.image_token_id).int())
+        extra = reference_image_inputs(model, pixels, grid, ids)
         with torch.no_grad():
             logits = model(input_ids=ids, **extra).logits[0, len(prompt) - 1:-1]
         want = logits.log_softmax(-1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
@@ -56,7 +59,7 @@ def test_each_rows_tokens_and_logprobs_are_transformers_forward_with_its_image(p
 
 
 def test_a_generated_image_placeholder_is_text_when_prefilled_again(prompts):
-    """Its logit raised, ``<|image_pad|>`` is what greedy decoding picks: the
+    """Its logit raised, the image token (``<|image_pad|>``, ``<image>``) is what greedy decoding picks: the
     second call prefills the prompt and the first three of them, and decodes the rest with the
     logprobs the first call's decoding gave."""
     path, batch = prompts
@@ -111,18 +114,19 @@ def test_a_rollout_keeps_each_samples_images_and_skips_a_prompt_the_data_cut(pro
     path, batch = prompts
     tokenizer = load_tokenizer(path)
     images = ImageInputs.from_model(path, tokenizer)
-    samples = batch.fields(["messages", "task", "metadata", "answer", *IMAGE_FIELDS])
-    cut = batch.fields(["messages", "task", "metadata", "answer", *IMAGE_FIELDS]).select([1])
-    cut["pixel_values"], cut["image_grid_thw"] = [torch.zeros(0, 1176)], [torch.zeros(0, 3, dtype=torch.long)]
+    pixels, field = image_fields(batch)
+    samples = batch.fields(["messages", "task", "metadata", "answer", pixels, field])
+    cut = batch.fields(["messages", "task", "metadata", "answer", pixels, field]).select([1])
+    cut[pixels], cut[field] = [torch.zeros(0, batch[pixels][0].shape[1])], [torch.zeros(0, 3, dtype=torch.long)]
     samples = Batch.concat([samples, cut])
     engine = HFEngineWorker(model_path=path, dtype="float32", max_batch_size=4, attn_implementation="sdpa")
-    generation = EngineGeneration(engine, [tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    generation = EngineGeneration(engine, [tokenizer.eos_token_id])
     math = MathEnvironment(MathOptions(timeout_s=10, num_workers=1))
     out, _ = run_rollout(samples, generation, {"math": math}, tokenizer, max_total_length=96, images=images)
     math.shutdown()
     for i in range(3):
         prompt = int(out["prompt_lengths"][i])
         assert out["input_ids"][i, :prompt].tolist() == batch["input_ids"][i, :batch["input_lengths"][i]].tolist()
-        assert out["image_grid_thw"][i].tolist() == batch["image_grid_thw"][i].tolist()
+        assert out[field][i].tolist() == batch[field][i].tolist()
         assert int(out["response_lengths"][i]) > 0
-    assert int(out["response_lengths"][3]) == 0 and bool(out["truncated"][3]) and len(out["image_grid_thw"][3]) == 0
+    assert int(out["response_lengths"][3]) == 0 and bool(out["truncated"][3]) and len(out[field][3]) == 0

@@ -66,7 +66,6 @@ from posttrain.data import (
     encoder_from_config,
     require_dataset,
 )
-from posttrain.data.images import IMAGE_FIELDS
 from posttrain.errors import WorkerError
 from posttrain.interfaces import ROUTES_FIELD, Algorithm, PlaneSamples
 from posttrain.run.checkpoint import TrainingState
@@ -215,7 +214,7 @@ class GRPORun(LoopSteps):
         # what goes with a sample to every policy pass beside its tokens: the engine's experts of each
         # token (policy.moe), a vision-language model's images
         self.model_fields = (*((ROUTES_FIELD,) if config.policy.moe.records_routes else ()),
-                             *(IMAGE_FIELDS if self.images is not None else ()))
+                             *(self.images.fields if self.images is not None else ()))
         self.rounds: RoundProducer[Rollouts] | None = None
         self.weights_version = 0  # of the weights the engines hold: the refit after step s carries s
         # When the prompts ran out while a round was being collected: the prompt batches it drew

@@ -78,12 +78,12 @@ class CausalLMHead(nn.Module):
         **images: torch.Tensor,
     ) -> object:
         """``segment_bounds``: packed rows' ``cu_seqlens`` for the segment attention kernel;
-        ``images``: a vision-language model's ``pixel_values``, ``image_grid_thw`` and
+        ``images``: a vision-language model's ``pixel_values``, ``image_grids`` and
         ``image_mask`` (:mod:`posttrain_dtensor.vision`), embedded here, where FSDP has
         gathered the vision tower and the embedding."""
         extra = {} if segment_bounds is None else {"cu_seq_lens_q": segment_bounds}
         if images:
-            embeds = embed_with_images(self.lm, input_ids, images["pixel_values"], images["image_grid_thw"],
+            embeds = embed_with_images(self.lm, input_ids, images["pixel_values"], images["image_grids"],
                                        images["image_mask"])
             extra["inputs_embeds"], input_ids = embeds, None
         out = self.lm.base_model(
@@ -196,9 +196,12 @@ def apply_tensor_parallel(lm: nn.Module, tp_mesh: DeviceMesh, *, adapters: bool 
 
 def split_decoder(lm: nn.Module) -> nn.Module:
     """The module a tensor-parallel plan's paths are relative to: the causal LM's base model,
-    or a vision-language model's language model (its vision tower stays whole on every rank)."""
-    language_model = getattr(lm.base_model, "language_model", None)
-    return lm.base_model if language_model is None else language_model
+    or a vision-language model's language model (Qwen-VL's ``language_model``, Idefics3's
+    ``text_model``; its vision tower stays whole on every rank)."""
+    for name in ("language_model", "text_model"):
+        if (language_model := getattr(lm.base_model, name, None)) is not None:
+            return language_model
+    return lm.base_model
 
 
 def sum_gradients(modules: list[nn.Module], group: dist.ProcessGroup) -> None:
@@ -219,16 +222,20 @@ def decoder_layers(lm: nn.Module) -> nn.ModuleList:
         raise ConfigError(
             f"policy.model: cannot find the decoder layers of model type '{lm.config.model_type}' (expected a "
             "ModuleList at base_model.layers, as Llama, Qwen, Mistral, Gemma, Phi-3 and OLMo 2 have, or at "
-            "base_model.language_model.layers, as Qwen-VL has), which FSDP shards one by one; train it on one "
+            "base_model.language_model.layers, as Qwen-VL has, or base_model.text_model.layers, as Idefics3 has), "
+            "which FSDP shards one by one; train it on one "
             "rank in float32 (policy.num_workers=1, policy.dtype=float32)"
         )
     return layers
 
 
 def vision_blocks(lm: nn.Module) -> list[nn.Module]:
-    """The blocks of a vision-language model's vision tower (Qwen-VL's ``visual.blocks``), each an
-    FSDP unit of its own; none for a causal LM."""
-    blocks = getattr(getattr(lm.base_model, "visual", None), "blocks", None)
+    """The blocks of a vision-language model's vision tower (Qwen-VL's ``visual.blocks``,
+    Idefics3's ``vision_model.encoder.layers``), each an FSDP unit of its own; none for a causal LM."""
+    base = lm.base_model
+    blocks = getattr(getattr(base, "visual", None), "blocks", None)
+    if blocks is None:
+        blocks = getattr(getattr(getattr(base, "vision_model", None), "encoder", None), "layers", None)
     return list(blocks) if isinstance(blocks, nn.ModuleList) else []
 
 

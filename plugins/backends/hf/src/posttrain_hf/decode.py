@@ -15,7 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 from posttrain.backend.generation_group import Completion, GenerationRequest
 from posttrain.backend.routing import Routers
 from posttrain.backend.sampling import sampling_logprobs
-from posttrain.backend.vision import embed_with_images, image_token_mask, mrope_positions
+from posttrain.backend.vision import embed_with_images, has_mrope, image_token_mask, mrope_positions
 from posttrain.errors import WorkerError
 from posttrain_hf.attention import takes_ready_step_masks
 from posttrain_hf.stop_strings import StopStringMatcher
@@ -54,7 +54,7 @@ def decode(
     input_ids, attention, positions = input_ids.to(device), attention.to(device), positions.to(device)
     prompt = {"input_ids": input_ids}
     if request.images is not None and any(len(grid) for _, grid in request.images):
-        prompt, positions = image_prompt(model, input_ids, attention, request.images)
+        prompt, positions = image_prompt(model, input_ids, attention, positions, request.images)
 
     greedy = request.temperature == 0
     sampler = None if greedy else RowSampler(request.seeds, device, max_steps=max(request.max_new_tokens))
@@ -116,19 +116,21 @@ def decode(
 
 
 def image_prompt(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention: torch.Tensor,
+    model: PreTrainedModel, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor,
     images: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The prefill's input of left-padded ``input_ids`` of a vision-language model, each row
-    with its ``images`` (pixel values, patch grids): the embeddings with the images' features
-    on the image tokens (:mod:`posttrain.backend.vision`), and the M-RoPE positions
-    [3, rows, width] by which decoding goes on."""
+    """The prefill's input of left-padded ``input_ids`` (text ``positions``) of a
+    vision-language model, each row with its ``images`` (pixel values, grids): the embeddings
+    with the images' features on the image tokens (:mod:`posttrain.backend.vision`), and the
+    positions by which decoding goes on (Qwen-VL's M-RoPE [3, rows, width]; else ``positions``)."""
     device = input_ids.device
     mask = image_token_mask(input_ids, [grid.to(device) for _, grid in images], model)
     grids = torch.cat([grid for _, grid in images]).to(device)
     pixels = torch.cat([pixels for pixels, _ in images]).to(device)
     embeds = embed_with_images(model, input_ids, pixels, grids, mask)
-    return {"inputs_embeds": embeds}, mrope_positions(model, input_ids, mask, grids, attention)
+    if has_mrope(model):
+        positions = mrope_positions(model, input_ids, mask, grids, attention)
+    return {"inputs_embeds": embeds}, positions
 
 
 def _prefill_routes(routers: Routers | None, prompts: list[list[int]], width: int) -> list[list[torch.Tensor]]:
