@@ -228,3 +228,33 @@ def test_a_vision_language_family_without_image_rows_is_refused(model, tmp_path)
         f"policy.model: '{folder}' is a gemma3 vision-language model; image rows are read for the model types "
         "qwen2_vl, qwen2_5_vl, idefics3, smolvlm"
     )
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3"])
+def test_a_prompt_widens_as_its_processor_writes_it_and_collapses_back(zoo_model, arch):
+    """Two images (a square one cut into 2 x 2 tiles, a wide one into 1 x 2 for Idefics3): the
+    widened ids are what transformers' processor gives (Idefics3's; Qwen-VL's in the test
+    above), and :meth:`ImageInputs.collapse` puts each image's tokens back to its placeholder,
+    as an engine whose own processor widens them takes the prompt."""
+    from transformers import AutoProcessor
+
+    path = zoo_model(arch)
+    tokenizer = load_tokenizer(path)
+    inputs = ImageInputs.from_model(path, tokenizer)
+    encoder = ChatEncoder(tokenizer, images=inputs)
+    files = [png(56, 56), png(112, 56)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}, {"type": "image"}]}]
+    grids = inputs.grids(files)
+    widened = encoder.encode_prompt(messages, image_grids=grids).input_ids
+    template_ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                             add_special_tokens=False)["input_ids"]
+    if arch == "idefics3":
+        assert grids == [(5, 2, 2), (3, 1, 2)]
+        processor = AutoProcessor.from_pretrained(path)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        want = processor(text=[text], images=[[image(56, 56), image(112, 56)]], add_special_tokens=False)
+        assert widened == list(want["input_ids"][0])
+    assert inputs.collapse(widened, grids) == template_ids
+    assert inputs.collapse(widened + widened[5:9], grids) == template_ids + widened[5:9]  # an image token as text
+    with pytest.raises(ValueError, match="image 1's .* tokens are not in the prompt after token"):
+        inputs.collapse(widened, [grids[0], (1, 8, 8) if arch == "qwen2_vl" else (2, 1, 1)])

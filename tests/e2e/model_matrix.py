@@ -158,6 +158,11 @@ VISION_PATHS: dict[str, VisionColumn] = {
                          "test_the_trainer_scores_the_engines_samples_with_their_images",
                          "the trainer's logprobs of the engine's samples are the engine's to within 0.1% in "
                          "probability (token_mult_prob_error) at every step; with no image they miss by a factor of 28"),
+    "grpo_vllm": VisionColumn("GRPO (vLLM)", "tests/e2e/test_vision_language_grpo.py::"
+                              "test_the_trainer_scores_the_engines_samples_with_their_images",
+                              "vLLM's processor reads the images and widens their placeholders (checked equal to "
+                              "posttrain's token for token); the trainer's logprobs are the engine's to within 0.1% in "
+                              "probability at every step, before and after the refit"),
     "dpo": VisionColumn("DPO", "tests/plugins/algorithms/dpo/test_vision_language_dpo.py::"
                         "test_the_first_loss_is_ln2_and_every_pair_ends_preferring_its_chosen_answer",
                         "image preference pairs: the first loss is ln 2, and after 8 steps every pair prefers its "
@@ -178,6 +183,7 @@ VISION_CELLS: dict[str, tuple[str, ...]] = {
     "lora": ("qwen2_vl", "qwen2_5_vl", "idefics3"),
     "hf": ("qwen2_vl", "qwen2_5_vl", "idefics3"),
     "grpo": ("qwen2_vl", "idefics3"),
+    "grpo_vllm": ("idefics3",),
     "dpo": ("qwen2_vl", "idefics3"),
     "export": ("qwen2_vl", "idefics3"),
 }

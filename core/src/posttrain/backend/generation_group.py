@@ -30,7 +30,7 @@ from posttrain.backend.sampling import sample_seeds
 from posttrain.backend.weight_sync import BroadcastEndpoint
 from posttrain.batch import Batch, padded_tensor
 from posttrain.config.schema import GenerationConfig, RunConfig, WorkerResources
-from posttrain.data.images import image_fields, sample_images
+from posttrain.data.images import ENCODED_IMAGES, image_fields, sample_images
 from posttrain.distributed import VirtualCluster, WorkerGroup
 from posttrain.errors import ConfigError, DataError
 from posttrain.interfaces.generation import ROUTES_FIELD, Generation
@@ -131,7 +131,8 @@ def build_request(
     fit). A row's stop strings are the config's followed by its own (``stop_strings``
     field), without repeats; stop tokens are the config's followed by the EOS ids (unless
     ``ignore_eos``: then the config's alone). A batch with image fields
-    (:data:`~posttrain.data.images.IMAGE_FIELDS`) gives each row its images.
+    (:data:`~posttrain.data.images.IMAGE_FIELDS`, and the encoded files when it has them:
+    :data:`~posttrain.data.images.ENCODED_IMAGES`) gives each row its images.
     """
     prompts = prompt_lists(batch)
     budgets = []
@@ -155,6 +156,7 @@ def build_request(
         top_p=generation.top_p,
         top_k=generation.top_k,
         images=images,
+        encoded_images=[list(own) for own in batch[ENCODED_IMAGES]] if ENCODED_IMAGES in batch else None,
     )
 
 

@@ -49,7 +49,7 @@ from posttrain.data.formats import (
     detect_format,
     parse_row,
 )
-from posttrain.data.images import ImageInputs, image_parts, image_references, read_image
+from posttrain.data.images import ENCODED_IMAGES, ImageInputs, image_parts, image_references, read_image
 from posttrain.data.sources import RowSource, open_source
 from posttrain.errors import ConfigError, DataError, did_you_mean
 from posttrain.log import get_logger
@@ -142,7 +142,8 @@ def collate_rows(
     """A batch of ``kind`` from stored columns (:meth:`TokenizedDataset.rows`): padded ids and
     masks; for prompts also the decoded ``messages``, ``answer``, ``metadata``, and ``task``,
     ``origin`` and, when the columns hold it, ``source``; with ``images``, the image fields
-    (:data:`~posttrain.data.images.IMAGE_FIELDS`) of the ``images`` column."""
+    (:data:`~posttrain.data.images.IMAGE_FIELDS`) of the ``images`` column, and for prompts
+    the images themselves (:data:`~posttrain.data.images.ENCODED_IMAGES`)."""
     if kind == "preference":
         chosen = zip(cols["chosen_input_ids"], cols["chosen_token_mask"], strict=True)
         rejected = zip(cols["rejected_input_ids"], cols["rejected_token_mask"], strict=True)
@@ -165,6 +166,8 @@ def collate_rows(
         for name in ("task", "origin", "source"):
             if name in cols:
                 batch[name] = list(cols[name])
+        if images is not None and "images" in cols:
+            batch[ENCODED_IMAGES] = [list(own) for own in cols["images"]]
     return batch
 
 

@@ -46,6 +46,11 @@ PIXEL_ROWS = {"image_grid_thw": lambda grids: grids.prod(-1), "image_tiles": lam
 IMAGE_FIELDS = ("pixel_values", *PIXEL_ROWS)
 
 
+#: A prompt batch's field of each sample's images as encoded files (a list of bytes per sample),
+#: for an engine whose own processor reads the images (vLLM).
+ENCODED_IMAGES = "image_bytes"
+
+
 def image_fields(batch: Mapping[str, Any]) -> tuple[str, ...]:
     """The image fields ``batch`` holds: ``pixel_values`` and its family's grids, or none."""
     return next((("pixel_values", name) for name in PIXEL_ROWS if name in batch), ())
@@ -237,6 +242,20 @@ class ImageInputs:
                 out_ids.append(token)
                 out_mask.append(m)
         return out_ids, out_mask, spans
+
+    def collapse(self, ids: Sequence[int], grids: Sequence[Sequence[int]]) -> list[int]:
+        """``ids`` with the tokens of each image (of ``grids[k]``, in order) put back to the one
+        placeholder the chat template wrote: what :meth:`widen` widened, as an engine whose own
+        processor widens placeholders takes it. A ``ValueError`` when an image's tokens are not there."""
+        ids, out, cursor = list(ids), [], 0
+        for k, grid in enumerate(grids):
+            tokens = self.expansion(grid)
+            start = next((i for i in range(cursor, len(ids) - len(tokens) + 1) if ids[i:i + len(tokens)] == tokens), None)
+            if start is None:
+                raise ValueError(f"image {k}'s {len(tokens)} tokens are not in the prompt after token {cursor}")
+            out += [*ids[cursor:start], self.placeholder_id]
+            cursor = start + len(tokens)
+        return out + ids[cursor:]
 
 
 class PatchGridImages(ImageInputs):

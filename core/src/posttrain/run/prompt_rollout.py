@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import attrs
 
 from posttrain.batch import Batch
-from posttrain.data.images import ImageInputs, image_fields
+from posttrain.data.images import ENCODED_IMAGES, ImageInputs, image_fields
 from posttrain.interfaces import Environment, Generation
 from posttrain.run.rollout import run_rollout
 
@@ -48,7 +48,7 @@ class PromptRollout:
 
     def __call__(self, prompts: Batch, *, greedy: bool, repeats: int) -> tuple[Batch, dict[str, float]]:
         names = [name for name in PROMPT_FIELDS if name not in OPTIONAL_FIELDS or name in prompts]
-        samples = prompts.fields([*names, *image_fields(prompts)])
+        samples = prompts.fields([*names, *image_fields(prompts), *([ENCODED_IMAGES] if ENCODED_IMAGES in prompts else [])])
         samples["task"] = [task or self.default_task for task in samples["task"]]
         return run_rollout(
             samples.repeat_interleave(repeats),

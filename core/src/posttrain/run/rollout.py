@@ -68,7 +68,7 @@ import torch
 
 from posttrain.backend.routing import NO_ROUTE, padded_routes
 from posttrain.batch import Batch, padded_tensor
-from posttrain.data.images import ImageInputs, image_fields, sample_images
+from posttrain.data.images import ENCODED_IMAGES, ImageInputs, image_fields, sample_images
 from posttrain.errors import ConfigError
 from posttrain.interfaces import Environment, EnvironmentReturn, Generation, Message
 from posttrain.interfaces.generation import ROUTES_FIELD
@@ -274,6 +274,9 @@ class Conversation:
     #: The prompt's images as the model takes them: pixel values and its family's grids [images, 3]
     #: (:data:`~posttrain.data.images.IMAGE_FIELDS`); None for text samples.
     images: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: The same images as encoded files (:data:`~posttrain.data.images.ENCODED_IMAGES`), when the
+    #: prompts carried them; None otherwise.
+    encoded_images: list[bytes] | None = None
     stop_strings: list[str] | None = None
     answer: str | None = None
     reward: float = 0.0
@@ -358,6 +361,7 @@ def _start_conversations(
     origins = samples["origin"] if "origin" in samples else [f"sample {i}" for i in range(len(messages))]
     sources = samples["source"] if "source" in samples else [None] * len(messages)
     images = [sample_images(samples, i) for i in range(len(messages))] if image_fields(samples) else None
+    encoded = samples[ENCODED_IMAGES] if ENCODED_IMAGES in samples else [None] * len(messages)
     conversations = []
     tools_of: dict[str, list[Any]] = {}
     prompt_ids: dict[tuple[Any, ...], list[int]] = {}  # a prompt repeated for its group is encoded once
@@ -382,7 +386,8 @@ def _start_conversations(
         if own is not None and not cut:
             token_ids = chat.widen_images(token_ids, own[1])
         conversation = Conversation([dict(m) for m in prompt], task, meta, token_ids, prompt_length=len(token_ids),
-                                     tools=tools_of[task], origin=origin, source=source, images=None if cut else own)
+                                     tools=tools_of[task], origin=origin, source=source, images=None if cut else own,
+                                     encoded_images=None if cut or own is None else encoded[i])
         if cut or len(token_ids) >= max_total_length:  # no room to generate anything (a cut prompt: longer still)
             conversation.done = conversation.truncated = True
         conversations.append(conversation)
@@ -426,6 +431,8 @@ def generation_batch(active: Sequence[Conversation], pad_token_id: int, images: 
         batch["stop_strings"] = [c.stop_strings for c in active]
     if images is not None and any(c.images is not None for c in active):
         batch.update(image_columns(active, images.fields))
+        if any(c.encoded_images is not None for c in active):
+            batch[ENCODED_IMAGES] = [c.encoded_images or [] for c in active]
     return batch
 
 

