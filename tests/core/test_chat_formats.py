@@ -43,6 +43,9 @@ RENDERED = {
     "<|user|>\nAnd 9 times 8?\n<|assistant|>\n72<|endoftext|>",
 }
 RENDERED["chatml_generation"] = RENDERED["chatml_vision"] = RENDERED["chatml"]
+RENDERED["smolvlm"] = ("<|im_start|>System: Be brief.<end_of_utterance>\nUser: What is 7 plus 5?<end_of_utterance>\n"
+                       "Assistant: 12<end_of_utterance>\nUser: And 9 times 8?<end_of_utterance>\nAssistant: 72"
+                       "<end_of_utterance>\n")
 
 #: The loss tokens' text: the assistant's answers and the tokens that end them (what follows,
 #: up to the next turn, too where the template has no markers and the prefix rule finds the turns).
@@ -56,6 +59,7 @@ MASKED = {
     "phi3": "12<|end|>72<|end|>",
     "mistral": " 12</s> 72</s>",
     "olmo2": "12<|endoftext|>72<|endoftext|>",
+    "smolvlm": " 12<end_of_utterance>\n 72<end_of_utterance>\n",
 }
 
 

@@ -24,6 +24,7 @@ values when a batch is collated.
 
 from __future__ import annotations
 
+import abc
 import io
 import json
 from collections.abc import Mapping, Sequence
@@ -147,11 +148,13 @@ def decode_image(data: bytes) -> Any:
     return Image.open(io.BytesIO(data)).convert("RGB")
 
 
-class ImageInputs:
+class ImageInputs(abc.ABC):
     """A vision-language model's image processor and image placeholder: the tokens an image
     becomes and its pixel values. :meth:`from_model` reads them from the model folder; each
     family is a subclass."""
 
+    #: The model types (``config.json``'s ``model_type``) of this family.
+    model_types: tuple[str, ...]
     #: The batch field of this family's per-image grids (:data:`PIXEL_ROWS`).
     grid_field: str
 
@@ -198,9 +201,9 @@ class ImageInputs:
         return family(processor, placeholder_id, tokenizer.convert_ids_to_tokens(placeholder_id))
 
     @staticmethod
+    @abc.abstractmethod
     def load_processor(model_path: str) -> Any:
         """The family's processor of the model folder ``model_path``."""
-        raise NotImplementedError
 
     def grids(self, images: Sequence[bytes]) -> list[tuple[int, int, int]]:
         """Each image's grid (:data:`PIXEL_ROWS`)."""
@@ -208,13 +211,13 @@ class ImageInputs:
             return []
         return [tuple(int(v) for v in row) for row in self.model_inputs([images])[self.grid_field][0]]
 
+    @abc.abstractmethod
     def expansion(self, grid: Sequence[int]) -> list[int]:
         """The tokens that replace the placeholder of an image of ``grid``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def model_inputs(self, samples: Sequence[Sequence[bytes]]) -> dict[str, list[torch.Tensor]]:
         """The image fields (:attr:`fields`) of each sample (a list of encoded images)."""
-        raise NotImplementedError
 
     def widen(
         self, ids: list[int], mask: list[int], grids: Sequence[Sequence[int]]

@@ -98,6 +98,6 @@ def test_a_model_without_decoder_layers_to_shard_is_refused(tmp_path):
     assert refusal(tmp_path, str(tmp_path / "gpt2"), "policy.num_workers=2") == (
         "policy.model: cannot find the decoder layers of model type 'gpt2' (expected a ModuleList at "
         "base_model.layers, as Llama, Qwen, Mistral, Gemma, Phi-3 and OLMo 2 have, or at "
-        "base_model.language_model.layers, as Qwen-VL has), which FSDP shards one by one; train it on one rank in "
-        "float32 (policy.num_workers=1, policy.dtype=float32)"
+        "base_model.language_model.layers, as Qwen-VL has, or base_model.text_model.layers, as Idefics3 has), "
+        "which FSDP shards one by one; train it on one rank in float32 (policy.num_workers=1, policy.dtype=float32)"
     )
