@@ -135,7 +135,7 @@ VISION_PATHS: dict[str, VisionColumn] = {
                         "rows with images of different sizes and rows without one: logprobs equal transformers' "
                         "forward of each sample alone with its image (1e-5), and so do the step-0 loss and every "
                         "gradient (within 1e-5 of the gradient's scale), padded and packed; packed rows give the "
-                        "padded rows' logprobs and gradients to float32 rounding "
+                        "padded rows' logprobs (1e-6) and gradients (1e-6 of their scale) "
                         "(test_packed_rows_give_the_padded_rows_logprobs_and_gradients)"),
     "fsdp2": VisionColumn("FSDP dp=2", f"{_VLM_DTENSOR}::test_step_zero_loss_and_gradients_equal_transformers",
                           "as SFT, over two data-parallel ranks, each vision block and decoder layer sharded"),
