@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -255,6 +256,8 @@ def test_a_prompt_widens_as_its_processor_writes_it_and_collapses_back(zoo_model
         want = processor(text=[text], images=[[image(56, 56), image(112, 56)]], add_special_tokens=False)
         assert widened == list(want["input_ids"][0])
     assert inputs.collapse(widened, grids) == template_ids
-    assert inputs.collapse(widened + widened[5:9], grids) == template_ids + widened[5:9]  # an image token as text
+    generated = [tokenizer.convert_tokens_to_ids("How"), inputs.placeholder_id]  # a young model's answer
+    with pytest.raises(ValueError, match=rf"the prompt holds 1 {re.escape(inputs.placeholder)} token\(s\) beyond its 2 "):
+        inputs.collapse(widened + generated, grids)
     with pytest.raises(ValueError, match="image 1's .* tokens are not in the prompt after token"):
         inputs.collapse(widened, [grids[0], (1, 8, 8) if arch == "qwen2_vl" else (2, 1, 1)])

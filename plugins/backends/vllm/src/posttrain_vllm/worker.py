@@ -234,7 +234,12 @@ class VllmEngineWorker(EngineWorker):
         from posttrain.data.images import decode_image
 
         _, grids = request.images[row]
-        return {"prompt_token_ids": self.images.collapse(ids, grids.tolist()),
+        try:
+            collapsed = self.images.collapse(ids, grids.tolist())
+        except ValueError as exc:
+            raise WorkerError(f"row {row}: {exc}; vLLM would read each as an image placeholder. Use "
+                              "generation.backend: hf, which embeds them as the text they are") from None
+        return {"prompt_token_ids": collapsed,
                 "multi_modal_data": {"image": [decode_image(data) for data in encoded]}}
 
     def kv_cache_blocks(self) -> tuple[int, int, int]:
