@@ -6,7 +6,8 @@ never interrupted.
                                [--asynchronous] [--data-plane memory|transferqueue] [--nodes 1|2]
 
 The run is ``posttrain run grpo`` on ``examples/configs/grpo_math_tiny.yaml`` with the tiny
-model (built here, nothing downloaded), a checkpoint every step and
+model (built here, nothing downloaded), a checkpoint every step, a validation pass every
+:data:`VAL_PERIOD` steps and
 ``checkpointing.max_restarts`` as large as the number of kills; ``--asynchronous`` makes it
 asynchronous GRPO (``max_staleness_steps: 1``, the engine on a CPU of its own) and
 ``--data-plane transferqueue`` keeps its samples in TransferQueue, and ``--nodes 2`` runs it on
@@ -14,7 +15,8 @@ a Ray cluster of two nodes on this machine (``ray start``, 3 CPUs each; the run 
 ``RAY_ADDRESS``, one policy rank on each node). First an uninterrupted run
 gives the reference metrics. Then, for each kill, the harness waits until the run has logged
 1 to 3 more steps (drawn at random), waits a random fraction of a second more (the moment
-falls in a rollout, a refit, a training pass or a checkpoint write), and kills a process drawn
+falls in a rollout, a refit, a training pass or a checkpoint write) or, for one kill in four
+(:data:`DURING_VALIDATION`), until the next validation pass begins, and kills a process drawn
 at random:
 
 - ``policy``: the policy worker (SIGKILL): the run must restart by itself;
@@ -38,13 +40,13 @@ at random:
 
 After every exit the harness checks that no Ray process of the run is left alive (on two nodes:
 no actor of the run), then runs the command again. It prints one row per kill (what, at which step, what happened, seconds to exit
-or restart) and whether the finished run's training metrics equal the reference's, times and
-the counts of samples sent to an environment again (``env/<name>/retried``) aside
-(``--out`` keeps the runs and a ``chaos.json`` of the rows). An asynchronous run that restarts
-generates its rounds again from the restored weights, so its numbers may differ; it must still
-log every step once and train every step's prompts, the uninterrupted run's, once: the
-harness compares the trained groups and prompts of each step (``async/groups_trained``,
-``mean_prompt_length``).
+or restart) and whether the finished run's training and validation metrics equal the
+reference's, times and the counts of samples sent to an environment again
+(``env/<name>/retried``) aside (``--out`` keeps the runs and a ``chaos.json`` of the rows). An
+asynchronous run that restarts generates its rounds again from the restored weights, so its
+numbers may differ; it must still log every step and every validation once and train every
+step's prompts, the uninterrupted run's, once: the harness compares the trained groups and
+prompts of each step (``async/groups_trained``, ``mean_prompt_length``).
 """
 
 from __future__ import annotations
@@ -90,6 +92,12 @@ TIMED = ("timing/", "throughput/", "refit/seconds", "step_time_s", "time")
 #: Metrics that count what a fault cost (samples sent to an environment again), not what was trained.
 FAULT_COUNTS = ("/retried",)
 EXIT_LIMIT_S = 30.0
+#: Steps between validation passes (the 20 prompts of the example's validation file, greedy), so
+#: that a kill may fall in one.
+VAL_PERIOD = 5
+#: The share of planned kills timed into a validation pass (a pass is short: a kill a random
+#: fraction of a second after a step seldom falls in one).
+DURING_VALIDATION = 0.25
 #: Seconds a run's Ray processes may outlive its exit before they count as left behind: after a
 #: driver killed with SIGKILL, Ray's node agents notice the raylet's death at once but wait on the
 #: dead GCS before they exit, about 60 s on this machine.
@@ -102,17 +110,20 @@ RAY_PROCESSES = ("raylet", "gcs_server", "log_monitor.py", "dashboard/agent.py",
 @attrs.frozen
 class Kill:
     """One kill: what, once the run has logged ``gap`` more steps (since the previous kill's
-    outcome, or since the run's process started), and how long after that step (seconds)."""
+    outcome, or since the run's process started), and how long after that step (seconds); or,
+    ``during="validation"``, as soon as the next validation pass has begun."""
 
     target: str
     gap: int
     delay_s: float
+    during: str = "step"  # step | validation
 
 
 @attrs.define
 class Outcome:
     kill: Kill
     step: int = 0  # the steps the run had logged when the kill came
+    validating: bool = False  # whether the kill came during a validation pass (after ``step``)
     result: str = ""  # restarted | went on | exited N | missed (the target was not running)
     seconds: float | None = None  # to the exit or the restart event
     message: str = ""  # the exit's error or stopped line
@@ -158,7 +169,7 @@ def command(model: Path, run_dir: Path, steps: int, restarts: int, setup: Setup 
     return [
         sys.executable, "-m", "posttrain.cli", "run", "grpo", "--config", CONFIG, f"policy.model={model}",
         f"run_dir={run_dir}", f"grpo.max_num_steps={steps}", "grpo.max_num_epochs=1000", "grpo.val_at_start=false",
-        "grpo.val_period=0",
+        f"grpo.val_period={VAL_PERIOD}",
         "checkpointing.save_period=1", "checkpointing.keep_top_k=2", f"checkpointing.max_restarts={restarts}",
         "checkpointing.restart_backoff_s=0.5", "logger.progress_bar=false",
         "policy.in_driver=false",  # a policy worker process of its own, to kill
@@ -174,12 +185,13 @@ def start(words: list[str], log: Path, cluster: LocalCluster | None = None) -> s
         return subprocess.Popen(words, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
-def train_records(run_dir: Path) -> list[dict[str, Any]]:
+def train_records(run_dir: Path, phase: str = "train") -> list[dict[str, Any]]:
+    """The run's metrics records of ``phase`` (``train`` or ``validation``), in order."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r.get("phase") == "train"]
+    return [r for r in rows if r.get("phase") == phase]
 
 
 def trained(record: dict[str, Any]) -> dict[str, Any]:
@@ -285,7 +297,8 @@ def inflict(kill: Kill, proc: subprocess.Popen, run_dir: Path, log: Path, mark: 
     the run has logged ``kill.gap`` steps past ``mark``; the outcome, and whether ``proc``
     exited. A node killed is replaced by a new one before this returns."""
     outcome = Outcome(kill)
-    step = mark + kill.gap
+    # a kill in a validation pass waits for the pass after the step before: it begins as that step is logged
+    step = mark + kill.gap - (kill.during == "validation")
 
     def reached() -> bool:
         descendants(proc)  # record the run's workers while their raylet lives
@@ -298,9 +311,14 @@ def inflict(kill: Kill, proc: subprocess.Popen, run_dir: Path, log: Path, mark: 
         if not saving(run_dir, proc):
             outcome.result = "missed (no checkpoint write seen)"
             return outcome, proc.poll() is not None
+    elif kill.during == "validation":
+        if not validation_began(run_dir, proc, after=step):
+            outcome.result = "missed (no validation pass seen)"
+            return outcome, proc.poll() is not None
     else:
         time.sleep(kill.delay_s)
     outcome.step = len(train_records(run_dir))
+    outcome.validating = validating(run_dir, outcome.step)
     restarts, ours, log_size = events(run_dir, "restarting"), ray_processes(proc, cluster), log.stat().st_size
     if kill.target == NODE_TARGET:
         lost = cluster.nodes[-1]
@@ -342,6 +360,35 @@ def inflict(kill: Kill, proc: subprocess.Popen, run_dir: Path, log: Path, mark: 
     return outcome, False
 
 
+def validating(run_dir: Path, step: int) -> bool:
+    """Whether the run is in the validation pass after ``step`` (the step's training logged, a
+    pass due, its record not yet written)."""
+    done = {r["step"] for r in train_records(run_dir, "validation")}
+    return step > 0 and step % VAL_PERIOD == 0 and step not in done
+
+
+def validation_began(run_dir: Path, proc: subprocess.Popen, after: int, timeout_s: float = 600.0) -> bool:
+    """Wait until the run logs a training step past ``after`` after which a validation pass is
+    due, and return as it does (the pass has begun; on the tiny model it lasts tens of
+    milliseconds, so the metrics file's size is watched every millisecond); False when none
+    came within ``timeout_s`` or the run ended."""
+    path, size, deadline = run_dir / "metrics.jsonl", None, time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        now = path.stat().st_size if path.exists() else 0
+        if now != size:
+            size = now
+            lines = path.read_text().splitlines() if now else []
+            try:
+                last = json.loads(lines[-1]) if lines else {}
+            except ValueError:  # a line being written
+                size = None
+                continue
+            if last.get("phase") == "train" and last["step"] > after and last["step"] % VAL_PERIOD == 0:
+                return True
+        time.sleep(0.001)
+    return False
+
+
 def saving(run_dir: Path, proc: subprocess.Popen, timeout_s: float = 120.0) -> bool:
     """Wait until the run is writing a checkpoint (a ``tmp_step_N`` folder exists); False when
     none appeared within ``timeout_s`` or the run ended."""
@@ -374,11 +421,13 @@ def alive_after(processes: list[psutil.Process], grace_s: float = LEFT_BEHIND_S)
 
 
 def plan(kills: int, seed: int, setup: Setup = Setup()) -> list[Kill]:
-    """``kills`` kills of random targets, each 1 to 3 steps after the previous one's outcome,
-    a random fraction of a second into the step."""
+    """``kills`` kills of random targets, each 1 to 3 steps after the previous one's outcome, a
+    random fraction of a second into the step, or (one in :data:`DURING_VALIDATION`) in the next
+    validation pass."""
     rng = random.Random(seed)
     targets = setup.targets()
-    return [Kill(rng.choice(targets), rng.randint(1, 3), round(rng.uniform(0.0, 1.0), 2)) for _ in range(kills)]
+    return [Kill(rng.choice(targets), rng.randint(1, 3), round(rng.uniform(0.0, 1.0), 2),
+                 "validation" if rng.random() < DURING_VALIDATION else "step") for _ in range(kills)]
 
 
 def compared(record: dict[str, Any], setup: Setup) -> dict[str, Any]:
@@ -428,10 +477,16 @@ def _run_chaos(kills: list[Kill], steps: int, out: Path, model: Path, setup: Set
     records = train_records(chaos_dir)
     found = [compared(r, setup) for r in records]
     expected = [compared(r, setup) for r in train_records(reference_dir)]
+    validations, expected_validations = (train_records(d, "validation") for d in (chaos_dir, reference_dir))
+    # an asynchronous run restarted validates other weights than the uninterrupted one: its passes, not their numbers
+    same_validations = [r["step"] for r in validations] == [r["step"] for r in expected_validations] and (
+        setup.asynchronous or [trained(r) for r in validations] == [trained(r) for r in expected_validations])
     retried = sum(v for r in records for k, v in r.items() if k.endswith(FAULT_COUNTS))
     return {"steps": steps, "final_exit": proc.returncode,
-            "matched": found == expected, "steps_logged": [r["step"] for r in records], "samples_retried": retried,
-            "identical": [trained(r) for r in records] == [trained(r) for r in train_records(reference_dir)],
+            "matched": found == expected and same_validations, "steps_logged": [r["step"] for r in records],
+            "validations_logged": [r["step"] for r in validations], "samples_retried": retried,
+            "identical": [trained(r) for r in records + validations] ==
+                         [trained(r) for r in train_records(reference_dir) + expected_validations],
             "left_behind_at_end": alive_after(ours), "kills": left_behind(outcomes)}
 
 
@@ -449,7 +504,8 @@ def left_behind(outcomes: list[Outcome]) -> list[dict[str, Any]]:
 def row(outcome: Outcome) -> str:
     kill = outcome.kill
     took = "" if outcome.seconds is None else f"{outcome.seconds:5.1f} s"
-    return f"{kill.target:13s} at step {outcome.step:3d} +{kill.delay_s:4.2f} s  {outcome.result:33s} {took:8s} {outcome.message}"
+    when = f"at step {outcome.step:3d} +{kill.delay_s:4.2f} s" + (" (validating)" if outcome.validating else "")
+    return f"{kill.target:13s} {when:30s} {outcome.result:33s} {took:8s} {outcome.message}"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -483,6 +539,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for kill in failed:
         print(f"a problem: {kill['kill']['target']} at step {kill['step']}: {kill['result']}; killed {kill['victim']}")
     print(f"{len(result['kills'])} kills; final exit {result['final_exit']}; steps logged {result['steps_logged']}; "
+          f"validations logged after steps {result['validations_logged']}; "
           f"samples sent to an environment again: {result['samples_retried']:g}; "
           + ("trained groups and prompts of every step" if setup.asynchronous else "metrics (times and retry counts aside)")
           + f" equal to the uninterrupted run's: {result['matched']} (every metric: {result['identical']}); "
