@@ -185,7 +185,7 @@ def start(words: list[str], log: Path, cluster: LocalCluster | None = None) -> s
         return subprocess.Popen(words, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
-def train_records(run_dir: Path, phase: str = "train") -> list[dict[str, Any]]:
+def metric_records(run_dir: Path, phase: str = "train") -> list[dict[str, Any]]:
     """The run's metrics records of ``phase`` (``train`` or ``validation``), in order."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -302,7 +302,7 @@ def inflict(kill: Kill, proc: subprocess.Popen, run_dir: Path, log: Path, mark: 
 
     def reached() -> bool:
         descendants(proc)  # record the run's workers while their raylet lives
-        return len(train_records(run_dir)) >= step or proc.poll() is not None
+        return len(metric_records(run_dir)) >= step or proc.poll() is not None
 
     if not wait(reached, 600) or proc.poll() is not None:
         outcome.result = "missed (the run had ended)"
@@ -317,7 +317,7 @@ def inflict(kill: Kill, proc: subprocess.Popen, run_dir: Path, log: Path, mark: 
             return outcome, proc.poll() is not None
     else:
         time.sleep(kill.delay_s)
-    outcome.step = len(train_records(run_dir))
+    outcome.step = len(metric_records(run_dir))
     outcome.validating = validating(run_dir, outcome.step)
     restarts, ours, log_size = events(run_dir, "restarting"), ray_processes(proc, cluster), log.stat().st_size
     if kill.target == NODE_TARGET:
@@ -343,9 +343,9 @@ def inflict(kill: Kill, proc: subprocess.Popen, run_dir: Path, log: Path, mark: 
         except psutil.NoSuchProcess:
             outcome.result = "missed (it had exited)"
             return outcome, False
-    logged = len(train_records(run_dir))
+    logged = len(metric_records(run_dir))
     wait(lambda: proc.poll() is not None or events(run_dir, "restarting") > restarts
-         or len(train_records(run_dir)) >= logged + 2, 120)
+         or len(metric_records(run_dir)) >= logged + 2, 120)
     outcome.seconds = round(time.monotonic() - killed, 1)
     if kill.target == NODE_TARGET:
         replacement.join()
@@ -363,7 +363,7 @@ def inflict(kill: Kill, proc: subprocess.Popen, run_dir: Path, log: Path, mark: 
 def validating(run_dir: Path, step: int) -> bool:
     """Whether the run is in the validation pass after ``step`` (the step's training logged, a
     pass due, its record not yet written)."""
-    done = {r["step"] for r in train_records(run_dir, "validation")}
+    done = {r["step"] for r in metric_records(run_dir, "validation")}
     return step > 0 and step % VAL_PERIOD == 0 and step not in done
 
 
@@ -464,7 +464,7 @@ def _run_chaos(kills: list[Kill], steps: int, out: Path, model: Path, setup: Set
     proc = start(words, log, cluster)
     outcomes = []
     for kill in kills:
-        outcome, exited = inflict(kill, proc, chaos_dir, log, len(train_records(chaos_dir)), cluster)
+        outcome, exited = inflict(kill, proc, chaos_dir, log, len(metric_records(chaos_dir)), cluster)
         outcomes.append(outcome)
         print(row(outcome), flush=True)
         if exited:  # the same command again
@@ -474,10 +474,10 @@ def _run_chaos(kills: list[Kill], steps: int, out: Path, model: Path, setup: Set
         proc = start(words, log, cluster)  # the last kill may have ended it after its final step began
         ours = ray_processes(proc, cluster) if proc.poll() is None else ours
         proc.wait(timeout=1800)
-    records = train_records(chaos_dir)
+    records = metric_records(chaos_dir)
     found = [compared(r, setup) for r in records]
-    expected = [compared(r, setup) for r in train_records(reference_dir)]
-    validations, expected_validations = (train_records(d, "validation") for d in (chaos_dir, reference_dir))
+    expected = [compared(r, setup) for r in metric_records(reference_dir)]
+    validations, expected_validations = (metric_records(d, "validation") for d in (chaos_dir, reference_dir))
     # an asynchronous run restarted validates other weights than the uninterrupted one: its passes, not their numbers
     same_validations = [r["step"] for r in validations] == [r["step"] for r in expected_validations] and (
         setup.asynchronous or [trained(r) for r in validations] == [trained(r) for r in expected_validations])
@@ -486,7 +486,7 @@ def _run_chaos(kills: list[Kill], steps: int, out: Path, model: Path, setup: Set
             "matched": found == expected and same_validations, "steps_logged": [r["step"] for r in records],
             "validations_logged": [r["step"] for r in validations], "samples_retried": retried,
             "identical": [trained(r) for r in records + validations] ==
-                         [trained(r) for r in train_records(reference_dir) + expected_validations],
+                         [trained(r) for r in metric_records(reference_dir) + expected_validations],
             "left_behind_at_end": alive_after(ours), "kills": left_behind(outcomes)}
 
 

@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from posttrain.data.images import TiledImages
+
 #: model types whose images are tiles (Idefics3's layout); every other is Qwen-VL's.
-TILED = ("idefics3", "smolvlm")
+TILED = TiledImages.model_types
 
 
 def has_mrope(model: Any) -> bool:

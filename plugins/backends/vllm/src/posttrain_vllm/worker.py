@@ -56,7 +56,7 @@ import torch
 from posttrain.backend.generation_group import Completion, EngineWorker, GenerationRequest
 from posttrain.backend.weight_sync import TransferInit
 from posttrain.config.schema import LoraConfig
-from posttrain.data.images import ImageInputs
+from posttrain.data.images import ImageInputs, decode_image
 from posttrain.distributed.placement import DeviceBundles, device_bundles, gpus_given
 from posttrain.errors import ConfigError, WorkerError
 from posttrain_vllm.config import engine_lora_options
@@ -231,8 +231,6 @@ class VllmEngineWorker(EngineWorker):
             return {"prompt_token_ids": ids}
         if self.images is None or request.images is None:
             raise WorkerError(f"row {row} has images, but the engine's model is a text-only model")
-        from posttrain.data.images import decode_image
-
         _, grids = request.images[row]
         try:
             collapsed = self.images.collapse(ids, grids.tolist())
