@@ -29,6 +29,8 @@ from posttrain.testing.generation import (
     generated_mask,
     prompt_batch,
 )
+from posttrain.testing.zoo import ARCHITECTURES as ZOO
+from posttrain.testing.zoo import build_zoo_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.ray]
 
@@ -145,4 +147,42 @@ def test_vllm_with_exact_logprobs_runs_batch_invariant(ray_cluster, tiny_model_p
             assert torch.equal(alone["logprobs"][0, :length], together["logprobs"][row, :length]), row
     finally:
         generation.shutdown()
+        cluster.shutdown()
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ZOO)
+def test_every_zoo_architecture_trains_and_generates_on_a_gpu(ray_cluster, tmp_path, name):
+    """Each architecture of the model zoo (its chat tokenizer and format) as a dtensor policy on
+    CUDA in float32 with hf engines inside its worker: the trainer's logprobs of the engine's
+    samples equal a float32 transformers forward of the checkpoint on the CPU (eager, each
+    sample alone) within 1e-3, and after two training steps and the in-memory refit the engine's
+    logprobs are the trainer's."""
+    from posttrain.data.chat import ChatEncoder, load_tokenizer
+    from posttrain.testing.policy import reference_logprobs, reference_model
+
+    path = str(build_zoo_model(tmp_path / name, name, num_key_value_heads=2))
+    encoder = ChatEncoder(load_tokenizer(path))
+    chats = [[{"role": "user", "content": "What is 3 + 4?"}], [{"role": "user", "content": "Write a poem about the sea."}]]
+    prompts = [encoder.encode_prompt(chat).input_ids for chat in chats for _ in range(2)]
+    config = _config(path, engine="hf", colocated=True, in_policy_workers=True)
+    config = attrs.evolve(config, policy=attrs.evolve(config.policy, resources=GPU))
+    cluster = VirtualCluster(config.cluster, colocate=colocated_groups(config))
+    policy = plugin_host().policy_backends["dtensor"](config, cluster)
+    generation = plugin_host().generation_backends["hf"](config, cluster, host=policy)
+    try:
+        assert policy.info()["device"].startswith("cuda")
+        out = generation.generate(prompt_batch(prompts))
+        batch = Batch(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"],
+                      token_mask=generated_mask(out, prompts).float())
+        trainer = policy.get_logprobs(batch)["logprobs"] * batch["token_mask"]
+        with torch.no_grad():
+            want = reference_logprobs(reference_model(path, torch.float32), batch)
+        assert float((trainer - want).abs().max()) < 1e-3
+        stats = check_trained_policy_refit(policy, generation, prompts, bucket_bytes=1 << 20, steps=2,
+                                           max_difference=1e-3)
+        assert stats.transport == "in process"
+    finally:
+        generation.shutdown()
+        policy.shutdown()
         cluster.shutdown()

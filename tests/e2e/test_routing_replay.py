@@ -36,19 +36,22 @@ ROUTER_SCALE = 0.05
 
 
 def run_moe(model, tmp_path, name, *, moe: MoEConfig, engine_dtype: str, plane: str = "memory",
-            backend: str = "dtensor") -> list[dict]:
+            backend: str = "dtensor", gpus: float = 0) -> list[dict]:
+    """Two steps of GRPO on ``model``: two policy ranks on CPUs, or with ``gpus`` one rank and the
+    engine colocated on one GPU, each asking for that share of it."""
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=2)
     config = make_config(model, tmp_path / name, write_rows(tmp_path / "train.jsonl", seven_rows(4)), grpo,
                          data_plane=DataPlaneConfig(backend=plane))
     # TransferQueue's actors take 2 of the session cluster's 4 CPUs: 2 x 0.25 + 0.5 for the rest
     cpus = (0.25, 0.5) if plane == "transferqueue" else (1.0, 1.0)
-    policy = attrs.evolve(config.policy, backend=backend, num_workers=2, moe=moe, train_micro_batch_size=4,
+    policy = attrs.evolve(config.policy, backend=backend, num_workers=1 if gpus else 2, moe=moe, train_micro_batch_size=4,
                           logprob_micro_batch_size=4,
                           sequence_packing=SequencePackingConfig(enabled=backend == "dtensor", max_tokens_per_row=128),
-                          resources=WorkerResources(cpus=cpus[0]))
+                          resources=WorkerResources(cpus=cpus[0], gpus=gpus))
     generation = attrs.evolve(config.generation, dtype=engine_dtype, max_new_tokens=16,
-                              resources=WorkerResources(cpus=cpus[1]))
-    run_algorithm(attrs.evolve(config, policy=policy, generation=generation))
+                              resources=WorkerResources(cpus=cpus[1], gpus=gpus))
+    cluster = attrs.evolve(config.cluster, use_gpus=gpus > 0)
+    run_algorithm(attrs.evolve(config, cluster=cluster, policy=policy, generation=generation))
     records = read_metrics(tmp_path / name / "metrics.jsonl", "train")
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
@@ -113,3 +116,18 @@ def test_replay_brings_the_trainers_logprobs_to_the_engines(ray_cluster, near_ti
     assert megatron[0]["loss"] == pytest.approx(replayed[0]["loss"], abs=1e-6)
     assert megatron[0]["grad_norm"] == pytest.approx(replayed[0]["grad_norm"], rel=1e-5)
     assert megatron[1]["mismatch_kl"] < measured[1]["mismatch_kl"] / 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_replay_brings_the_trainers_logprobs_to_the_engines(ray_cluster, near_tied_moe, tmp_path):
+    """The policy (float32) and the hf engine (bfloat16) colocated on one GPU, the weights synced
+    through CUDA IPC: the rollout's experts reach the trainer's routers there too."""
+    measured = run_moe(near_tied_moe, tmp_path, "measured", moe=MoEConfig(router_agreement=True),
+                       engine_dtype="bfloat16", gpus=0.5)
+    replayed = run_moe(near_tied_moe, tmp_path, "replayed", moe=MoEConfig(routing_replay="rollout"),
+                       engine_dtype="bfloat16", gpus=0.5)
+    for without, with_replay in zip(measured, replayed, strict=True):
+        assert without["moe/router_agreement"] < 1.0
+        assert with_replay["mismatch_kl"] < without["mismatch_kl"] / 10
+        assert 1.0 < with_replay["token_mult_prob_error"] < without["token_mult_prob_error"]

