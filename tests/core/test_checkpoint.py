@@ -18,6 +18,7 @@ import pytest
 
 from posttrain.config import config_from_dict, dump_config
 from posttrain.errors import CheckpointError
+from posttrain.log import configure_logging
 from posttrain.run.checkpoint import CheckpointManager, TrainingState, check_checkpoint_fits
 from posttrain.run.context import RunContext, seed_everything
 from posttrain.run.finished import finished_run, finished_unchanged
@@ -516,6 +517,7 @@ def test_a_resume_at_the_last_step_validates_only_if_that_step_was_not(tmp_path)
 
 
 def test_a_finished_run_started_again_says_so_without_running(tmp_path, capsys):
+    configure_logging()  # events to stderr, as `posttrain run` routes them (unconfigured structlog prints to stdout)
     result, _, _ = _run_loop(tmp_path, total_steps=4)
     context = _context(tmp_path)
     try:

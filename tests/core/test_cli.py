@@ -62,7 +62,7 @@ def test_config_show_writes_every_key_of_the_run_with_its_value_and_doc(monkeypa
     del expected["policy"]["megatron"], expected["generation"]["hf"], expected["data_plane"]["transferqueue"]
     shown = yaml.safe_load(output)
     assert shown == expected
-    assert shown["policy"]["optimizer"]["lr"] == 1e-3 and shown["generation"]["vllm"]["enforce_eager"] is True
+    assert shown["policy"]["optimizer"]["lr"] == 1e-3 and shown["generation"]["vllm"]["enable_sleep_mode"] is True
 
     # the documentation: every shown key's comment is its reference doc, then where it was set
     comments = _commented_keys(output)

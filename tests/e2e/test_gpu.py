@@ -44,10 +44,10 @@ def _config(model: str, *, engine: str, colocated: bool, in_policy_workers: bool
     return RunConfig(
         seed=1,
         cluster=ClusterConfig(use_gpus=True),
-        policy=PolicyConfig(model=model, train_global_batch_size=len(PROMPTS), train_micro_batch_size=2,
+        policy=PolicyConfig(model=model, dtype="float32", train_global_batch_size=len(PROMPTS), train_micro_batch_size=2,
                             optimizer=OptimizerConfig(lr=1e-2), max_total_sequence_length=64,
                             resources=HALF_GPU if colocated else GPU),
-        generation=GenerationConfig(backend=engine, max_new_tokens=8, colocated=colocated,
+        generation=GenerationConfig(backend=engine, dtype="float32", max_new_tokens=8, colocated=colocated,
                                     in_policy_workers=in_policy_workers, weight_transport=transport,
                                     refit_bucket_bytes=1 << 20,
                                     resources=HALF_GPU if colocated else GPU),

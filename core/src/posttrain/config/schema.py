@@ -206,7 +206,9 @@ class PolicyConfig:
     # critics). Algorithms that train a value model set it on the model they build; backends: dtensor
     head: Literal["lm", "value"] = "lm"
     tokenizer: str | None = None  # None: the model folder
-    dtype: str = "float32"  # training compute dtype: float32 | bfloat16 | float16 (megatron: not float16)
+    # training compute dtype: auto | float32 | bfloat16 | float16 (megatron: not float16). auto: bfloat16 when
+    # the workers have GPUs (resources.gpus) and LoRA is off, with float32 master weights; else float32
+    dtype: str = "auto"
     num_workers: int = 1  # ranks in the training worker group; over the model-parallel sizes: data-parallel replicas
     # ranks splitting each layer (tensor parallel); more model-parallel sizes live in the backend's section
     # (policy.<backend>)
@@ -241,7 +243,9 @@ class GenerationConfig:
 
     backend: str = "hf"  # a registered generation backend (hf, vllm); its options under generation.<backend>
     model: str | None = None  # None: policy.model
-    dtype: str = "float32"  # the engines' weights: float32 | bfloat16 | float16
+    # the engines' weights: auto | float32 | bfloat16 | float16. auto: bfloat16 when the engines compute on GPUs
+    # (resources.gpus, or the policy's with in_policy_workers), else float32
+    dtype: str = "auto"
     num_workers: int = 1  # data-parallel engines
     tensor_parallel_size: int = 1  # GPUs per engine, one node (vllm; hf: 1); resources.gpus is the whole engine's
     max_new_tokens: int = 128  # tokens generated per turn at most (fewer when the engine's context is full)
@@ -422,6 +426,18 @@ class CheckpointConfig:
             raise ValueError(f"restart_backoff_s must be at least 0 seconds, found {self.restart_backoff_s}")
 
 
+#: The dtype setting resolved by where a group computes (:func:`device_dtype`).
+AUTO_DTYPE = "auto"
+
+
+def device_dtype(gpus: float, *, lora: bool = False) -> str:
+    """``auto``'s dtype for a worker group with ``gpus`` GPUs per worker: bfloat16 on GPUs
+    (a policy keeps float32 master weights and computes in it), float32 on CPUs, where
+    bfloat16 is slower and rounds; float32 for a LoRA policy, whose merged refit weights are
+    float32."""
+    return "bfloat16" if gpus > 0 and not lora else "float32"
+
+
 @attrs.define
 class RunConfig:
     """The whole run. Plugin sections are read with :meth:`section`."""
@@ -451,6 +467,16 @@ class RunConfig:
     # ("exp.yaml:12" or "command line override 'a.b=1'"), for error messages.
     raw: dict[str, Any] = attrs.field(factory=dict, repr=False, eq=False)
     sources: dict[str, str] = attrs.field(factory=dict, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        """Resolves the device-aware defaults: ``policy.dtype`` and ``generation.dtype`` of
+        ``auto`` become :func:`device_dtype`'s choice for where each side computes."""
+        policy, generation = self.policy, self.generation
+        if policy.dtype == AUTO_DTYPE:
+            self.policy = attrs.evolve(policy, dtype=device_dtype(policy.resources.gpus, lora=policy.lora.enabled))
+        if generation.dtype == AUTO_DTYPE:
+            gpus = policy.resources.gpus if generation.in_policy_workers else generation.resources.gpus
+            self.generation = attrs.evolve(generation, dtype=device_dtype(gpus))
 
     def replica_factors(self) -> list[tuple[str, int]]:
         """``(config key, size)`` of each parallel dimension within one data-parallel replica

@@ -369,6 +369,11 @@ def check_exact_logprobs(config: RunConfig, host: PluginHost) -> None:
             f"{where_set(config, EXACT_KEY, 'generation.backend')}"
         )
     problems = []
+    if exact and config.cluster.use_gpus:
+        problems.append(("cluster.use_gpus is true: exact logprobs are bit for bit on CPUs, where the kernels give "
+                         "a row the same bits in any batch; GPU libraries choose kernels by the shape of the whole "
+                         "product. On GPUs use generation.backend: vllm, which runs batch-invariant kernels",
+                         ("cluster.use_gpus", "generation.backend")))
     if gen.dtype != policy.dtype:
         problems.append((f"generation.dtype is {gen.dtype} and policy.dtype {policy.dtype}: the two sides must compute "
                          "in one dtype; set both to the same", ("generation.dtype", "policy.dtype")))
@@ -381,11 +386,6 @@ def check_exact_logprobs(config: RunConfig, host: PluginHost) -> None:
             problems.append((f"{key} is {size}: model parallelism splits the sums of the policy's products over "
                              f"devices, which the engines do not; set {key}: 1 (data parallelism keeps them whole)",
                              (key,)))
-    if exact and config.cluster.use_gpus:
-        problems.append(("cluster.use_gpus is true: exact logprobs are bit for bit on CPUs, where the kernels give "
-                         "a row the same bits in any batch; GPU libraries choose kernels by the shape of the whole "
-                         "product. On GPUs use generation.backend: vllm, which runs batch-invariant kernels",
-                         ("cluster.use_gpus", "generation.backend")))
     if problems:
         message, keys = problems[0]
         raise ConfigError(f"{EXACT_KEY} is true, but {message}.{where_set(config, EXACT_KEY, *keys)}")

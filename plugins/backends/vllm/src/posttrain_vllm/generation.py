@@ -11,7 +11,7 @@ from posttrain.backend.generation_group import WorkerGroupGeneration, check_samp
 from posttrain.config.schema import RunConfig
 from posttrain.distributed import VirtualCluster
 from posttrain.log import library_env, library_log_level
-from posttrain_vllm.config import BATCH_INVARIANT_VAR, SECTION, VllmGenerationConfig
+from posttrain_vllm.config import BATCH_INVARIANT_VAR, SECTION, VllmGenerationConfig, device_options
 from posttrain_vllm.worker import DEFAULT_MAX_NUM_SEQS, VllmEngineWorker
 
 
@@ -54,8 +54,7 @@ def create_vllm_generation(config: RunConfig, cluster: VirtualCluster) -> Worker
             seed=config.seed,
             tensor_parallel_size=gen.tensor_parallel_size,
             max_model_len=max_model_len,
-            enforce_eager=options.enforce_eager,
-            gpu_memory_utilization=options.gpu_memory_utilization,
+            **device_options(config, options),
             kv_cache_bytes=options.kv_cache_bytes,
             detokenize=options.detokenize if options.detokenize is not None else bool(gen.stop_strings),
             enable_sleep_mode=options.enable_sleep_mode and gen.colocated,
