@@ -6,6 +6,10 @@ with logprob parity after each, sleep / wake, and vLLM's batch-invariant mode un
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import attrs
 import pytest
 import torch
@@ -105,20 +109,30 @@ def test_train_then_sync_gives_the_trainers_logprobs(ray_cluster, tiny_model_pat
 def test_engines_in_policy_workers_take_the_trained_weights_on_the_gpu(ray_cluster, tiny_model_path):
     """hf engines inside the dtensor policy's worker on its GPU: refit in memory, then the
     engine's logprobs are the trainer's."""
-    config = _config(tiny_model_path, engine="hf", colocated=True, in_policy_workers=True)
+    with _engines_in_policy_worker(tiny_model_path) as (policy, generation):
+        _check_in_process_refit(policy, generation, PROMPTS)
+
+
+@contextlib.contextmanager
+def _engines_in_policy_worker(model: str) -> Iterator[tuple[Any, Any]]:
+    """A float32 dtensor policy on one GPU with hf engines inside its worker, shut down after."""
+    config = _config(model, engine="hf", colocated=True, in_policy_workers=True)
     config = attrs.evolve(config, policy=attrs.evolve(config.policy, resources=GPU))
     cluster = VirtualCluster(config.cluster, colocate=colocated_groups(config))
     policy = plugin_host().policy_backends["dtensor"](config, cluster)
     generation = plugin_host().generation_backends["hf"](config, cluster, host=policy)
     try:
         assert policy.info()["device"].startswith("cuda")
-        stats = check_trained_policy_refit(policy, generation, PROMPTS, bucket_bytes=1 << 20, steps=2,
-                                           max_difference=1e-3)
-        assert stats.transport == "in process"
+        yield policy, generation
     finally:
         generation.shutdown()
         policy.shutdown()
         cluster.shutdown()
+
+
+def _check_in_process_refit(policy, generation, prompts: list[list[int]]) -> None:
+    stats = check_trained_policy_refit(policy, generation, prompts, bucket_bytes=1 << 20, steps=2, max_difference=1e-3)
+    assert stats.transport == "in process"
 
 
 @needs_cuda
@@ -165,13 +179,7 @@ def test_every_zoo_architecture_trains_and_generates_on_a_gpu(ray_cluster, tmp_p
     encoder = ChatEncoder(load_tokenizer(path))
     chats = [[{"role": "user", "content": "What is 3 + 4?"}], [{"role": "user", "content": "Write a poem about the sea."}]]
     prompts = [encoder.encode_prompt(chat).input_ids for chat in chats for _ in range(2)]
-    config = _config(path, engine="hf", colocated=True, in_policy_workers=True)
-    config = attrs.evolve(config, policy=attrs.evolve(config.policy, resources=GPU))
-    cluster = VirtualCluster(config.cluster, colocate=colocated_groups(config))
-    policy = plugin_host().policy_backends["dtensor"](config, cluster)
-    generation = plugin_host().generation_backends["hf"](config, cluster, host=policy)
-    try:
-        assert policy.info()["device"].startswith("cuda")
+    with _engines_in_policy_worker(path) as (policy, generation):
         out = generation.generate(prompt_batch(prompts))
         batch = Batch(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"],
                       token_mask=generated_mask(out, prompts).float())
@@ -179,10 +187,4 @@ def test_every_zoo_architecture_trains_and_generates_on_a_gpu(ray_cluster, tmp_p
         with torch.no_grad():
             want = reference_logprobs(reference_model(path, torch.float32), batch)
         assert float((trainer - want).abs().max()) < 1e-3
-        stats = check_trained_policy_refit(policy, generation, prompts, bucket_bytes=1 << 20, steps=2,
-                                           max_difference=1e-3)
-        assert stats.transport == "in process"
-    finally:
-        generation.shutdown()
-        policy.shutdown()
-        cluster.shutdown()
+        _check_in_process_refit(policy, generation, prompts)

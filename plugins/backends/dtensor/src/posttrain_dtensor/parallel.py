@@ -24,6 +24,7 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
@@ -189,7 +190,10 @@ def apply_tensor_parallel(lm: nn.Module, tp_mesh: DeviceMesh, *, adapters: bool 
     plan = {name: style for name, style in plan.items() if style in TP_STYLES}
     if adapters:
         plan = tensor_parallel_plan(decoder, plan)
-    parallelize_module(decoder, tp_mesh, {name: TP_STYLES[style]() for name, style in plan.items()})
+    # each rank keeps its slice of its own copy (no scatter from rank 0: with several ranks only rank 0's
+    # copy holds the weights, which load_from_rank0 sends once the model is laid out)
+    parallelize_module(decoder, tp_mesh, {name: TP_STYLES[style]() for name, style in plan.items()},
+                       src_data_rank=None)
     return [module for path, module in decoder.named_modules()
             if any(plan_key_matches(pattern, path) for pattern in summed)]
 
@@ -268,6 +272,22 @@ def apply_fsdp(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     return root
+
+
+def load_from_rank0(root: nn.Module, full: dict[str, torch.Tensor] | None) -> None:
+    """Fill ``root``'s parameters and buffers, laid out over the ranks (tensor parallel, FSDP,
+    expert parallel), from rank 0's ``full`` state dict of ``root.lm`` (None on the other
+    ranks, whose model was built on the meta device and materialised empty): one tensor at a
+    time is broadcast over the world group and each rank keeps its shard (torch's
+    ``set_model_state_dict`` with ``broadcast_from_rank0``), then the buffers a state dict
+    leaves out (rotary frequencies, embedding scales) are broadcast whole."""
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(root, {} if full is None else {f"lm.{name}": value for name, value in full.items()},
+                         options=options)
+    saved = set(root.state_dict())
+    for name, buffer in root.named_buffers():
+        if name not in saved:
+            dist.broadcast(buffer, src=0)
 
 
 def reshard_all(root: nn.Module) -> None:

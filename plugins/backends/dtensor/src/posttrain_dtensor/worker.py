@@ -35,6 +35,7 @@ so a generation engine reports the same bits.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -67,7 +68,7 @@ from posttrain.backend.sampling import logprob_temperature
 from posttrain.backend.weight_sync import ParamMeta
 from posttrain.backend.work import Batching, RankWork
 from posttrain.batch import Batch
-from posttrain.config.schema import RunConfig
+from posttrain.config.schema import PolicyConfig, RunConfig
 from posttrain.distributed.placement import uses_cuda
 from posttrain.errors import ConfigError
 from posttrain.interfaces.loss import LossFunction, combine_metrics, global_valid_counts
@@ -82,6 +83,7 @@ from posttrain_dtensor.parallel import (
     apply_fsdp,
     apply_tensor_parallel,
     build_meshes,
+    load_from_rank0,
     output_softcap,
     reshard_all,
     split_decoder,
@@ -91,6 +93,28 @@ from posttrain_dtensor.rows import ModelRows, exact_rows, microbatch_rows
 from posttrain_dtensor.segment_attention import EXACT_SEGMENT_SDPA, SEGMENT_SDPA
 from posttrain_dtensor.vision import image_model_inputs
 from posttrain_dtensor.weights import AdapterWeights, FullWeights, MergedWeights, WeightView
+
+
+def trained_model(policy: PolicyConfig, model_config: Any, load: dict[str, Any], *, weights: bool) -> torch.nn.Module:
+    """``policy.model`` as the policy trains it, loaded with ``load``: its causal LM (or
+    vision-language model), or for a value head a one-label sequence classifier (its score
+    layer new, drawn from the seeded RNG). ``weights`` False: built from ``model_config``
+    alone (under the meta device: :func:`~posttrain_dtensor.parallel.load_from_rank0` fills it)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from posttrain.models.auto import generative_class
+
+    if policy.head == "value":
+        if weights:
+            lm = AutoModelForSequenceClassification.from_pretrained(policy.model, num_labels=1, **load)
+        else:
+            one_label = copy.deepcopy(model_config)
+            one_label.num_labels = 1
+            lm = AutoModelForSequenceClassification.from_config(one_label, **load)
+        lm.config.architectures = [type(lm).__name__]  # what the exported folder loads as
+        return lm
+    model_class = generative_class(model_config)
+    return model_class.from_pretrained(policy.model, **load) if weights else model_class.from_config(model_config, **load)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -182,9 +206,9 @@ class DTensorPolicyWorker(PolicyWorker):
         return MergedWeights(lm, self.adapter_scales)
 
     def _build_model(self, config: RunConfig, options: DTensorConfig) -> torch.nn.Module:
-        from transformers import AutoConfig, AutoModelForSequenceClassification
+        from transformers import AutoConfig
 
-        from posttrain.models.auto import attention_implementation, generative_class, vision_tower
+        from posttrain.models.auto import attention_implementation, vision_tower
 
         policy = config.policy
         read_model_config(policy.model, "policy.model")  # a clear error before transformers' own
@@ -198,11 +222,13 @@ class DTensorPolicyWorker(PolicyWorker):
         kernel = attention_implementation(model_config, kernel, options.attn_implementation)
         load = dict(dtype=torch.float32, attn_implementation=kernel,
                     **({"experts_implementation": EXPERTS_IMPLEMENTATION} if self.exact else {}))
-        if policy.head == "value":
-            lm = AutoModelForSequenceClassification.from_pretrained(policy.model, num_labels=1, **load)
-            lm.config.architectures = [type(lm).__name__]  # what the exported folder loads as
-        else:
-            lm = generative_class(model_config).from_pretrained(policy.model, **load)
+        # With several ranks only rank 0 reads the checkpoint; the others build the model on the meta
+        # device and receive their shards once it is laid out (load_from_rank0): one copy of the whole
+        # model in host memory, not one per rank.
+        from_rank0 = self.world_size > 1
+        reads = not from_rank0 or dist.get_rank() == 0
+        with contextlib.nullcontext() if reads else torch.device("meta"):
+            lm = trained_model(policy, model_config, load, weights=reads)
         if policy.freeze_vision_tower:
             for module in vision_tower(lm):
                 module.requires_grad_(False)
@@ -214,6 +240,7 @@ class DTensorPolicyWorker(PolicyWorker):
             self.adapter_scales = {path: float(layer.scaling[ADAPTER]) for path, layer in layers.items()}
         if options.activation_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        full = lm.state_dict() if from_rank0 and reads else None  # what rank 0 sends, before any sharding
         if policy.tensor_parallel_size > 1:
             self.tp_summed = apply_tensor_parallel(lm, self.meshes.tp, adapters=bool(self.adapter_scales))
         #: With expert parallelism: the experts modules, each holding this rank's share of the experts.
@@ -222,14 +249,19 @@ class DTensorPolicyWorker(PolicyWorker):
             # Nothing to shard or cast: FSDP would only copy every weight in and out of its
             # gather buffers twice per step and every gradient through its reduce buffers.
             return CausalLMHead(lm).to(self.device)
-        return apply_fsdp(
+        root = apply_fsdp(
             lm,
             self.meshes,
             param_dtype=self.compute_dtype,
             reduce_dtype=torch_dtype(options.reduce_dtype),
             reshard_after_forward=options.reshard_after_forward,
             experts=self.parallel_experts,
-        ).to(self.device)
+        )
+        if not from_rank0:
+            return root.to(self.device)
+        root = root.to(self.device) if reads else root.to_empty(device=self.device)
+        load_from_rank0(root, full)
+        return root
 
     # ------------------------------------------------------------------ forward passes
 
