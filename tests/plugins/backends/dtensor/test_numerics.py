@@ -25,7 +25,7 @@ from posttrain_dtensor.config import DTensorConfig, validate_policy_config
 from posttrain_dtensor.optim import build_optimizer, clip_grads_, total_grad_norm
 from posttrain_dtensor.parallel import CausalLMHead, output_softcap
 from posttrain_dtensor.rows import packed_rows, padded_rows
-from posttrain_dtensor.segment_attention import SEGMENT_SDPA, segment_sdpa
+from posttrain_dtensor.segment_attention import SEGMENT_SDPA, segment_plan, segment_sdpa
 
 VOCAB, HIDDEN = 37, 12
 
@@ -323,6 +323,20 @@ def test_segment_attention_matches_a_block_diagonal_mask_and_its_gradients(kv_he
     torch.testing.assert_close(got * real, want * real, rtol=0, atol=1e-12)
     for a, b in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_a_packed_pass_reads_its_segment_bounds_once():
+    """Every layer of a pass, and the recomputation of checkpointed layers, gets the same bounds
+    tensor: its plan is made at the first layer (reading the bounds waits for a GPU) and reused;
+    other bounds and another spread get plans of their own, alike for alike bounds."""
+    bounds, cpu = torch.tensor([0, 3, 8, 10, 16], dtype=torch.int32), torch.device("cpu")
+    first = segment_plan(bounds, 2, 8, 1.5, cpu)
+    assert segment_plan(bounds, 2, 8, 1.5, cpu) is first
+    copy = segment_plan(bounds.clone(), 2, 8, 1.5, cpu)
+    assert copy is not first and [(b.count, b.longest, b.index.tolist(), b.real.tolist()) for b in copy] == [
+        (b.count, b.longest, b.index.tolist(), b.real.tolist()) for b in first]
+    assert [b.count for b in first] == [2, 2] and [b.count for b in segment_plan(bounds, 2, 8, 1.0, cpu)] == [1, 1, 1, 1]
+    assert segment_plan(bounds, 2, 8, 1.5, cpu) is not first  # the last plan made was for spread 1.0
 
 
 @pytest.mark.parametrize(("window", "softcap"), FEATURES)

@@ -26,8 +26,10 @@ does not bind, a sequence runs as SDPA's plain causal kernel.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
+import attrs
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -90,26 +92,58 @@ def segment_sdpa(
         return causal(query, key, value).transpose(1, 2).contiguous(), None
     rows, heads, width, _ = query.shape
     value_dim = value.shape[-1]  # multi-head latent attention's values are narrower than its queries and keys
-    bounds = cu_seq_lens_q.tolist()
-    _check_bounds(bounds, rows, width)
 
     def tokens(x: torch.Tensor) -> torch.Tensor:  # [rows, h, width, d] -> [rows * width, h, d]
         return x.transpose(1, 2).reshape(rows * width, x.shape[1], x.shape[-1])
 
     q, k, v = tokens(query), tokens(key), tokens(value)
     outputs, places = [], []
-    for starts, lengths in _buckets(bounds, spread):
-        count, longest = len(starts), int(lengths.max())
-        steps = torch.arange(longest)
-        index = (starts[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)).flatten()  # [count * longest]
-        real = (steps[None, :] < lengths[:, None]).flatten().nonzero()[:, 0]  # batch positions of real tokens
-        index, real = index.to(q.device), real.to(q.device)
+    for bucket in segment_plan(cu_seq_lens_q, rows, width, spread, q.device):
+        count, longest, index, real = bucket.count, bucket.longest, bucket.index, bucket.real
         batch = [x.index_select(0, index).view(count, longest, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)]
         output = causal(*batch).transpose(1, 2).reshape(count * longest, heads, value_dim)
         outputs.append(output.index_select(0, real))
         places.append(index[real])
     out = q.new_zeros(rows * width, heads, value_dim).index_copy(0, torch.cat(places), torch.cat(outputs))
     return out.view(rows, width, heads, value_dim), None
+
+
+@attrs.frozen
+class Bucket:
+    """Segments run as one padded batch: ``count`` segments of at most ``longest`` tokens;
+    ``index`` [count * longest] the flattened token each padded position takes (a segment's
+    last one past its end), ``real`` the padded positions of real tokens; both on the device."""
+
+    count: int
+    longest: int
+    index: torch.Tensor
+    real: torch.Tensor
+
+
+#: The last plan made: (the bounds it was made for, their spread, its buckets). Every layer of
+#: a forward pass, and the recomputation of checkpointed layers in its backward, reads the same
+#: bounds; reading them (``tolist``) waits for the device, once per pass rather than per layer.
+_last_plan: tuple[weakref.ref[torch.Tensor], float, list[Bucket]] | None = None
+
+
+def segment_plan(cu_seq_lens_q: torch.Tensor, rows: int, width: int, spread: float,
+                 device: torch.device) -> list[Bucket]:
+    """The buckets (:func:`_buckets`) of the segments ``cu_seq_lens_q`` bounds, checked and
+    laid out on ``device``; made once for a bounds tensor and spread, then reused."""
+    global _last_plan
+    if _last_plan is not None and _last_plan[0]() is cu_seq_lens_q and _last_plan[1] == spread:
+        return _last_plan[2]
+    bounds = cu_seq_lens_q.tolist()
+    _check_bounds(bounds, rows, width)
+    plan = []
+    for starts, lengths in _buckets(bounds, spread):
+        longest = int(lengths.max())
+        steps = torch.arange(longest)
+        index = (starts[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)).flatten()
+        real = (steps[None, :] < lengths[:, None]).flatten().nonzero()[:, 0]
+        plan.append(Bucket(len(starts), longest, index.to(device), real.to(device)))
+    _last_plan = (weakref.ref(cu_seq_lens_q), spread, plan)
+    return plan
 
 
 def _check_bounds(bounds: list[int], rows: int, width: int) -> None:
