@@ -264,11 +264,12 @@ class ShardedPolicy(Policy):
     @contextmanager
     def _on_device(self) -> Iterator[None]:
         """The weights on the training device for the block (for gathers, which are
-        collectives), offloaded again after it if they were before."""
+        collectives; the optimizer state stays off it where the backend can leave it),
+        offloaded again after it if they were before."""
         if not self.offloaded:
             yield
             return
-        self.prepare_for_training()
+        self.group.run_all(PolicyWorker.onload_weights)
         try:
             yield
         finally:

@@ -199,6 +199,13 @@ class PolicyWorker(Worker, abc.ABC):
         """Move weights and optimizer state off the training device (colocated mode). The
         default does nothing."""
 
+    def onload_weights(self) -> None:
+        """Bring the weights alone back onto the training device, for gathers and exports of
+        an offloaded policy (the driver offloads it again after them); backends that can leave
+        the optimizer state off the device meanwhile do (it is the larger part: Adam's two
+        moments). The default brings everything: :meth:`prepare_for_training`."""
+        self.prepare_for_training()
+
     @abc.abstractmethod
     def info(self) -> dict[str, Any]:
         """Static facts for logs: at least ``backend``, ``parameters`` (of the whole model),

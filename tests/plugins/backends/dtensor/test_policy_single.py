@@ -228,5 +228,12 @@ def test_info_and_offload_on_cpu(policy, setup):
     with pytest.raises(WorkerError, match=r"gather_weights\(\) raised RuntimeError: dtensor policy rank 0: a gather of "
                                           r"the weights while the weights are offloaded"):
         policy.group.run_all(PolicyWorker.gather_weights, [name])
+    # a sync or an export of the offloaded policy brings the weights alone back: gathers run, a step refuses
+    policy.group.run_all(PolicyWorker.onload_weights)
+    assert policy.group.run_all(PolicyWorker.gather_weights, [name])[0][name].shape == setup["initial_weights"][name].shape
+    with pytest.raises(WorkerError, match=r"a training step while the optimizer state is in CPU memory "
+                                          r"\(onload_weights\(\) brought the weights alone back\); call "
+                                          r"prepare_for_training\(\) first"):
+        policy.group.run_all(PolicyWorker.train, None, None)  # refused before it reads its work
     policy.prepare_for_training()
     assert policy.get_logprobs(setup["batch"])["logprobs"].abs().sum() > 0

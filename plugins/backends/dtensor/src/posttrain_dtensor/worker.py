@@ -187,6 +187,7 @@ class DTensorPolicyWorker(PolicyWorker):
         self.scheduler = build_scheduler(self.optimizer, policy.scheduler)
         self.step = 0
         self.offloaded = False  # offload() moved the state to CPU memory; prepare_for_training() brings it back
+        self.optimizer_offloaded = False  # the optimizer state alone is in CPU memory after onload_weights()
         # The frozen reference: the base model with its adapters off under LoRA; otherwise
         # this rank's shards of the initial weights, on CPU (none when the run asks for no
         # reference logprobs: ``reference`` False).
@@ -451,6 +452,10 @@ class DTensorPolicyWorker(PolicyWorker):
         (``loss``, ``metrics``) and the step's ``grad_norm``, ``lr``, ``num_tokens``,
         ``step_time_s``."""
         start = time.perf_counter()
+        if self.optimizer_offloaded and not eval_mode:
+            raise RuntimeError(f"dtensor policy rank {self.rank}: a training step while the optimizer state is in CPU "
+                               "memory (onload_weights() brought the weights alone back); call prepare_for_training() "
+                               "first")
         shard = work.batch
         seqs, toks = global_valid_counts(shard, self.dp_group, self.device)  # NCCL reduces on the GPU only
         self.model.train(not eval_mode)
@@ -597,20 +602,28 @@ class DTensorPolicyWorker(PolicyWorker):
         """Move weights and optimizer state to CPU memory (nothing moves on CPU training, where
         they are already there). Until :meth:`prepare_for_training`, forward passes, training,
         gathers and exports raise, on every device alike; checkpoints still work."""
-        self.offloaded = True
+        self.offloaded = self.optimizer_offloaded = True
         self._move_to(torch.device("cpu"))
 
     def prepare_for_training(self) -> None:
         """Bring weights and optimizer state back onto the training device."""
-        self.offloaded = False
+        self.offloaded = self.optimizer_offloaded = False
         self._move_to(self.device)
 
-    def _move_to(self, device: torch.device) -> None:
+    def onload_weights(self) -> None:
+        """Bring the weights back onto the training device, the optimizer state staying in CPU
+        memory (a weight sync or an export of an offloaded policy: on a GPU shared with the
+        engines, Adam's moments would take twice the weights' memory there meanwhile). Passes
+        and gathers run; a training step raises until :meth:`prepare_for_training`."""
+        self.offloaded = False
+        self._move_to(self.device, optimizer=False)
+
+    def _move_to(self, device: torch.device, optimizer: bool = True) -> None:
         if self.device.type == "cpu":
             return
         reshard_all(self.model)
         self.model.to(device)
-        for state in self.optimizer.state.values():
+        for state in self.optimizer.state.values() if optimizer else ():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     state[key] = value.to(device, non_blocking=True)
