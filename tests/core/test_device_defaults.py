@@ -1,16 +1,15 @@
 """Defaults that follow the device (docs/clusters.md#defaults-that-follow-the-device):
-``dtype: auto`` of the policy and the engines, and the vLLM engines' eager mode and memory share."""
+``dtype: auto`` of the policy and the engines (the vLLM engines' eager mode and memory share:
+tests/plugins/backends/vllm/test_vllm_device_options.py)."""
 
 from __future__ import annotations
 
-import pytest
-
 from posttrain.config import load_config
 from posttrain.config.schema import GenerationConfig, PolicyConfig, RunConfig, WorkerResources
-from posttrain_vllm.config import COLOCATED_GPU_MEMORY, OWN_GPU_MEMORY, SECTION, VllmGenerationConfig, device_options
 
 EXAMPLE = "examples/configs/grpo_math_tiny.yaml"
 AUTO = ["algorithm=grpo", "policy.dtype=auto", "generation.dtype=auto"]
+#: The policy and the engines on halves of one GPU.
 GPUS = ["cluster.use_gpus=true", "policy.resources.gpus=0.5", "generation.resources.gpus=0.5",
         "generation.in_policy_workers=false"]
 
@@ -40,16 +39,3 @@ def test_auto_is_resolved_when_the_config_is_built():
                        generation=GenerationConfig(resources=WorkerResources(gpus=1)))
     assert (config.policy.dtype, config.generation.dtype) == ("bfloat16", "bfloat16")
     assert (RunConfig().policy.dtype, RunConfig().generation.dtype) == ("float32", "float32")
-
-
-@pytest.mark.parametrize(("overrides", "want"), [
-    ([], {"enforce_eager": True, "gpu_memory_utilization": COLOCATED_GPU_MEMORY}),
-    (GPUS + ["generation.colocated=true"], {"enforce_eager": False, "gpu_memory_utilization": COLOCATED_GPU_MEMORY}),
-    (GPUS[:2] + ["generation.resources.gpus=1", "generation.colocated=false"],
-     {"enforce_eager": False, "gpu_memory_utilization": OWN_GPU_MEMORY}),
-    (GPUS + ["generation.vllm.enforce_eager=true", "generation.vllm.gpu_memory_utilization=0.3"],
-     {"enforce_eager": True, "gpu_memory_utilization": 0.3}),
-])
-def test_vllm_engines_compile_and_take_memory_by_placement(overrides, want):
-    config = load_config(EXAMPLE, ["algorithm=grpo", "generation.backend=vllm", *overrides])
-    assert device_options(config, config.sections.get(SECTION) or VllmGenerationConfig()) == want
