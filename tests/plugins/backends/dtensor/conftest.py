@@ -142,6 +142,7 @@ def dt():
     """The helpers above, for test modules (conftest modules are not importable by name)."""
     return SimpleNamespace(
         LENGTHS=LENGTHS,
+        PROMPT=PROMPT,
         make_batch=make_batch,
         reference_model=reference_model,
         reference_logprobs=reference_logprobs,

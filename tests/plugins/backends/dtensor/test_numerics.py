@@ -370,6 +370,20 @@ def test_loss_positions_exclude_first_token_padding_and_masked_tokens():
     assert keep.tolist() == [[False, True, True, False, False], [False, False, True, True, False]]
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_head_runs_on_the_reported_positions_alone(dt, layout):
+    """The positions a microbatch's rows send through the head are those whose logprob is
+    reported: the prompt's tokens (``token_mask`` 0) cost no head work."""
+    batch = dt.make_batch()
+    ids, lengths, mask = batch["input_ids"], batch["input_lengths"], batch["token_mask"]
+    rows = padded_rows(ids, lengths) if layout == "padded" else packed_rows(ids, lengths, 40, round_to=8)
+    scored = rows.scored(mask)
+    keep = loss_positions(lengths, rows.width, mask)
+    assert torch.equal(rows.to_samples(scored.long()).bool(), keep)
+    assert int(scored.sum()) == int(keep.sum()) == int(rows.predicted.sum()) - (dt.PROMPT - 1) * len(dt.LENGTHS)
+    assert torch.equal(rows.scored(None), rows.predicted)
+
+
 # ---------------------------------------------------------------- planning
 
 

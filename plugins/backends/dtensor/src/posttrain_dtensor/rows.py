@@ -88,6 +88,15 @@ class ModelRows:
             return self.packed.pack(values, pad_value)
         return values[:, :self.input_ids.shape[1]]
 
+    def scored(self, token_mask: torch.Tensor | None) -> torch.Tensor:
+        """Bool [R, T]: the positions whose logprob is reported, ``predicted`` and, where given,
+        ``token_mask`` [B, S] (per sample) laid out on the rows. Only these go through the
+        language-model head: a prompt's tokens cost no head work (exact rows score their
+        masked tokens already)."""
+        if token_mask is None or self.prefixes is not None:
+            return self.predicted
+        return self.predicted & self.lay_out(token_mask.to(self.predicted.device, torch.bool), False)
+
     def to(self, device: torch.device) -> ModelRows:
         move = {f.name: getattr(self, f.name).to(device) for f in attrs.fields(ModelRows)
                 if isinstance(getattr(self, f.name), torch.Tensor)}

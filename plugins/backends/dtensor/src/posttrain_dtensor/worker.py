@@ -304,8 +304,9 @@ class DTensorPolicyWorker(PolicyWorker):
         rows = exact_rows(mb["input_ids"], mb["input_lengths"], mask).to(self.device) if self.exact else self._rows(mb, batching)
         chunk, temperature, softcap = self.config.policy.logprob_chunk_size, self.temperature, self.logit_softcap
         min_rows = MIN_ROWS if self.exact else 0
+        scored = rows.scored(mask)
         values = self._forward(mb, rows, lambda h, w: sequence_logprobs(
-            h, w, rows.input_ids, rows.predicted, chunk, temperature, softcap=softcap, min_rows=min_rows
+            h, w, rows.input_ids, scored, chunk, temperature, softcap=softcap, min_rows=min_rows
         ), mb[ROUTES_FIELD] if ROUTES_FIELD in mb else None)
         keep = loss_positions(mb["input_lengths"], rows.width, mask)
         return torch.where(keep.to(self.device), rows.to_samples(values), 0.0)
@@ -321,14 +322,16 @@ class DTensorPolicyWorker(PolicyWorker):
     def _microbatch_topk_logprobs(self, mb: Batch, batching: Batching) -> torch.Tensor:
         """Logprobs [b, S, k] of the ids ``mb['topk_indices']`` [b, S-1, k] (index ``t - 1``
         predicts token ``t``) at each position, at the logprob temperature; 0 where not reported."""
+        mask = mb["token_mask"] if "token_mask" in mb else None
         rows = self._rows(mb, batching)
         ids = torch.nn.functional.pad(mb["topk_indices"], (0, 0, 1, 0)).to(self.device)  # onto the logprob positions
         ids = rows.lay_out(ids)
         chunk, temperature, softcap = self.config.policy.logprob_chunk_size, self.temperature, self.logit_softcap
+        scored = rows.scored(mask)
         values = self._forward(
-            mb, rows, lambda h, w: sequence_logprobs(h, w, ids, rows.predicted, chunk, temperature, softcap=softcap)
+            mb, rows, lambda h, w: sequence_logprobs(h, w, ids, scored, chunk, temperature, softcap=softcap)
         )
-        keep = loss_positions(mb["input_lengths"], rows.width, mb["token_mask"] if "token_mask" in mb else None)
+        keep = loss_positions(mb["input_lengths"], rows.width, mask)
         return torch.where(keep.to(self.device)[..., None], rows.to_samples(values), 0.0)
 
     def _loss_inputs(self, kind: str, mb: Batch, batching: Batching) -> torch.Tensor:

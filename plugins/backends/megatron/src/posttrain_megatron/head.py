@@ -142,8 +142,13 @@ def sample_logprobs(
     ``token_mask`` is 0), differentiable in ``hidden`` and ``weight``."""
     h = full_hidden(hidden, sequence_parallel)
     w, shard = vocab_slice(weight, vocab_size)
-    values = target_logprobs(h[rows.scored], w, rows.labels[rows.scored], chunk_size, temperature, shard)
-    local = values.new_zeros(rows.scored.shape).masked_scatter(rows.scored, values)
+    scored = rows.scored  # only the reported positions go through the head: a prompt costs no head work
+    if "token_mask" in batch:
+        next_masked = batch["token_mask"][:, 1:].bool()  # [:, t]: the token t + 1 is reported
+        next_masked = torch.nn.functional.pad(next_masked, (0, max(0, rows.width - next_masked.shape[1])))
+        scored = scored & next_masked[:, :rows.width][:, rows.positions].to(scored.device)
+    values = target_logprobs(h[scored], w, rows.labels[scored], chunk_size, temperature, shard)
+    local = values.new_zeros(scored.shape).masked_scatter(scored, values)
     next_token = gather_context_parallel(local, rows)
     width = batch["input_ids"].shape[1]
     logprobs = torch.nn.functional.pad(next_token, (1, max(0, width - rows.width - 1)))[:, :width]
