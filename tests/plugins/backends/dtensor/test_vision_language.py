@@ -178,8 +178,9 @@ def test_a_placeholder_the_policy_generated_is_scored_as_text(policy, setup):
 def test_packed_rows_give_the_padded_rows_logprobs_and_gradients(policy, setup, dt):
     """Packing keeps every image with its tokens: the same float32 numbers as padded rows, to
     within their rounding: logprobs 1e-6, and 1e-6 of a logprob's value (tokens near -8 nats
-    differ by 2 ulps); every gradient within 1e-6 of its scale (sums over tokens and patches in
-    another order: at most 8.0e-7 of 1.12 measured, Idefics3's embedding)."""
+    differ by 2 ulps); every gradient within 2e-6 of its scale (sums over tokens and patches in
+    another order, and the head's products over the loss tokens alone in another blocking: at
+    most 1.67e-6 of 1.56 measured, Qwen2-VL's merger)."""
     batch = setup["batch"]
     padded = policy.get_logprobs(batch)["logprobs"]
     policy.train(batch, dt.nll)
@@ -190,7 +191,7 @@ def test_packed_rows_give_the_padded_rows_logprobs_and_gradients(policy, setup, 
     policy.train(batch, dt.nll)
     packed_grads = dt.sgd_grads(setup["initial_weights"], dt.full_weights(policy), lr=1.0)
     for name, want in padded_grads.items():
-        assert float((packed_grads[name] - want).abs().max()) <= 1e-6 * max(1.0, float(want.abs().max())), name
+        assert float((packed_grads[name] - want).abs().max()) <= 2e-6 * max(1.0, float(want.abs().max())), name
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3"])

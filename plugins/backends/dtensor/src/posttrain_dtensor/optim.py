@@ -130,7 +130,7 @@ def total_grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
             local = g.to_local()
         else:
             key, local = (), g
-        sq = local.detach().float().pow(2).sum()
+        sq = torch.linalg.vector_norm(local.detach(), dtype=torch.float32).square()  # no copy of the gradient
         sums[key] = sums[key] + sq if key in sums else sq
     total = torch.zeros(())
     for key, sq in sums.items():
