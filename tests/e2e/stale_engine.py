@@ -13,3 +13,7 @@ class StaleHeadEngineWorker(HFEngineWorker):
     @torch.no_grad()
     def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         super().load_weights([(name, tensor) for name, tensor in tensors if not name.startswith("lm_head.")])
+
+    @torch.no_grad()
+    def share_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        super().share_weights([(name, tensor) for name, tensor in tensors if not name.startswith("lm_head.")])

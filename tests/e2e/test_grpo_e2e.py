@@ -230,7 +230,10 @@ def test_where_the_engine_runs_does_not_change_the_metrics(ray_cluster, tiny_mod
     then gets the weights from the driver), and the math environment runs in the driver's
     process (``environments.math.in_driver`` left null) instead of an actor of its own. Every
     run's metrics equal those of the colocated run with a policy process, an engine process
-    and an environment actor of their own, step by step."""
+    and an environment actor of their own, step by step; an engine in the policy's worker
+    computes from the policy's own weight tensors (no copy), whose memory can round its
+    logprobs otherwise in the last bit, so there the engine-trainer mismatch metrics (float32
+    rounding: KL near 1e-14) agree within 1e-6."""
     train = write_rows(tmp_path / "train.jsonl", seven_rows(40))
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=8, max_num_steps=3)
     in_actors = {"math": {"num_workers": 1, "in_driver": False}}
@@ -254,7 +257,12 @@ def test_where_the_engine_runs_does_not_change_the_metrics(ray_cluster, tiny_mod
     for name in ("apart", "in_policy", "default"):
         assert [r["step"] for r in runs[name]] == [1, 2, 3], name
         for together, other in zip(runs["colocated"], runs[name], strict=True):
-            assert comparable(other) == comparable(together), f"{name}, step {together['step']}"
+            ours, theirs = comparable(other), comparable(together)
+            assert ours.keys() == theirs.keys(), name
+            rounded = {k for k in ours if name != "apart" and k.startswith("mismatch")}
+            step = f"{name}, step {together['step']}"
+            assert {k: ours[k] for k in ours.keys() - rounded} == {k: theirs[k] for k in theirs.keys() - rounded}, step
+            assert all(abs(ours[k] - theirs[k]) <= 1e-6 for k in rounded), (step, {k: (ours[k], theirs[k]) for k in rounded})
     # the runs trained (a step whose groups all scored alike has no gradient) and refit
     assert max(r["grad_norm"] for r in runs["colocated"]) > 0 and runs["colocated"][-1]["refit/bytes"] > 0
 

@@ -112,6 +112,14 @@ class EngineWorker(Worker, abc.ABC):
         policy's workers. The tensors belong to the caller: copy, keep no reference."""
         raise NotImplementedError(f"{type(self).__name__} cannot run in the policy's workers")
 
+    def share_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """:meth:`load_weights` for an engine hosted in the policy's workers, given tensors it
+        may keep instead of copying: the policy's own parameters (which a policy on one rank
+        in the engine's dtype gathers without a copy) or full tensors gathered for this call.
+        A kept tensor changes as the policy trains, which a hosted engine allows: it generates
+        only between refits (synchronous runs). Default: :meth:`load_weights`."""
+        self.load_weights(tensors)
+
     def close(self) -> None:
         """Release what the engine keeps outside its process (files), before its actor is
         stopped, which runs no finalizer; default: nothing."""

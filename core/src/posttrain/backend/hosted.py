@@ -5,9 +5,11 @@ inside the processes of the policy's ranks instead of processes of their own: on
 per rank, built there by :class:`HostedGroup` (through the ranks' generic
 :meth:`~posttrain.distributed.Worker.run_work`) and kept in this module's per-process
 registry under the group's name. A refit (:class:`HostedEndpoint`) gathers the policy's
-weights one layer group at a time, as a worker-to-worker sync does, and copies them into the
-engine of the same process; ranks other than 0 receive each tensor from rank 0 by a
-broadcast over the policy's own process group, the one its gathers use. What this saves is
+weights one layer group at a time, as a worker-to-worker sync does, and hands them to the
+engine of the same process, which may keep them rather than copy them
+(:meth:`~posttrain.backend.engine.EngineWorker.share_weights`: one copy of the weights in the
+process); ranks other than 0 receive each tensor from rank 0 by a broadcast over the
+policy's own process group, the one its gathers use. What this saves is
 the engines' processes (their imports, their runtime, their copy of the framework) and the
 sync group with them; what it costs is that generation and training take turns in one
 process, so it is synchronous only (``generation.colocated``).
@@ -141,7 +143,7 @@ class HostedSender:
         self.engine.wake_up()
         for group in self.source.groups:
             full = self.source.gather_group(group)
-            self.engine.load_weights([(name, self._tensor(name, full)) for name in group])
+            self.engine.share_weights([(name, self._tensor(name, full)) for name in group])
         self.engine.weight_version = version
         if self.rank != 0:
             return None

@@ -24,6 +24,7 @@ from posttrain.plugins import PluginHost, plugin_host
 from posttrain.run.checkpoint import CheckpointManager, check_checkpoint_fits, checkpoint_dir
 from posttrain.run.finished import finished_unchanged
 from posttrain.run.metrics import MetricLogger, ProgressBar
+from posttrain.run.refit import refit
 from posttrain.run.run_dir import prepare_run_dir, remove_created_run_dir
 from posttrain.run.startup import Started, Startup
 from posttrain.run.stop import StartupInterrupted, StoppedDuringStartup, StopRequest, stop_on_signals
@@ -218,7 +219,10 @@ class RunContext:
                 return factory(with_in_policy_workers(config, False), self.cluster)
             self.log.info("generation engines inside the policy's workers", backend=config.generation.backend,
                           setting="generation.in_policy_workers: null")
-        return factory(with_in_policy_workers(config, True), self.cluster, host=policy)
+        hosted = factory(with_in_policy_workers(config, True), self.cluster, host=policy)
+        # the engines take the policy's weights at once: one that can keep them frees the copy it loaded
+        refit(policy, hosted, config.generation.refit_bucket_bytes)
+        return hosted
 
     def build_data_plane(self) -> DataPlane:
         """The ``data_plane.backend`` data plane."""

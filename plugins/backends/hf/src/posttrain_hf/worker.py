@@ -118,6 +118,28 @@ class HFEngineWorker(EngineWorker):
             self._targets[name].copy_(tensor)
 
     @torch.no_grad()
+    def share_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """On CPU, each parameter given a tensor of its shape and dtype becomes that tensor
+        (tied names share it), its own copy freed: a hosted engine then holds no weights of
+        its own. Buffers, other dtypes and engines on a GPU, which sleep by moving their own
+        weights, copy."""
+        for name, tensor in tensors:
+            target = self._targets[name]
+            keep = (self.device.type == "cpu" and isinstance(target, torch.nn.Parameter)
+                    and tensor.dtype == target.dtype and tensor.shape == target.shape and tensor.device == target.device)
+            if not keep:
+                target.copy_(tensor)
+                continue
+            shared = torch.nn.Parameter(tensor.detach(), requires_grad=False)
+            for module in self.model.modules():
+                for key, param in module._parameters.items():
+                    if param is target:
+                        module._parameters[key] = shared
+            for other, param in self._targets.items():
+                if param is target:
+                    self._targets[other] = shared
+
+    @torch.no_grad()
     def receive_weights(self, version: int) -> list[str]:
         if self._receiver is None:
             raise WorkerError("receive_weights() before init_weight_transfer(): the weight sync is not connected")
