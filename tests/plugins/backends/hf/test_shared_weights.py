@@ -1,7 +1,7 @@
 """A hosted ``hf`` engine on the CPU keeps the tensors a refit hands it instead of copying
 them (``EngineWorker.share_weights``): the policy's own parameters become the engine's, tied
 names included, so the process holds one copy of the weights; the engine then reads them as
-they change. Another dtype copies."""
+they change. Another dtype, and a view into a larger tensor, copy."""
 
 from __future__ import annotations
 
@@ -64,3 +64,14 @@ def test_an_engine_in_another_dtype_copies(tiny_model_path):
     for name, param in engine.model.named_parameters():
         assert param.dtype == torch.bfloat16 and param.data_ptr() != tensors[name].data_ptr()
         assert torch.equal(param, tensors[name].to(torch.bfloat16))
+
+
+def test_a_view_into_a_larger_tensor_is_copied_not_kept(tiny_model_path):
+    engine = HFEngineWorker(model_path=tiny_model_path, dtype="float32", max_batch_size=4, attn_implementation="sdpa")
+    tensors = policy_tensors(tiny_model_path)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    packed = torch.cat([tensors[name], torch.zeros_like(tensors[name])])  # e.g. one of a fused projection's parts
+    view = packed[: tensors[name].shape[0]]
+    engine.share_weights([(name, view)])
+    kept = dict(engine.model.named_parameters())[name]
+    assert kept.data_ptr() != view.data_ptr() and torch.equal(kept, view)

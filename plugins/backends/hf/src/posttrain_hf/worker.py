@@ -119,13 +119,15 @@ class HFEngineWorker(EngineWorker):
 
     @torch.no_grad()
     def share_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """On CPU, each parameter given a tensor of its shape and dtype becomes that tensor
-        (tied names share it), its own copy freed: a hosted engine then holds no weights of
-        its own. Buffers, other dtypes and engines on a GPU, which sleep by moving their own
-        weights, copy."""
+        """On CPU, each parameter given a tensor of its shape and dtype that is the whole of
+        its memory becomes that tensor (tied names share it), its own copy freed: a hosted
+        engine then holds no weights of its own. Buffers, other dtypes, views into larger
+        tensors (which keeping would pin) and engines on a GPU, which sleep by moving their
+        own weights, copy."""
         for name, tensor in tensors:
             target = self._targets[name]
-            keep = (self.device.type == "cpu" and isinstance(target, torch.nn.Parameter)
+            whole = tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+            keep = (self.device.type == "cpu" and isinstance(target, torch.nn.Parameter) and whole
                     and tensor.dtype == target.dtype and tensor.shape == target.shape and tensor.device == target.device)
             if not keep:
                 target.copy_(tensor)
