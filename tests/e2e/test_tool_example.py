@@ -39,9 +39,9 @@ def test_sft_teaches_the_calls_and_grpo_raises_the_reward(ray_cluster, tmp_path)
     rewards = [record["reward"] for record in read_metrics(metrics, "train")]
     assert len(validations) == 2 and len(rewards) == 20, (validations, rewards)
 
-    for validation in validations:  # one well-formed calculator call and an answer in every episode
+    for validation in validations:  # one well-formed calculator call and an answer in 99% of the episodes or more
         calls = {name: validation[f"env/tools/{name}"] for name in ("tool_calls", "malformed_calls", "answer_rate")}
-        assert calls == {"tool_calls": 1.0, "malformed_calls": 0.0, "answer_rate": 1.0}, validation
+        assert calls["tool_calls"] >= 0.99 and calls["malformed_calls"] <= 0.01 and calls["answer_rate"] >= 0.99, validation
     assert result["after SFT"] >= 0.15, result  # SFT taught some of the copying: there is reward to learn from
     assert result["after GRPO"] >= result["after SFT"] - 0.03, result  # GRPO kept it
     assert _mean(rewards[-10:]) > _mean(rewards[:5]), rewards
