@@ -120,26 +120,19 @@ class HFEngineWorker(EngineWorker):
     @torch.no_grad()
     def share_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """On CPU, each parameter given a tensor of its shape and dtype that is the whole of
-        its memory becomes that tensor (tied names share it), its own copy freed: a hosted
-        engine then holds no weights of its own. Buffers, other dtypes, views into larger
-        tensors (which keeping would pin) and engines on a GPU, which sleep by moving their
-        own weights, copy."""
+        its memory takes that tensor's memory as its data (a tied parameter is one object, so
+        every name of it does), its own copy freed: a hosted engine then holds no weights of
+        its own. Buffers, other dtypes, views into larger tensors (which keeping would pin) and
+        engines on a GPU, which sleep by moving their own weights, copy."""
         for name, tensor in tensors:
             target = self._targets[name]
             whole = tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
             keep = (self.device.type == "cpu" and isinstance(target, torch.nn.Parameter) and whole
                     and tensor.dtype == target.dtype and tensor.shape == target.shape and tensor.device == target.device)
-            if not keep:
+            if keep:
+                target.data = tensor.detach()
+            else:
                 target.copy_(tensor)
-                continue
-            shared = torch.nn.Parameter(tensor.detach(), requires_grad=False)
-            for module in self.model.modules():
-                for key, param in module._parameters.items():
-                    if param is target:
-                        module._parameters[key] = shared
-            for other, param in self._targets.items():
-                if param is target:
-                    self._targets[other] = shared
 
     @torch.no_grad()
     def receive_weights(self, version: int) -> list[str]:
