@@ -1,6 +1,6 @@
 """The hf backend's decode loop on a transformers model, without Ray: sampling filters,
-stop criteria and their precedence, independence of a row's sample from its batch, and the
-row sampler against ``torch.multinomial``."""
+stop criteria and their precedence, independence of a row's sample from its batch, shared
+prompts' prefill, and the row sampler's distribution."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from posttrain.backend.generation_group import GenerationRequest
 from posttrain.errors import WorkerError
 from posttrain.testing.generation import stop_string_prefix
-from posttrain_hf.decode import NOISE_STEPS_AHEAD, RowSampler, decode, noise_steps_ahead
+from posttrain_hf.decode import RowSampler, decode, prompt_copies
 from posttrain_hf.stop_strings import StopStringMatcher
 
 PROMPTS = [[1, 40, 41, 42, 43, 44, 45], [1, 50, 51], [1, 60, 61, 62, 63, 7, 8, 9, 10, 11]]
@@ -86,42 +86,73 @@ def test_row_sample_does_not_depend_on_the_rest_of_the_batch(model):
     assert [c.token_ids for c in reseeded] != [c.token_ids for c in together]
 
 
-@pytest.mark.parametrize("max_steps", [1, 24])
-@pytest.mark.parametrize("vocab", [7, 103, 4099, 32000])
-def test_row_sampler_draws_what_multinomial_draws_from_each_rows_generator(vocab, max_steps):
-    """The decode loop's sampler makes torch.multinomial's draws, token for token, while rows
-    leave the batch, on several vocabulary sizes (vectorised and scalar tails) and
-    distributions from flat to peaked, with zeros; drawing one step's noise per call it also
-    leaves every generator as multinomial does. With ``max_steps=24`` it draws 8 steps per row
-    and call, and rows leave in the middle of those blocks."""
-    seeds = list(range(40, 72))
-    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-    sampler = RowSampler(seeds, torch.device("cpu"), max_steps=max_steps)
-    rows = list(range(len(seeds)))
-    random = torch.Generator().manual_seed(vocab)
-    for step in range(24):
-        logits = torch.randn(len(rows), vocab, generator=random) * (0.5 + step % 4 * 3)
-        if step % 3 == 2:
-            logits[:, ::3] = float("-inf")  # top-k/top-p filtered tokens: probability 0
-        logprobs = logits.log_softmax(dim=-1)
-        expected = [int(torch.multinomial(logprobs[i].exp(), 1, generator=generators[row])) for i, row in enumerate(rows)]
-        assert sampler.draw(logprobs, rows).tolist() == expected, step
+def test_rows_with_one_prompt_share_its_prefill_and_draw_as_they_would_alone(model):
+    """A GRPO-like batch (two prompts, five rows): the prefill runs on the two distinct prompts,
+    and each row's tokens and logprobs are those it gets decoded alone with its seed."""
+    prompts, seeds = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[0], PROMPTS[1]], [100, 101, 102, 103, 104]
+    assert prompt_copies(prompts) == ([0, 1, 0, 0, 1], [0, 1])
+    batches = []
+    hook = model.model.register_forward_pre_hook(lambda _, args, kwargs: batches.append(kwargs["input_ids"].shape), with_kwargs=True)
+    try:
+        together = decode(model, request(prompts, seeds=seeds), pad_token_id=0)
+    finally:
+        hook.remove()
+    assert batches[0] == (2, len(PROMPTS[0])) and batches[1] == (5, 1)
+    alone = [decode(model, request([p], seeds=[seed]), pad_token_id=0)[0] for p, seed in zip(prompts, seeds, strict=True)]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    assert len({tuple(together[row].token_ids) for row in (0, 2, 3)}) > 1  # copies of one prompt draw apart
+    for mine, theirs in zip(together, alone, strict=True):
+        torch.testing.assert_close(mine.logprobs, theirs.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("vocab", [5, 151936])
+def test_row_sampler_draws_each_token_at_its_probability_and_never_a_zero(vocab):
+    """Many rows (20,000; 400 at Qwen's vocabulary size), one draw each from one distribution
+    with zeros (the last entry among them, as top-k leaves it): every token's frequency is
+    within 4.5 standard deviations of its probability, and no token of probability 0 is drawn."""
+    probs = torch.zeros(vocab)
+    probs[[0, 2, 3]] = torch.tensor([0.5, 0.2, 0.3])
+    if vocab > 5:
+        probs[vocab - 2] = 0.1  # far along a large vocabulary: the sums must still reach it
+        probs /= probs.sum()
+    rows = 20_000 if vocab == 5 else 400
+    sampler = RowSampler(list(range(rows)), torch.device("cpu"), max_steps=1)
+    tokens = sampler.draw(probs.log().expand(rows, vocab), list(range(rows)))
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    spread = (rows * probs * (1 - probs)).double().sqrt()
+    assert ((counts - rows * probs).abs() <= 4.5 * spread).all()
+    assert counts[probs == 0].sum() == 0
+
+
+def test_a_uniform_at_the_top_of_its_range_draws_the_last_token_with_probability():
+    """``u`` just below 1 times a total rounded up could pass every cumulative sum; the
+    sampler keeps the product below the total, so it lands on the last token that can be
+    drawn, not on a zero behind it or past the vocabulary."""
+    sampler = RowSampler([0, 1], torch.device("cpu"), max_steps=1)
+    sampler.uniforms.fill_(1.0 - 2.0**-53)
+    logprobs = torch.tensor([[0.1, 0.2, 0.3, 0.0, 0.0], [0.3, 0.3, 0.3, 0.1, 0.0]]).log()
+    assert sampler.draw(logprobs, [0, 1]).tolist() == [2, 3]
+
+
+def test_a_rows_tokens_depend_on_its_seed_alone():
+    """Rows drawn together, with rows leaving the batch, draw what each draws alone with its
+    seed; another seed draws otherwise."""
+    seeds = list(range(40, 56))
+    together = RowSampler(seeds, torch.device("cpu"), max_steps=12)
+    alone = [RowSampler([seed], torch.device("cpu"), max_steps=12) for seed in seeds]
+    random = torch.Generator().manual_seed(0)
+    rows, drawn, reference = list(range(len(seeds))), [], []
+    for step in range(12):
+        logprobs = (torch.randn(len(rows), 4099, generator=random) * (0.5 + step % 4)).log_softmax(dim=-1)
+        drawn.append(together.draw(logprobs, rows).tolist())
+        reference.append([int(alone[row].draw(logprobs[i : i + 1], [0])) for i, row in enumerate(rows)])
         if step % 5 == 4:
             rows = rows[1::2]  # rows finish and leave the batch
-    assert sampler.noise.shape[1] == (1 if max_steps == 1 else 8)
-    if max_steps == 1:
-        for mine, theirs in zip(sampler.generators, generators, strict=True):
-            assert torch.equal(mine.get_state(), theirs.get_state())
-
-
-def test_noise_is_drawn_ahead_on_a_cpu_only_and_within_its_budget():
-    cpu = torch.device("cpu")
-    assert noise_steps_ahead(cpu, 128, 103, 64) == NOISE_STEPS_AHEAD == 8
-    assert noise_steps_ahead(cpu, 128, 103, 3) == 3
-    assert noise_steps_ahead(cpu, 128, 151936, 64) == 1  # 19.4M elements: one step over the budget
-    assert noise_steps_ahead(cpu, 64, 151936, 64) == 1
-    assert noise_steps_ahead(cpu, 16, 151936, 64) == 6
-    assert noise_steps_ahead(torch.device("cuda"), 128, 103, 64) == 1
+    assert drawn == reference
+    other = RowSampler([seed + 1000 for seed in seeds], torch.device("cpu"), max_steps=1)
+    logprobs = torch.zeros(len(seeds), 4099).log_softmax(dim=-1)
+    assert other.draw(logprobs, list(range(len(seeds)))).tolist() != RowSampler(
+        seeds, torch.device("cpu"), max_steps=1).draw(logprobs, list(range(len(seeds)))).tolist()
 
 
 def test_row_sampler_refuses_a_distribution_that_is_not_finite():
@@ -160,10 +191,12 @@ def test_stop_strings_without_a_matcher_are_refused(model):
         decode(model, request(stop_strings=[["x"], [], []]), pad_token_id=0)
 
 
-def test_routes_of_each_row_are_those_a_full_forward_over_its_tokens_chooses():
+@pytest.mark.parametrize("prompts", [PROMPTS, [PROMPTS[0], PROMPTS[2], PROMPTS[0]]], ids=["distinct", "shared"])
+def test_routes_of_each_row_are_those_a_full_forward_over_its_tokens_chooses(prompts):
     """The engine's record of a mixture of experts' routes: left padding dropped, rows leaving
     the batch at different steps, every token the model ran (the prompt and all generated
-    tokens but the last), each as the router chose it."""
+    tokens but the last), each as the router chose it; rows sharing a prompt's prefill take
+    its routes."""
     from transformers import AutoModelForCausalLM
 
     from posttrain.backend.generation_group import assemble_output
@@ -173,7 +206,7 @@ def test_routes_of_each_row_are_those_a_full_forward_over_its_tokens_chooses():
     torch.manual_seed(0)
     moe = AutoModelForCausalLM.from_config(zoo_config("qwen3_moe", tokenizer="character"), dtype=torch.float32).eval()
     routers = Routers(moe, record=True)
-    rows = attrs.evolve(request(), max_new_tokens=[3, 7, 5])
+    rows = attrs.evolve(request(prompts), max_new_tokens=[3, 7, 5])
     completions = decode(moe, rows, pad_token_id=0, routers=routers)
     assert [len(c.token_ids) for c in completions] == [3, 7, 5]  # rows leave the batch at different steps
     for prompt, completion in zip(rows.prompts, completions, strict=True):

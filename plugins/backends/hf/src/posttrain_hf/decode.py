@@ -1,7 +1,9 @@
 """Batched sampling with a KV cache on a transformers causal LM.
 
 Prompts are left-padded inside (so every row's next token sits in the last column) and
-rows leave the batch, and the cache, as soon as they finish. What is sampled and which
+rows leave the batch, and the cache, as soon as they finish. Rows with one prompt (a GRPO
+group's samples) share its prefill: the prompt runs once and each row takes a copy of its
+cache. What is sampled and which
 logprob is reported is :func:`posttrain.backend.sampling.sampling_logprobs`; each row draws from its
 own ``torch.Generator`` seeded with the request's seed for that row, so a row's sample
 does not depend on the other rows or on how the batch is chunked (:class:`RowSampler`).
@@ -52,9 +54,16 @@ def decode(
         attention[row, width - len(prompt) :] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     input_ids, attention, positions = input_ids.to(device), attention.to(device), positions.to(device)
-    prompt = {"input_ids": input_ids}
+    prompt, prefill_attention, prefill_positions = {"input_ids": input_ids}, attention, positions
+    source = list(range(num_rows))
     if request.images is not None and any(len(grid) for _, grid in request.images):
         prompt, positions = image_prompt(model, input_ids, attention, positions, request.images)
+        prefill_positions = positions
+    else:  # each distinct prompt runs once; the rows that repeat it take copies of its cache
+        source, firsts = prompt_copies(request.prompts)
+        if len(firsts) < num_rows:
+            prefill = torch.tensor(firsts, device=device)
+            prompt, prefill_attention, prefill_positions = {"input_ids": input_ids[prefill]}, attention[prefill], positions[prefill]
 
     greedy = request.temperature == 0
     sampler = None if greedy else RowSampler(request.seeds, device, max_steps=max(request.max_new_tokens))
@@ -62,13 +71,17 @@ def decode(
     cache = DynamicCache(config=model.config)
     logits = model(
         **prompt,
-        attention_mask=attention,
-        position_ids=positions,
+        attention_mask=prefill_attention,
+        position_ids=prefill_positions,
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
     ).logits[:, -1]
-    routes = _prefill_routes(routers, request.prompts, width)
+    if len(logits) < num_rows:
+        copies = torch.tensor(source, device=device)
+        cache.batch_select_indices(copies)
+        logits = logits[copies]
+    routes = _prefill_routes(routers, request.prompts, width, source)
     next_position = positions.amax(dim=(0, 2)) + 1 if positions.dim() == 3 else positions[:, -1] + 1
     ready_masks = takes_ready_step_masks(model.config)
     live = list(range(num_rows))  # the original row of each batch row still decoding
@@ -133,72 +146,63 @@ def image_prompt(
     return {"inputs_embeds": embeds}, positions
 
 
-def _prefill_routes(routers: Routers | None, prompts: list[list[int]], width: int) -> list[list[torch.Tensor]]:
-    """Each row's prompt tokens' experts from the prefill forward (left-padded to ``width``),
-    as the first part of the row's routes; empty lists without ``routers``."""
+def prompt_copies(prompts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """``(source, firsts)``: for each row, the index of its prompt among the distinct prompts
+    (in order of first appearance), and the first row of each distinct prompt."""
+    distinct: dict[tuple[int, ...], int] = {}
+    source = [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts]
+    firsts: list[int] = []
+    for row, index in enumerate(source):
+        if index == len(firsts):
+            firsts.append(row)
+    return source, firsts
+
+
+def _prefill_routes(
+    routers: Routers | None, prompts: list[list[int]], width: int, source: list[int]
+) -> list[list[torch.Tensor]]:
+    """Each row's prompt tokens' experts from the prefill forward (the distinct prompts,
+    left-padded to ``width``; row ``i``'s is ``source[i]``), as the first part of the row's
+    routes; empty lists without ``routers``."""
     if routers is None:
         return [[] for _ in prompts]
-    prefill = routers.take().unflatten(0, (len(prompts), width))
-    return [[prefill[row, width - len(prompt):]] for row, prompt in enumerate(prompts)]
-
-
-# A sampler on a CPU draws at most this many steps of noise per row and call, and at most
-# this many float32 elements of it at once (64 MiB). Rows that stop early waste what they drew
-# ahead: 8 steps were as fast as 16 or 64 on the tiny model's 64-token completions and
-# faster where they end at a 5% stop rate (mean 18 tokens).
-NOISE_STEPS_AHEAD = 8
-NOISE_AHEAD_ELEMENTS = 1 << 24
+    prefill = routers.take().unflatten(0, (max(source) + 1, width))
+    return [[prefill[source[row], width - len(prompt):]] for row, prompt in enumerate(prompts)]
 
 
 class RowSampler:
-    """One token per row from the row's own ``torch.Generator`` (seeded with its seed), the
-    draw ``torch.multinomial(logprobs.exp(), 1, generator=...)`` makes, number for number: the
-    index of the largest ``p / q`` with ``q ~ Exp(1)`` drawn from the generator over the
-    vocabulary (torch's own method for one sample).
+    """One token per row, by inverse transform: for a uniform ``u`` from the row's own
+    ``torch.Generator`` (seeded with its seed), the first token whose cumulative probability
+    (summed in float64) exceeds ``u`` times the total (``u < 1``, and the product is kept
+    below the total). A token of probability 0 is never drawn.
 
-    Only the noise is drawn row by row, several steps of it in one call per row on a CPU
-    (:func:`noise_steps_ahead`; torch there draws a tensor's exponentials one element after
-    another from the generator, so ``[steps, vocab]`` at once are the numbers ``steps`` calls
-    of ``[vocab]`` give; a call per row and token spent a tenth of a tiny model's decoding in
-    per-call work). A generator may then end a few steps further on than multinomial's. The
-    exponential, the check, the division and the argmax run on the whole batch (torch's
-    element-wise ``exp`` gives each element the same bits in a batch as in its row alone)."""
+    Each row's uniforms for every step it may take are drawn when the sampler is made, one
+    call per row, so a row's tokens depend only on its seed and its distributions, not on the
+    other rows or on which of them are still decoding. The cumulative sums and the search run
+    on the whole batch. At a 151,936-token vocabulary and 16 rows a step takes 4 ms on two CPU
+    cores; ``torch.multinomial``'s method, one exponential per vocabulary entry from each
+    row's generator, took 46 ms."""
 
     def __init__(self, seeds: list[int], device: torch.device, *, max_steps: int):
-        self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
-        self.max_steps = max_steps
+        self.uniforms = torch.stack([
+            torch.rand(max_steps, generator=torch.Generator(device=device).manual_seed(seed), dtype=torch.float64, device=device)
+            for seed in seeds
+        ]) if seeds else torch.empty((0, max_steps), dtype=torch.float64, device=device)
         self.step = 0
-        self.probs = self.noise = torch.empty(0)
 
     def draw(self, logprobs: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Tokens [len(rows)] for ``logprobs`` [len(rows), vocab] (float32), batch row ``i``
-        being request row ``rows[i]``; every call is the next step of each row in ``rows``.
+        """Tokens [len(rows)] for ``logprobs`` [len(rows), vocab], batch row ``i`` being
+        request row ``rows[i]``; every call is the next step of each row in ``rows``.
         Raises :class:`WorkerError` on a non-finite distribution."""
-        live, vocab = logprobs.shape
-        if self.noise.shape[-1] != vocab:  # the first step has every row
-            steps = noise_steps_ahead(logprobs.device, len(self.generators), vocab, self.max_steps)
-            self.probs = logprobs.new_empty((len(self.generators), vocab))
-            self.noise = logprobs.new_empty((len(self.generators), steps, vocab))
-        ahead = self.step % self.noise.shape[1]
-        if ahead == 0:
-            for row in rows:
-                self.noise[row].exponential_(generator=self.generators[row])
-        self.step += 1
-        probs = torch.exp(logprobs, out=self.probs[:live])
-        noise = self.noise[:, ahead] if live == len(self.generators) else self.noise[rows, ahead]
-        if not bool(((probs >= 0) & (probs < float("inf"))).all()):
+        cumulative = logprobs.double().exp_().cumsum_(dim=-1)
+        total = cumulative[:, -1:]
+        if not bool(torch.isfinite(total).all()):  # a NaN or inf probability makes its row's total so
             raise WorkerError(
                 "the generation model's next-token probabilities are not finite (NaN or inf logits): "
                 "its weights may have diverged; check the training metrics (loss, grad_norm) of the last refit"
             )
-        return torch.div(probs, noise, out=noise).argmax(dim=-1)  # each step's noise is used once
-
-
-def noise_steps_ahead(device: torch.device, rows: int, vocab: int, max_steps: int) -> int:
-    """How many steps of noise a :class:`RowSampler` draws per row and call: one off a CPU
-    (other devices' generators give different numbers when a draw is split), else
-    :data:`NOISE_STEPS_AHEAD`, fewer where ``max_steps`` or :data:`NOISE_AHEAD_ELEMENTS` for
-    ``rows`` x ``vocab`` is less."""
-    if device.type != "cpu":
-        return 1
-    return max(1, min(NOISE_STEPS_AHEAD, max_steps, NOISE_AHEAD_ELEMENTS // (rows * vocab)))
+        uniforms = self.uniforms[rows, self.step, None] if len(rows) < len(self.uniforms) else self.uniforms[:, self.step, None]
+        self.step += 1
+        # below the total, so the search lands on a token whose probability is above 0
+        target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cumulative, target, right=True)[:, 0]

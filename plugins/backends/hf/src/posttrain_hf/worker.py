@@ -18,6 +18,7 @@ from posttrain.models.auto import attention_implementation, generative_class
 from posttrain_hf.attention import SHARED_KV_SDPA
 from posttrain_hf.decode import decode
 from posttrain_hf.exact import rescore
+from posttrain_hf.small_batch_linear import small_batch_linears
 from posttrain_hf.stop_strings import StopStringMatcher
 
 
@@ -67,7 +68,8 @@ class HFEngineWorker(EngineWorker):
         completions: list[Completion] = []
         for start in range(0, len(request), self.max_batch_size):
             chunk = request.rows(start, start + self.max_batch_size)
-            decoded = decode(self.model, chunk, pad_token_id=self.pad_token_id, stop_matcher=matcher, routers=self.routers)
+            with small_batch_linears(self.model):
+                decoded = decode(self.model, chunk, pad_token_id=self.pad_token_id, stop_matcher=matcher, routers=self.routers)
             if self.exact_chunk_size is not None:
                 decoded = rescore(self.model, chunk.prompts, decoded, temperature=request.temperature,
                                   chunk_size=self.exact_chunk_size, max_batch_size=self.max_batch_size)
