@@ -34,6 +34,7 @@ from posttrain.backend.vision import embed_with_images
 from posttrain.errors import ConfigError
 from posttrain_dtensor.experts import EXPERTS_STYLE
 from posttrain_dtensor.lora import plan_key_matches, tensor_parallel_plan
+from posttrain_dtensor.tied_gradient import TiedGradient
 
 #: Hugging Face tensor-parallel styles this backend applies with ``parallelize_module``, by
 #: their names in ``base_model_tp_plan``: a column-wise layer gives its shard of the output
@@ -65,9 +66,10 @@ class CausalLMHead(nn.Module):
     (:func:`output_softcap`), fit: not models with logit scaling.
     """
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, tied: TiedGradient | None = None):
         super().__init__()
         self.lm = lm
+        self.tied = tied  # the output weight is read through it (:mod:`posttrain_dtensor.tied_gradient`)
 
     def forward(
         self,
@@ -94,6 +96,8 @@ class CausalLMHead(nn.Module):
 
     def output_weight(self) -> torch.Tensor:
         """The output embedding's weight [V, H], or a sequence classifier's ``score`` weight."""
+        if self.tied is not None:
+            return self.tied.head_weight()
         embedding = self.lm.get_output_embeddings()
         return (embedding if embedding is not None else self.lm.score).weight
 

@@ -91,6 +91,7 @@ from posttrain_dtensor.parallel import (
 )
 from posttrain_dtensor.rows import ModelRows, exact_rows, microbatch_rows
 from posttrain_dtensor.segment_attention import EXACT_SEGMENT_SDPA, SEGMENT_SDPA
+from posttrain_dtensor.tied_gradient import tie_gradients
 from posttrain_dtensor.vision import image_model_inputs
 from posttrain_dtensor.weights import AdapterWeights, FullWeights, MergedWeights, WeightView
 
@@ -249,7 +250,7 @@ class DTensorPolicyWorker(PolicyWorker):
         if self.world_size == 1 and self.compute_dtype == torch.float32:
             # Nothing to shard or cast: FSDP would only copy every weight in and out of its
             # gather buffers twice per step and every gradient through its reduce buffers.
-            return CausalLMHead(lm).to(self.device)
+            return CausalLMHead(lm.to(self.device), tie_gradients(lm))
         root = apply_fsdp(
             lm,
             self.meshes,
