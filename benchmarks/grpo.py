@@ -22,6 +22,9 @@ Sides (alternating, each in its own process):
   the engine reports each sampled token's logprob with the trainer's own arithmetic, so the
   loss takes them (``rollout_correction: bypass``) and no previous-policy pass runs. Its cost
   is in the generation stage.
+- ``posttrain-inside-ac``: ``posttrain-inside`` with activation checkpointing (each decoder
+  layer recomputed in the backward pass), as ``trl-default`` has gradient checkpointing:
+  the side to compare peak memory with it.
 - ``posttrain-inside-2u``, ``posttrain-exact-2u``: the same two with two optimizer updates
   per step (each on half of the step's samples). Off policy after the first update, the
   default then runs a previous-policy pass over the step's samples (the ``logprobs``
@@ -201,7 +204,7 @@ def packed_row_tokens(spec: dict[str, Any]) -> int:
 def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, colocated: bool = True,
                    in_policy_workers: bool = False, max_staleness_steps: int = 0, split_cores: bool = False,
                    passive: bool = False, in_driver: bool | None = None, exact: bool = False,
-                   updates: int = 1) -> dict[str, Any]:
+                   updates: int = 1, checkpointing: bool = False) -> dict[str, Any]:
     """Run ``warmup + steps`` GRPO steps with ``run_algorithm`` (rollouts from the
     ``generation_backend``: ``vllm``, or ``hf`` decoding all 128 rows as one batch; the engine
     ``colocated`` with the policy or on its own worker, or ``in_policy_workers``; asynchronous with
@@ -210,7 +213,8 @@ def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, co
     run at the same time; ``passive``: their OpenMP threads sleep when idle,
     ``OMP_WAIT_POLICY=PASSIVE``, instead of spinning; ``in_driver``: ``policy.in_driver``;
     ``exact``: ``generation.exact_logprobs``; ``updates``: optimizer updates per step, each on
-    an equal share of the step's samples); read back the step ends, losses and stage timings from
+    an equal share of the step's samples; ``checkpointing``: activation checkpointing, as
+    ``--activation-checkpointing`` gives every side); read back the step ends, losses and stage timings from
     ``metrics.jsonl`` and what every step generated from the reward environment's record."""
     from posttrain.config import config_from_dict
     from posttrain.data import encoder_from_config
@@ -238,7 +242,7 @@ def posttrain_grpo(spec: dict[str, Any], generation_backend: str = "vllm", *, co
             "sequence_packing": {"enabled": True, "max_tokens_per_row": packed_row_tokens(spec)},
             "optimizer": {"name": "adamw", "lr": spec["lr"]}, "scheduler": {"name": "constant"},
             "resources": {"cpus": policy_threads, "env_vars": {"OMP_NUM_THREADS": str(policy_threads), **wait}},
-            "dtensor": {"activation_checkpointing": spec["activation_checkpointing"]}, "in_driver": in_driver,
+            "dtensor": {"activation_checkpointing": spec["activation_checkpointing"] or checkpointing}, "in_driver": in_driver,
         },
         "generation": {
             "backend": generation_backend, "max_new_tokens": spec["max_new_tokens"], "temperature": 1.0, "top_p": 1.0,
@@ -444,6 +448,7 @@ WORKLOAD = Workload(
         "posttrain-inside": lambda spec: posttrain_grpo(spec, "hf", in_policy_workers=True),
         "posttrain-exact": lambda spec: posttrain_grpo(spec, "hf", in_policy_workers=True, exact=True),
         "posttrain-inside-2u": lambda spec: posttrain_grpo(spec, "hf", in_policy_workers=True, updates=2),
+        "posttrain-inside-ac": lambda spec: posttrain_grpo(spec, "hf", in_policy_workers=True, checkpointing=True),
         "posttrain-exact-2u": lambda spec: posttrain_grpo(spec, "hf", in_policy_workers=True, exact=True, updates=2),
         "trl-best": lambda spec: trl_grpo(spec, best=True),
         "posttrain-apart": lambda spec: posttrain_grpo(spec, colocated=False),

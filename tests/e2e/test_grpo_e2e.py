@@ -428,20 +428,18 @@ def test_an_environment_actor_killed_mid_step_is_retried_and_the_run_is_unchange
 
 def test_a_stale_refit_stops_the_run_at_the_mismatch_guard(ray_cluster, tiny_model_path, tmp_path, monkeypatch, capsys):
     """The refit broken on purpose: the engine drops the output head it receives, so from step 2
-    it samples from a model whose head is stale, and the guard stops the run."""
+    it samples from a model whose head is stale, and the guard stops the run. Rewards that
+    differ in every group (``spread``) make every step change the weights."""
     monkeypatch.setattr(posttrain_hf.generation, "HFEngineWorker", StaleHeadEngineWorker)
-    train = write_rows(tmp_path / "train.jsonl", seven_rows(16))
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}], "metadata": {"reward": "spread"}, "task": "scripted"}
+            for i in range(16)]
+    train = write_rows(tmp_path / "train.jsonl", rows)
     guard = MismatchGuardConfig(warn_token_mult_prob_error=1.0001, stop_token_mult_prob_error=1.01)
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=4, mismatch_guard=guard)
-    config = make_config(tiny_model_path, tmp_path / "run", train, grpo)
+    config = make_config(tiny_model_path, tmp_path / "run", train, grpo, environments={})
     config = attrs.evolve(config, policy=attrs.evolve(config.policy, optimizer=OptimizerConfig(lr=3e-2)))
-    seed_everything(config.seed)
-    ctx = RunContext(config)
-    try:
-        with pytest.raises(MismatchTooLarge) as failure:
-            GRPO().run(ctx)
-    finally:
-        ctx.close()
+    with pytest.raises(MismatchTooLarge) as failure:
+        run_grpo(config)
 
     message = str(failure.value)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")

@@ -11,7 +11,7 @@ import torch
 from posttrain.backend.generation_group import GenerationRequest
 from posttrain.errors import WorkerError
 from posttrain.testing.generation import stop_string_prefix
-from posttrain_hf.decode import RowSampler, decode, prompt_copies
+from posttrain_hf.decode import ReservedLayer, RowSampler, decode, prompt_copies
 from posttrain_hf.stop_strings import StopStringMatcher
 
 PROMPTS = [[1, 40, 41, 42, 43, 44, 45], [1, 50, 51], [1, 60, 61, 62, 63, 7, 8, 9, 10, 11]]
@@ -103,6 +103,29 @@ def test_rows_with_one_prompt_share_its_prefill_and_draw_as_they_would_alone(mod
     assert len({tuple(together[row].token_ids) for row in (0, 2, 3)}) > 1  # copies of one prompt draw apart
     for mine, theirs in zip(together, alone, strict=True):
         torch.testing.assert_close(mine.logprobs, theirs.logprobs, atol=1e-5, rtol=0)
+
+
+def test_a_reserved_layer_holds_what_a_dynamic_layer_holds_and_writes_steps_in_place():
+    """The decode loop's KV cache layer against transformers' ``DynamicLayer``: a prefill, steps,
+    rows leaving and the room running out give the same keys and values at every step; steps
+    within the room write into one buffer."""
+    from transformers.cache_utils import DynamicLayer
+
+    generator = torch.Generator().manual_seed(0)
+    reserved, dynamic = ReservedLayer(capacity=10), DynamicLayer()
+    pointers = set()
+    for step, tokens in enumerate([5, 1, 1, 1, 1, 1, 1, 1]):
+        rows = 3 if step < 4 else 2
+        keys, values = torch.randn(rows, 2, tokens, 4, generator=generator), torch.randn(rows, 2, tokens, 4, generator=generator)
+        if step == 4:  # a row finished
+            for layer in (reserved, dynamic):
+                layer.batch_select_indices(torch.tensor([0, 2]))
+        mine, theirs = reserved.update(keys, values), dynamic.update(keys, values)
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)), step
+        assert reserved.get_seq_length() == dynamic.get_seq_length()
+        pointers.add(mine[0].data_ptr())
+    # a buffer at the prefill, a new one after the row left, a third (twice as large) at 11 tokens
+    assert len(pointers) == 3
 
 
 @pytest.mark.parametrize("vocab", [5, 151936])

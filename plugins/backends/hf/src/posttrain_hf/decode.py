@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from posttrain.backend.generation_group import Completion, GenerationRequest
 from posttrain.backend.routing import Routers
@@ -68,7 +69,7 @@ def decode(
     greedy = request.temperature == 0
     sampler = None if greedy else RowSampler(request.seeds, device, max_steps=max(request.max_new_tokens))
     stop_ids = torch.tensor(sorted(set(request.stop_token_ids)), dtype=torch.long, device=device)
-    cache = DynamicCache(config=model.config)
+    cache = reserved_cache(model, width + max(request.max_new_tokens))
     logits = model(
         **prompt,
         attention_mask=prefill_attention,
@@ -126,6 +127,51 @@ def decode(
         next_position = next_position + 1
     return [Completion(tokens[row], logprobs[row], truncated[row],
                        torch.cat(routes[row]) if routers is not None else None) for row in range(num_rows)]
+
+
+def reserved_cache(model: PreTrainedModel, capacity: int) -> DynamicCache:
+    """transformers' ``DynamicCache`` for ``model``, its full-attention layers
+    :class:`ReservedLayer` s of ``capacity`` tokens (sliding-window and other layers as they are)."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [ReservedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+class ReservedLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values are the first tokens of buffers with room for
+    ``capacity``: a decoding step writes its token into the room instead of copying the
+    layer's whole cache into a new tensor (``torch.cat``), which on the CPU at the Qwen3-0.6B
+    shape (16 rows, 28 layers) took about a tenth of a 32-token generation. Selecting rows
+    (rows that finish) makes new tensors, which the next step copies into new buffers; a
+    layer that outgrows ``capacity`` gets buffers of twice its length."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.key_buffer: torch.Tensor | None = None
+        self.value_buffer: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.key_buffer = self._appended(self.keys, self.key_buffer, key_states)
+        self.values, self.value_buffer = self._appended(self.values, self.value_buffer, value_states)
+        return self.keys, self.values
+
+    def _appended(self, held: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``held`` [rows, heads, tokens, dim] (or empty) with ``new`` after it along the
+        tokens, as a view of ``buffer``, or of a new buffer where ``held`` is not the start of
+        ``buffer`` or the room is spent."""
+        length = held.shape[-2] if held.dim() == 4 else 0
+        end = length + new.shape[-2]
+        in_buffer = buffer is not None and length > 0 and held.data_ptr() == buffer.data_ptr() and held.shape[0] == buffer.shape[0]
+        if not in_buffer or end > buffer.shape[-2]:  # past the capacity, room doubles
+            room = self.capacity if end <= self.capacity else 2 * end
+            buffer = new.new_empty((*new.shape[:-2], room, new.shape[-1]))
+            if length:
+                buffer[..., :length, :] = held
+        buffer[..., length:end, :] = new
+        return buffer[..., :end, :], buffer
 
 
 def image_prompt(
