@@ -24,7 +24,7 @@ from posttrain_env_math.guess_number import guess_number_prompt
 from posttrain_grpo.config import AsynchronousConfig, GRPOConfig
 from tests.e2e.test_async_grpo import delayed_rows
 from tests.e2e.test_async_grpo import run as run_with_delays
-from tests.e2e.test_grpo_e2e import assert_finite, make_config, seven_rows, write_rows
+from tests.e2e.test_grpo_e2e import assert_finite, make_config, write_rows
 
 pytestmark = pytest.mark.ray
 
@@ -81,17 +81,21 @@ def test_single_turn_lora_stays_exact_through_a_checkpoint_and_resume(ray_cluste
     updates per step, no previous-logprob pass although one is asked for (the engine's
     logprobs are the previous policy's), a checkpoint at step 2, and a resumed run that trains
     step 3. The mismatch metrics are those of each step's first update: the second trains
-    logprobs its predecessor already moved."""
-    train = write_rows(tmp_path / "train.jsonl", seven_rows(24))
+    logprobs its predecessor already moved. Rewards that differ in every group (``spread``)
+    make every step move the adapters."""
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}], "metadata": {"reward": "spread"}, "task": "scripted"}
+            for i in range(24)]
+    train = write_rows(tmp_path / "train.jsonl", rows)
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=2,
                       skip_prev_logprobs_when_on_policy=False)
     lora = LoraConfig(enabled=True, rank=4, alpha=8.0, dropout=0.0)
     config = exact_config(make_config(tiny_model_path, tmp_path / "run", train, grpo,
                                       checkpointing=CheckpointConfig(save_period=2)), lora=lora,
                           train_global_batch_size=4)
-    config = attrs.evolve(config, policy=attrs.evolve(config.policy, optimizer=attrs.evolve(config.policy.optimizer, lr=0.05)))
-    run_algorithm(config)
-    run_algorithm(attrs.evolve(config, sections={"grpo": attrs.evolve(grpo, max_num_steps=3)}))
+    config = attrs.evolve(config, environments={}, algorithm="grpo_delayed",  # GRPO with the test environments
+                          policy=attrs.evolve(config.policy, optimizer=attrs.evolve(config.policy.optimizer, lr=0.05)))
+    run_with_delays(config)
+    run_with_delays(attrs.evolve(config, sections={"grpo": attrs.evolve(grpo, max_num_steps=3)}))
 
     records = read_metrics(tmp_path / "run" / "metrics.jsonl", "train")
     assert [r["step"] for r in records] == [1, 2, 3]

@@ -39,9 +39,10 @@ def test_reward_rises_and_the_critic_learns(ray_cluster, tiny_model_path, tmp_pa
     assert len(rewards) == 20
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last > first + 0.2, f"mean reward of the first 4 steps {first:.3f}, of the last 4 {last:.3f}: {rewards}"
-    # the critic's values follow the returns it is trained on (both means over generated tokens)
+    # the critic's values follow the returns it is trained on (both means over generated
+    # tokens), which move as the reward rises: the gap falls by a quarter or more
     gaps = [abs(r["ppo/values_mean"] - r["ppo/returns_mean"]) for r in train_records]
-    assert sum(gaps[-5:]) / 5 < 0.5 * sum(gaps[:5]) / 5, gaps
+    assert sum(gaps[-5:]) / 5 < 0.75 * sum(gaps[:5]) / 5, gaps
     for name in ("ppo/advantages_mean", "ppo/returns_mean", "critic/grad_norm", "critic/value_clip_fraction"):
         assert name in train_records[-1], name
     step = Path(tmp_path / "run" / "checkpoints" / "step_20")

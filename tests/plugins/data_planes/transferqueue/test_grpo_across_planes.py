@@ -138,11 +138,13 @@ def test_ppo_logs_identical_metrics_with_either_plane(ray_cluster, tiny_model_pa
     run_algorithm(ppo_config(tiny_model_path, tmp_path / "tq", train, "transferqueue"))
 
     for expected, found in both_runs(tmp_path):
-        # the sums behind the whitening are added over two shards instead of one batch: equal to rounding
+        # the sums behind the whitening are added over two shards instead of one batch: equal to
+        # rounding, which for the loss of whitened advantages (a sum of O(1) terms near 0) is
+        # float32's epsilon, 1.2e-7
         numbers = {k: v for k, v in untimed(expected).items() if isinstance(v, float)}
         assert {k: v for k, v in untimed(found).items() if k not in numbers} == {
             k: v for k, v in untimed(expected).items() if k not in numbers}, f"step {expected['step']}"
-        assert {k: untimed(found)[k] for k in numbers} == pytest.approx(numbers, rel=1e-6, abs=1e-9), expected["step"]
+        assert {k: untimed(found)[k] for k in numbers} == pytest.approx(numbers, rel=1e-6, abs=2e-7), expected["step"]
         assert expected["critic/grad_norm"] > 0 and expected["ppo/values_mean"] != 0
     assert fetched and all(not (fields & PER_TOKEN_FIELDS) for fields in fetched), fetched
     assert not controller_running()
