@@ -24,7 +24,7 @@ from posttrain_env_math.guess_number import guess_number_prompt
 from posttrain_grpo.config import AsynchronousConfig, GRPOConfig
 from tests.e2e.test_async_grpo import delayed_rows
 from tests.e2e.test_async_grpo import run as run_with_delays
-from tests.e2e.test_grpo_e2e import assert_finite, make_config, write_rows
+from tests.e2e.test_grpo_e2e import assert_finite, make_config, spread_rows, write_rows
 
 pytestmark = pytest.mark.ray
 
@@ -83,9 +83,7 @@ def test_single_turn_lora_stays_exact_through_a_checkpoint_and_resume(ray_cluste
     step 3. The mismatch metrics are those of each step's first update: the second trains
     logprobs its predecessor already moved. Rewards that differ in every group (``spread``)
     make every step move the adapters."""
-    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}], "metadata": {"reward": "spread"}, "task": "scripted"}
-            for i in range(24)]
-    train = write_rows(tmp_path / "train.jsonl", rows)
+    train = write_rows(tmp_path / "train.jsonl", spread_rows(24))
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=2,
                       skip_prev_logprobs_when_on_policy=False)
     lora = LoraConfig(enabled=True, rank=4, alpha=8.0, dropout=0.0)

@@ -66,6 +66,13 @@ def seven_rows(count: int) -> list[dict]:
     return [{"messages": [{"role": "user", "content": f"Say seven. ({i})"}], "answer": "7", "task": "math"} for i in range(count)]
 
 
+def spread_rows(count: int) -> list[dict]:
+    """Prompts of the ``scripted`` test environment whose rewards differ within every group
+    (``spread``), so that every GRPO step has advantages and moves the weights."""
+    return [{"messages": [{"role": "user", "content": f"hi {i}"}], "metadata": {"reward": "spread"}, "task": "scripted"}
+            for i in range(count)]
+
+
 def make_config(model: str, run_dir: Path, train: str, grpo: GRPOConfig, **overrides) -> RunConfig:
     """A CPU GRPO run: one policy worker, one generation engine, math verified (in the driver, by default)."""
     samples = grpo.samples_per_step
@@ -431,9 +438,7 @@ def test_a_stale_refit_stops_the_run_at_the_mismatch_guard(ray_cluster, tiny_mod
     it samples from a model whose head is stale, and the guard stops the run. Rewards that
     differ in every group (``spread``) make every step change the weights."""
     monkeypatch.setattr(posttrain_hf.generation, "HFEngineWorker", StaleHeadEngineWorker)
-    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}], "metadata": {"reward": "spread"}, "task": "scripted"}
-            for i in range(16)]
-    train = write_rows(tmp_path / "train.jsonl", rows)
+    train = write_rows(tmp_path / "train.jsonl", spread_rows(16))
     guard = MismatchGuardConfig(warn_token_mult_prob_error=1.0001, stop_token_mult_prob_error=1.01)
     grpo = GRPOConfig(num_prompts_per_step=2, num_generations_per_prompt=4, max_num_steps=4, mismatch_guard=guard)
     config = make_config(tiny_model_path, tmp_path / "run", train, grpo, environments={})

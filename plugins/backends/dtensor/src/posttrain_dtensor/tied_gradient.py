@@ -95,7 +95,7 @@ class _Lookup(torch.autograd.Function):
         if tied.embedding.padding_idx is not None:
             keep = rows != tied.embedding.padding_idx
             rows, grads = rows[keep], grads[keep]
-        if pending is not None and pending.dtype == grads.dtype:
+        if pending is not None:
             pending.index_add_(0, rows, grads)
             return None, None, None
         dense = grads.new_zeros(ctx.weight_shape)

@@ -247,7 +247,7 @@ class RowSampler:
                 "the generation model's next-token probabilities are not finite (NaN or inf logits): "
                 "its weights may have diverged; check the training metrics (loss, grad_norm) of the last refit"
             )
-        uniforms = self.uniforms[rows, self.step, None] if len(rows) < len(self.uniforms) else self.uniforms[:, self.step, None]
+        uniforms = self.uniforms[rows, self.step, None]
         self.step += 1
         # below the total, so the search lands on a token whose probability is above 0
         target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))

@@ -27,8 +27,8 @@ SMALL_BATCH_ROWS = 64
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, computed as ``(weight @ x.T).T`` when ``x`` is on the CPU
     and has at most :data:`SMALL_BATCH_ROWS` rows; the result is contiguous either way."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.device.type != "cpu" or rows > SMALL_BATCH_ROWS or rows == 0:
+    rows = x.shape[:-1].numel()
+    if x.device.type != "cpu" or rows > SMALL_BATCH_ROWS:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1]).t()
     out = torch.mm(weight, flat) if bias is None else torch.addmm(bias[:, None], weight, flat)
